@@ -1,0 +1,181 @@
+"""Flat JSON configs: the original GPT-J keys plus a few new ones, loaded into a frozen, validated dataclass."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from typing import Any, Sequence
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message names the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    # Model shape (original keys).
+    layers: int = 28
+    d_model: int = 4096
+    n_heads: int = 16
+    n_vocab: int = 50400
+    norm: str = "layernorm"
+    pe: str = "rotary"
+    pe_rotary_dims: int = 64
+    seq: int = 2048
+    # Parallelism and batch (original keys).
+    cores_per_replica: int = 8
+    per_replica_batch: int = 1
+    gradient_accumulation_steps: int = 1
+    tpu_size: int = 8
+    # Optimizer schedule (original keys).
+    warmup_steps: int = 3000
+    anneal_steps: int = 300000
+    lr: float = 1.2e-4
+    end_lr: float = 1.2e-5
+    weight_decay: float = 0.1
+    total_steps: int = 350000
+    # Data, checkpoints, logging (original keys).
+    bucket: str | None = None
+    model_dir: str = "model_dir"
+    train_set: str | list | None = None
+    val_set: dict = dataclasses.field(default_factory=dict)
+    eval_harness_tasks: list = dataclasses.field(default_factory=list)
+    val_batches: int = 100
+    val_every: int = 500
+    ckpt_every: int = 500
+    keep_every: int = 10000
+    name: str = "gptj"
+    wandb_project: str | None = None
+    comment: str = ""
+    # New keys.
+    compute_dtype: str = "float32"
+    remat: bool = True
+    seed: int = 0
+    tokenizer: str = "gpt2"
+    parallelism: str = "shard_map"
+    keep_last: int = 3
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def d_ff(self) -> int:
+        return 4 * self.d_model
+
+    @property
+    def model_path(self) -> str:
+        """Where checkpoints and metrics live: gs://bucket/model_dir when `bucket` is set, as in the original."""
+        if self.bucket and not self.model_dir.startswith("gs://"):
+            return f"gs://{self.bucket}/{self.model_dir}"
+        return self.model_dir
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+_CHOICES = {
+    "norm": ("layernorm",),
+    "pe": ("rotary",),
+    "compute_dtype": ("float32", "bfloat16"),
+    "parallelism": ("shard_map",),
+}
+
+
+def _type_name(tp: Any) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
+             dict: "an object", type(None): "null"}
+    args = typing.get_args(tp) if isinstance(tp, types.UnionType) else (tp,)
+    return " or ".join(names[a] for a in args)
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    args = typing.get_args(tp) if isinstance(tp, types.UnionType) else (tp,)
+    for arg in args:
+        if arg is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if arg is int and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if arg not in (int, float) and isinstance(value, arg):
+            return True
+    return False
+
+
+def _check_keys(raw: dict) -> None:
+    hints = typing.get_type_hints(Config)
+    for key, value in raw.items():
+        if key not in _FIELDS:
+            near = difflib.get_close_matches(key, list(_FIELDS), n=1)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            raise ConfigError(f"unknown config key '{key}'{hint}")
+        if not _type_ok(value, hints[key]):
+            raise ConfigError(f"config key '{key}' must be {_type_name(hints[key])}, got {value!r}")
+        if key in _CHOICES and value not in _CHOICES[key]:
+            raise ConfigError(f"config key '{key}' must be one of {', '.join(_CHOICES[key])}, got {value!r}")
+
+
+def _check_values(cfg: Config) -> None:
+    positive = ("layers", "d_model", "n_heads", "n_vocab", "seq", "cores_per_replica", "per_replica_batch",
+                "gradient_accumulation_steps", "tpu_size", "total_steps", "keep_last")
+    for key in positive:
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"config key '{key}' must be at least 1, got {getattr(cfg, key)}")
+    if cfg.d_model % cfg.n_heads:
+        raise ConfigError(f"config key 'd_model' ({cfg.d_model}) must be divisible by n_heads ({cfg.n_heads})")
+    for key in ("n_heads", "n_vocab"):
+        if getattr(cfg, key) % cfg.cores_per_replica:
+            raise ConfigError(f"config key '{key}' ({getattr(cfg, key)}) must be divisible by "
+                              f"cores_per_replica ({cfg.cores_per_replica})")
+    rot = cfg.pe_rotary_dims
+    if rot < 0 or rot % 2 or rot > cfg.head_dim:
+        raise ConfigError(f"config key 'pe_rotary_dims' ({rot}) must be even, at least 0 and at most the head "
+                          f"dimension d_model/n_heads ({cfg.head_dim})")
+
+
+def from_dict(raw: dict) -> Config:
+    """Build a validated Config from a flat dict (e.g. parsed JSON)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a config must be a JSON object, got {type(raw).__name__}")
+    _check_keys(raw)
+    cfg = Config(**raw)
+    _check_values(cfg)
+    return cfg
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override '{item}' must look like key=value")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = text  # a bare word such as model_dir=runs/a is a string
+    if key in _FIELDS and _FIELDS[key].type in ("str", "str | None") and not isinstance(value, str):
+        value = text  # name=123 stays the string "123"
+    return key, value
+
+
+def load(path: str, overrides: Sequence[str] = ()) -> Config:
+    """Read a JSON config file, apply `key=value` overrides, validate."""
+    from mesh_transformer import storage
+
+    try:
+        raw = json.loads(storage.read_bytes(path))
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a JSON object")
+    raw.update(_parse_override(item) for item in overrides)
+    return from_dict(raw)
+
+
+def check_devices(cfg: Config, n_devices: int) -> None:
+    """The device count must split into whole model-parallel groups."""
+    if n_devices % cfg.cores_per_replica:
+        raise ConfigError(f"config key 'cores_per_replica' ({cfg.cores_per_replica}) must divide the device count "
+                          f"({n_devices})")

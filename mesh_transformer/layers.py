@@ -1,0 +1,130 @@
+"""GPT-J layers as pure functions over param dicts.
+
+Each layer is written once. With `tp_axis=None` it is the plain global computation; with the name of a
+tensor-parallel mesh axis it runs inside `jax.shard_map` on this device's slice of the heads, the MLP and the
+vocabulary, and does the reductions itself. Shapes: B batch, T (S) query (key) length, D model, H heads (on this
+device), K head dim, R rotary dims, F MLP width (on this device), V vocab (on this device).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+LN_EPS = 1e-5
+F32 = jnp.float32
+
+
+def layer_norm(x_BxTxD: jax.Array, p: dict) -> jax.Array:
+    """LayerNorm in f32, returned in the input's dtype."""
+    x = x_BxTxD.astype(F32)
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mean).mean(-1, keepdims=True)
+    y = (x - mean) * lax.rsqrt(var + LN_EPS) * p["scale"].astype(F32) + p["bias"].astype(F32)
+    return y.astype(x_BxTxD.dtype)
+
+
+def rotary_sincos(positions_BxT: jax.Array, rot_dims: int) -> tuple[jax.Array, jax.Array]:
+    """GPT-J's interleaved sin and cos tables: [t0, t0, t1, t1, ...] per position."""
+    inv_freq_R2 = 1.0 / (10000.0 ** (jnp.arange(0, rot_dims, 2, dtype=F32) / rot_dims))
+    angle_BxTxR2 = positions_BxT.astype(F32)[..., None] * inv_freq_R2
+    return jnp.repeat(jnp.sin(angle_BxTxR2), 2, -1), jnp.repeat(jnp.cos(angle_BxTxR2), 2, -1)
+
+
+def apply_rotary(x_BxTxHxK: jax.Array, sin_BxTxR: jax.Array, cos_BxTxR: jax.Array) -> jax.Array:
+    """Rotate the first R dims of each head, pairs (0,1), (2,3), ... as GPT-J does (not NeoX's half split)."""
+    rot = sin_BxTxR.shape[-1]
+    if rot == 0:
+        return x_BxTxHxK
+    x_rot, x_pass = x_BxTxHxK[..., :rot].astype(F32), x_BxTxHxK[..., rot:]
+    pairs = x_rot.reshape(*x_rot.shape[:-1], rot // 2, 2)
+    rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], -1).reshape(x_rot.shape)
+    x_rot = x_rot * cos_BxTxR[:, :, None] + rotated * sin_BxTxR[:, :, None]
+    return jnp.concatenate([x_rot.astype(x_BxTxHxK.dtype), x_pass], -1)
+
+
+def qkv(n_BxTxD: jax.Array, p: dict, head_dim: int, sincos: tuple[jax.Array, jax.Array]):
+    """Project to queries, keys and values [B, T, H, K], rotary applied to q and k."""
+    def heads(w):
+        y = n_BxTxD @ w
+        return y.reshape(*y.shape[:-1], -1, head_dim)
+
+    q, k, v = heads(p["q"]), heads(p["k"]), heads(p["v"])
+    return apply_rotary(q, *sincos), apply_rotary(k, *sincos), v
+
+
+def attend(q_BxTxHxK: jax.Array, k_BxSxHxK: jax.Array, v_BxSxHxK: jax.Array, mask_BxTxS: jax.Array) -> jax.Array:
+    """Softmax attention in f32 over the keys allowed by the mask; returns [B, T, H*K]."""
+    head_dim = q_BxTxHxK.shape[-1]
+    scores_BxHxTxS = jnp.einsum("bthk,bshk->bhts", q_BxTxHxK, k_BxSxHxK, preferred_element_type=F32)
+    scores_BxHxTxS = scores_BxHxTxS / jnp.sqrt(F32(head_dim))
+    scores_BxHxTxS = jnp.where(mask_BxTxS[:, None], scores_BxHxTxS, jnp.finfo(F32).min)
+    probs_BxHxTxS = jax.nn.softmax(scores_BxHxTxS, -1).astype(v_BxSxHxK.dtype)
+    ctx_BxTxHxK = jnp.einsum("bhts,bshk->bthk", probs_BxHxTxS, v_BxSxHxK)
+    return ctx_BxTxHxK.reshape(*ctx_BxTxHxK.shape[:2], -1)
+
+
+def causal_mask(length: int) -> jax.Array:
+    return jnp.tril(jnp.ones((1, length, length), bool))
+
+
+def mlp(n_BxTxD: jax.Array, p: dict) -> jax.Array:
+    """This device's part of the MLP, before the reduction and without fc_out's bias (added once, after it)."""
+    h_BxTxF = jax.nn.gelu(n_BxTxD @ p["fc_in"]["kernel"] + p["fc_in"]["bias"], approximate=True)
+    return h_BxTxF @ p["fc_out"]["kernel"]
+
+
+def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, mask_BxTxS, tp_axis: Optional[str] = None,
+          cache: Optional[tuple] = None):
+    """One GPT-J block: h + Attn(LN(h)) + MLP(LN(h)), with one all-reduce of attn + mlp under tensor parallelism.
+
+    With `cache=(k_BxSxHxK, v_BxSxHxK, write_index)`, the new keys and values are written into the cache at
+    write_index and attention reads the whole cache; the updated (k, v) are returned as the second output.
+    """
+    n_BxTxD = layer_norm(h_BxTxD, p["ln_1"])
+    q, k, v = qkv(n_BxTxD, p["attn"], head_dim, sincos)
+    new_cache = None
+    if cache is not None:
+        k_cache, v_cache, index = cache
+        k = lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), index, 1)
+        v = lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), index, 1)
+        new_cache = (k, v)
+    out_BxTxD = attend(q, k, v, mask_BxTxS) @ p["attn"]["out"] + mlp(n_BxTxD, p["mlp"])
+    if tp_axis is not None:
+        out_BxTxD = lax.psum(out_BxTxD, tp_axis)
+    return h_BxTxD + out_BxTxD + p["mlp"]["fc_out"]["bias"], new_cache
+
+
+def embed(ids_BxT: jax.Array, wte_VxD: jax.Array, tp_axis: Optional[str] = None) -> jax.Array:
+    """Token embeddings; under tensor parallelism each device looks up ids in its vocab rows, then one psum."""
+    if tp_axis is None:
+        return wte_VxD[ids_BxT]
+    vocab_local = wte_VxD.shape[0]
+    local_ids_BxT = ids_BxT - lax.axis_index(tp_axis) * vocab_local
+    in_range_BxT = (local_ids_BxT >= 0) & (local_ids_BxT < vocab_local)
+    h_BxTxD = jnp.where(in_range_BxT[..., None], wte_VxD[jnp.clip(local_ids_BxT, 0, vocab_local - 1)], 0)
+    return lax.psum(h_BxTxD, tp_axis)
+
+
+def head(h_BxTxD: jax.Array, ln_f: dict, lm_head: dict) -> jax.Array:
+    """Final LayerNorm and the (untied) LM head; logits in f32, this device's vocab columns."""
+    n_BxTxD = layer_norm(h_BxTxD, ln_f)
+    logits_BxTxV = jnp.einsum("btd,dv->btv", n_BxTxD, lm_head["kernel"], preferred_element_type=F32)
+    return logits_BxTxV + lm_head["bias"].astype(F32)
+
+
+def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array, tp_axis: Optional[str] = None) -> jax.Array:
+    """Per-token cross entropy [B, T] from (vocab-sharded) f32 logits, never gathering the vocab."""
+    vocab_local = logits_BxTxV.shape[-1]
+    offset = 0 if tp_axis is None else lax.axis_index(tp_axis) * vocab_local
+    max_BxT = lax.stop_gradient(logits_BxTxV.max(-1))
+    if tp_axis is not None:
+        max_BxT = lax.pmax(max_BxT, tp_axis)
+    sum_exp_BxT = jnp.exp(logits_BxTxV - max_BxT[..., None]).sum(-1)
+    onehot_BxTxV = jax.nn.one_hot(targets_BxT - offset, vocab_local, dtype=logits_BxTxV.dtype)
+    target_logit_BxT = (logits_BxTxV * onehot_BxTxV).sum(-1)
+    if tp_axis is not None:
+        sum_exp_BxT, target_logit_BxT = lax.psum((sum_exp_BxT, target_logit_BxT), tp_axis)
+    return jnp.log(sum_exp_BxT) + max_BxT - target_logit_BxT
