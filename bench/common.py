@@ -1,0 +1,42 @@
+"""Shared benchmark helpers: timing, the measured matmul peak, model FLOPs, JSON-line output."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from mesh_transformer.config import Config
+
+
+def emit(**record) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def best_time_s(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
+    """Best wall time of `fn` over `repeats` runs, after `warmup` runs (compile, caches)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def matmul_peak_flop_per_s(n: int = 2048, dtype=jnp.float32) -> float:
+    """The f32 matmul rate XLA reaches on this machine: the roofline the MFU figures are measured against."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), dtype)
+    dot = jax.jit(lambda x, y: x @ y)
+    return 2 * n ** 3 / best_time_s(lambda: dot(a, b).block_until_ready(), repeats=10)
+
+
+def train_flops_per_token(cfg: Config) -> float:
+    """Forward + backward FLOPs per token: 6 x matmul params + attention scores/values (PaLM's convention)."""
+    D, L, V, T = cfg.d_model, cfg.layers, cfg.n_vocab, cfg.seq
+    matmul_params = L * (4 * D * D + 2 * D * cfg.d_ff) + D * V
+    return 6 * matmul_params + 12 * L * D * T
