@@ -13,16 +13,16 @@ import sys
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import argparse  # noqa: E402
-import time  # noqa: E402
+import argparse
+import time
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from bench.common import emit  # noqa: E402
-from mesh_transformer import config, mesh, model  # noqa: E402
+from bench.common import emit
+from mesh_transformer import config, mesh, model
 
 GIB = 2 ** 30
 

@@ -6,7 +6,8 @@ import difflib
 import json
 import types
 import typing
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 
 class ConfigError(ValueError):

@@ -1,7 +1,7 @@
 """HF GPTJForCausalLM state dicts <-> our param tree, numpy only (torch Linear weight = our kernel transposed)."""
 from __future__ import annotations
 
-from typing import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 

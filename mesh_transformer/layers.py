@@ -7,7 +7,6 @@ device), K head dim, R rotary dims, F MLP width (on this device), V vocab (on th
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -76,8 +75,8 @@ def mlp(n_BxTxD: jax.Array, p: dict) -> jax.Array:
     return h_BxTxF @ p["fc_out"]["kernel"]
 
 
-def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, mask_BxTxS, tp_axis: Optional[str] = None,
-          cache: Optional[tuple] = None):
+def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, mask_BxTxS, tp_axis: str | None = None,
+          cache: tuple | None = None):
     """One GPT-J block: h + Attn(LN(h)) + MLP(LN(h)), with one all-reduce of attn + mlp under tensor parallelism.
 
     With `cache=(k_BxSxHxK, v_BxSxHxK, write_index)`, the new keys and values are written into the cache at
@@ -97,7 +96,7 @@ def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, mask_BxTxS, tp_axi
     return h_BxTxD + out_BxTxD + p["mlp"]["fc_out"]["bias"], new_cache
 
 
-def embed(ids_BxT: jax.Array, wte_VxD: jax.Array, tp_axis: Optional[str] = None) -> jax.Array:
+def embed(ids_BxT: jax.Array, wte_VxD: jax.Array, tp_axis: str | None = None) -> jax.Array:
     """Token embeddings; under tensor parallelism each device looks up ids in its vocab rows, then one psum."""
     if tp_axis is None:
         return wte_VxD[ids_BxT]
@@ -115,7 +114,7 @@ def head(h_BxTxD: jax.Array, ln_f: dict, lm_head: dict) -> jax.Array:
     return logits_BxTxV + lm_head["bias"].astype(F32)
 
 
-def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array, tp_axis: Optional[str] = None) -> jax.Array:
+def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array, tp_axis: str | None = None) -> jax.Array:
     """Per-token cross entropy [B, T] from (vocab-sharded) f32 logits, never gathering the vocab."""
     vocab_local = logits_BxTxV.shape[-1]
     offset = 0 if tp_axis is None else lax.axis_index(tp_axis) * vocab_local

@@ -1,7 +1,7 @@
 """Device meshes for the shard_map path: ('dp', 'mp') from the config and the devices."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -107,7 +107,7 @@ def cast_for_compute(params: dict, cfg: Config) -> dict:
     return jax.tree.map(lambda x: x.astype(DTYPES[cfg.compute_dtype]), params)
 
 
-def forward(params: dict, ids_BxT: jax.Array, cfg: Config, tp_axis: Optional[str] = None) -> jax.Array:
+def forward(params: dict, ids_BxT: jax.Array, cfg: Config, tp_axis: str | None = None) -> jax.Array:
     """Logits [B, T, V] in f32 (this device's vocab columns under tensor parallelism)."""
     params = cast_for_compute(params, cfg)
     h_BxTxD = layers.embed(ids_BxT, params["embed"]["wte"], tp_axis)
@@ -124,8 +124,8 @@ def forward(params: dict, ids_BxT: jax.Array, cfg: Config, tp_axis: Optional[str
     return layers.head(h_BxTxD, params["ln_f"], params["lm_head"])
 
 
-def loss_fn(params: dict, tokens_BxT1: jax.Array, cfg: Config, tp_axis: Optional[str] = None,
-            dp_axis: Optional[str] = None) -> jax.Array:
+def loss_fn(params: dict, tokens_BxT1: jax.Array, cfg: Config, tp_axis: str | None = None,
+            dp_axis: str | None = None) -> jax.Array:
     """Mean next-token cross entropy of a [B, T+1] token batch (inputs [:-1], targets [1:])."""
     logits_BxTxV = forward(params, tokens_BxT1[:, :-1], cfg, tp_axis)
     loss = layers.cross_entropy(logits_BxTxV, tokens_BxT1[:, 1:], tp_axis).mean()

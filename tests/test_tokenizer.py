@@ -1,0 +1,23 @@
+"""Offline tokenizer loading: GPT-2's BPE from bundled files, or a local directory."""
+import pytest
+
+from mesh_transformer.tokenizer import EOS_ID, load_tokenizer
+
+
+@pytest.mark.parametrize("name", [None, "gpt2"])
+def test_gpt2_encodes_hello_world(name):
+    tokenizer = load_tokenizer(name)
+    assert tokenizer.encode("Hello world") == [15496, 995]
+    assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.eos_token_id == EOS_ID == 50256
+    assert tokenizer.decode([15496, 995]) == "Hello world"
+
+
+def test_local_directory_loads_its_tokenizer(tmp_path):
+    load_tokenizer().save_pretrained(tmp_path)
+    assert load_tokenizer(str(tmp_path)).encode("Hello world") == [15496, 995]
+
+
+def test_unknown_name_is_a_clear_error_and_downloads_nothing(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="neither 'gpt2', a local directory"):
+        load_tokenizer("no-such-org/no-such-tokenizer")
