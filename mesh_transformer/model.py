@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -154,3 +155,80 @@ def sharded_loss_and_grad_fn(cfg: Config, mesh: Mesh) -> Callable:
     specs = param_specs(cfg)
     fn = jax.value_and_grad(partial(loss_fn, cfg=cfg, tp_axis=MP, dp_axis=DP))
     return shard_map_over(cfg, mesh, fn, (specs, P(DP, None)), (P(), specs))
+
+
+# Train state: {"step": int32 [], "params": tree, "opt_state": optax state}, every leaf placed on the mesh.
+
+
+def _opt_state_shardings(abstract_opt_state, cfg: Config, mesh: Mesh):
+    """Optimizer moments sit exactly where their params sit; counters are replicated."""
+    by_path = {tuple(k.key for k in path): s for path, s in
+               jax.tree_util.tree_flatten_with_path(param_shardings(cfg, mesh))[0]}
+    replicated = NamedSharding(mesh, P())
+
+    def place(path, leaf):
+        dict_keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+        return by_path.get(dict_keys, replicated) if leaf.ndim else replicated
+
+    return jax.tree_util.tree_map_with_path(place, abstract_opt_state)
+
+
+def abstract_train_state(cfg: Config, mesh: Mesh, optimizer) -> dict:
+    """Shapes, dtypes and shardings of the whole train state, allocating nothing (for restore and AOT)."""
+    params = abstract_params(cfg, mesh)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    opt_shardings = _opt_state_shardings(opt_state, cfg, mesh)
+    opt_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt_state,
+                             opt_shardings)
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+    return {"step": step, "params": params, "opt_state": opt_state}
+
+
+def _shardings(abstract) -> dict:
+    return jax.tree.map(lambda s: s.sharding, abstract)
+
+
+def init_opt_state(params: dict, cfg: Config, mesh: Mesh, optimizer):
+    """Fresh optimizer state for `params`, created in place on the mesh."""
+    shardings = _shardings(abstract_train_state(cfg, mesh, optimizer)["opt_state"])
+    return jax.jit(optimizer.init, out_shardings=shardings)(params)
+
+
+def init_train_state(cfg: Config, mesh: Mesh, optimizer, key: jax.Array) -> dict:
+    params = init(cfg, mesh, key)
+    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
+    return {"step": step, "params": params, "opt_state": init_opt_state(params, cfg, mesh, optimizer)}
+
+
+def batch_sharding(mesh: Mesh, accumulated: bool = True) -> NamedSharding:
+    """Token batches [G, B, T+1] (or [B, T+1]) split over dp on the batch axis."""
+    return NamedSharding(mesh, P(None, DP, None) if accumulated else P(DP, None))
+
+
+def make_train_step(cfg: Config, mesh: Mesh, optimizer, schedule: Callable) -> Callable:
+    """Jitted (state, tokens [G, B, T+1]) -> (state, metrics): gradients accumulated over G in f32, state donated."""
+    loss_and_grad = sharded_loss_and_grad_fn(cfg, mesh)
+
+    def step(state, tokens_GxBxT1):
+        def micro(carry, tokens_BxT1):
+            loss_sum, grad_sum = carry
+            loss, grads = loss_and_grad(state["params"], tokens_BxT1)
+            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state["params"])
+        (loss_sum, grad_sum), _ = lax.scan(micro, (jnp.zeros((), jnp.float32), zeros), tokens_GxBxT1)
+        n_micro = tokens_GxBxT1.shape[0]
+        grads = jax.tree.map(lambda g: g / n_micro, grad_sum)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": loss_sum / n_micro, "grad_norm": optax.global_norm(grads), "lr": schedule(state["step"])}
+        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+
+    shardings = _shardings(abstract_train_state(cfg, mesh, optimizer))
+    return jax.jit(step, in_shardings=(shardings, batch_sharding(mesh)),
+                   out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
+
+
+def make_eval_step(cfg: Config, mesh: Mesh) -> Callable:
+    """Jitted (params, tokens [B, T+1]) -> mean loss."""
+    return sharded_loss_fn(cfg, mesh)
