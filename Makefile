@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: test demo bench clean
+DEMO := demo_out
+# 8 faked CPU devices (dp 2 x mp 4) when there is no accelerator; the flag only affects the host platform.
+DEMO_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +17,15 @@ $(STAMP): requirements.txt requirements-dev.txt
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	rm -rf $(DEMO)
+	$(PY) demo_corpus.py $(DEMO)/corpus
+	$(PY) create_finetune_tfrecords.py $(DEMO)/corpus/train train --output-dir $(DEMO)/data --seq 64
+	$(PY) create_finetune_tfrecords.py $(DEMO)/corpus/val val --output-dir $(DEMO)/data --seq 64 --preserve-data-order
+	$(DEMO_ENV) $(PY) device_train.py --config configs/demo.json
+	$(PY) plot_metrics.py $(DEMO)/model
+	@echo "metrics: $(DEMO)/model/metrics.jsonl  loss plot: $(DEMO)/model/loss.png  TensorBoard: $(DEMO)/model/tensorboard"
 
 bench: $(STAMP)
 	$(PY) bench/bench_model.py
