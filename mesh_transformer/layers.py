@@ -122,8 +122,11 @@ def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array, tp_axis: str 
     if tp_axis is not None:
         max_BxT = lax.pmax(max_BxT, tp_axis)
     sum_exp_BxT = jnp.exp(logits_BxTxV - max_BxT[..., None]).sum(-1)
-    onehot_BxTxV = jax.nn.one_hot(targets_BxT - offset, vocab_local, dtype=logits_BxTxV.dtype)
-    target_logit_BxT = (logits_BxTxV * onehot_BxTxV).sum(-1)
+    # A gather of the one target column, not a [B, T, V] one-hot: the vocab is the largest axis by far.
+    local_BxT = targets_BxT - offset
+    in_range_BxT = (local_BxT >= 0) & (local_BxT < vocab_local)
+    picked_BxT = jnp.take_along_axis(logits_BxTxV, jnp.clip(local_BxT, 0, vocab_local - 1)[..., None], -1)[..., 0]
+    target_logit_BxT = jnp.where(in_range_BxT, picked_BxT, 0.0)
     if tp_axis is not None:
         sum_exp_BxT, target_logit_BxT = lax.psum((sum_exp_BxT, target_logit_BxT), tp_axis)
     return jnp.log(sum_exp_BxT) + max_BxT - target_logit_BxT
