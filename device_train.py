@@ -14,19 +14,24 @@ from mesh_transformer import cli
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cli.add_config_args(parser)
+    cli.add_distributed_args(parser)
     parser.add_argument("--tune-model-path", help="start from this checkpoint's params, with a fresh schedule")
     parser.add_argument("--fresh-opt", action="store_true", help="reset the optimizer state when resuming")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def run() -> int:
+        import jax
+
         from mesh_transformer import trainer
 
         cfg = cli.load_config(args)
+        cli.start_distributed(args)
         with trainer.StopFlag() as stop:
             t = trainer.Trainer(cfg, tune_model_path=args.tune_model_path, fresh_opt=args.fresh_opt)
             step = t.run(stop.event)
-        print(f"stopped at step {step}; checkpoints and metrics in {cfg.model_path}", flush=True)
+        if jax.process_index() == 0:
+            print(f"stopped at step {step}; checkpoints and metrics in {cfg.model_path}", flush=True)
         return 0
 
     return cli.run_main(run)

@@ -14,6 +14,23 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
                         help="override a config key (value parsed as JSON, else a string); repeatable")
 
 
+def add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("multi-host (omit to auto-detect, e.g. on TPU VMs and SLURM)")
+    group.add_argument("--coordinator", help="host:port of process 0")
+    group.add_argument("--num-processes", type=int, help="number of processes in the run")
+    group.add_argument("--process-id", type=int, help="this process's index, 0 .. num-processes - 1")
+
+
+def start_distributed(args: argparse.Namespace) -> None:
+    """Join the multi-process run the flags (or the environment) describe, before any device is touched."""
+    from mesh_transformer import mesh
+
+    try:
+        mesh.init_distributed(args.coordinator, args.num_processes, args.process_id)
+    except ValueError as e:
+        raise config.ConfigError(str(e)) from None
+
+
 def load_config(args: argparse.Namespace) -> config.Config:
     return config.load(args.config, args.overrides)
 

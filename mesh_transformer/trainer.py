@@ -33,7 +33,7 @@ def _check_inputs(cfg: Config) -> None:
     if not storage.is_gcs(root):
         try:
             storage.makedirs(root)
-            probe = storage.join(root, ".write-probe")
+            probe = storage.join(root, f".write-probe-{jax.process_index()}")
             storage.write_bytes_atomic(probe, b"")
             os.remove(probe)
         except OSError as e:
@@ -83,8 +83,9 @@ class Trainer:
         self.state, data_state = self._start_state(tune_model_path, fresh_opt)
         self.step = int(self.state["step"])
         self.dataset = data.TokenDataset(
-            _train_sources(cfg), cfg.seq, self.global_batch, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-            seed=cfg.seed, process_index=jax.process_index(), process_count=jax.process_count(), state=data_state)
+            _train_sources(cfg), cfg.seq, self.global_batch, seed=cfg.seed, state=data_state,
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            process_index=jax.process_index(), process_count=jax.process_count())
         self.metrics = MetricsWriter(self.root, enabled=jax.process_index() == 0, wandb_project=cfg.wandb_project,
                                      run_name=cfg.name, config=cfg.to_dict())
         self.last_saved_step: int | None = self.step if data_state is not None else None
