@@ -10,14 +10,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from transformers import GPTJConfig, GPTJForCausalLM  # noqa: E402
+import jax
+import numpy as np
+import torch
+from transformers import GPTJConfig, GPTJForCausalLM
 
-from bench.common import best_time_s, emit, matmul_peak_flop_per_s, train_flops_per_token  # noqa: E402
-from mesh_transformer import config, hf, model, optim  # noqa: E402
-from mesh_transformer.mesh import make_dp_mp  # noqa: E402
+from bench.common import best_time_s, emit, matmul_peak_flop_per_s, train_flops_per_token
+from mesh_transformer import config, hf, model, optim
+from mesh_transformer.mesh import make_dp_mp
 
 
 def main() -> None:

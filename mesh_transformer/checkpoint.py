@@ -1,7 +1,7 @@
 """Sharded checkpoints of a pytree: asynchronous save, atomic commit, checksums, restore onto any mesh.
 
 One checkpoint is a directory per step:
-    {root}/step_{N}/arrays/{leaf/path}/{start-stop_...}.npy   one piece per unique shard, written by the process owning it
+    {root}/step_{N}/arrays/{leaf/path}/{start-stop_...}.npy   one piece per unique shard, written by its owner
     {root}/step_{N}/index_p{k}.json    process k's pieces (path, global shape, dtype, slice ranges, sha256); process 0's
                                        also holds the user metadata
     {root}/step_{N}/COMMITTED          written last, by process 0, once every process has written; without it the step
@@ -126,11 +126,22 @@ def _capture(tree: Any) -> tuple[dict[str, dict], list[_Piece]]:
     return leaves, pieces
 
 
+def _piece_name(leaf: str, start: tuple[int, ...], stop: tuple[int, ...]) -> str:
+    return f"arrays/{leaf}/{'_'.join(f'{a}-{b}' for a, b in zip(start, stop)) or 'scalar'}.npy"
+
+
+def _write_commit(directory: str, step: int, process_count: int) -> None:
+    """The commit record, written last: until it exists the step does not."""
+    commit = {"format_version": FORMAT_VERSION, "step": step, "committed_unix_s": time.time(),
+              "index_files": [f"index_p{k}.json" for k in range(process_count)]}
+    storage.write_bytes_atomic(storage.join(directory, COMMIT_NAME), json.dumps(commit).encode())
+
+
 def _write_index(directory: str, step: int, leaves: dict[str, dict], pieces: list[_Piece],
                  metadata: dict | None, process: int) -> None:
     """Writes this process's pieces, then its index file naming them."""
     for leaf, start, stop, data in pieces:
-        name = f"arrays/{leaf}/{'_'.join(f'{a}-{b}' for a, b in zip(start, stop)) or 'scalar'}.npy"
+        name = _piece_name(leaf, start, stop)
         with storage.open_file(storage.join(directory, name), "wb") as f:
             writer = _HashingWriter(f)
             np.save(writer, _storable(data), allow_pickle=False)
@@ -253,9 +264,7 @@ def save(root: str, step: int, tree: Any, metadata: dict | None = None, *, keep_
         _write_index(directory, step, leaves, pieces, metadata if process == 0 else None, process)
         _barrier(f"{barrier}_written")
         if process == 0:
-            commit = {"format_version": FORMAT_VERSION, "step": step, "committed_unix_s": time.time(),
-                      "index_files": [f"index_p{k}.json" for k in range(process_count)]}
-            storage.write_bytes_atomic(storage.join(directory, COMMIT_NAME), json.dumps(commit).encode())
+            _write_commit(directory, step, process_count)
             log.info("checkpoint %s committed in %.1f s", directory, time.monotonic() - start_s)
         _barrier(f"{barrier}_committed")  # so that every process's wait() means "committed"
         if process != 0:
@@ -288,6 +297,19 @@ def latest_step(root: str) -> int | None:
     """The newest committed step under `root`, or None when there is none."""
     steps = list_steps(root)
     return steps[-1] if steps else None
+
+
+def find_step(path: str) -> tuple[str, int]:
+    """(root, step) of a checkpoint given as its root (then its latest committed step) or as one step directory."""
+    path = path.rstrip("/")
+    parent, _, name = path.rpartition("/")
+    match = _STEP_DIR.match(name)
+    if match and _is_committed(parent or ".", int(match.group(1))):
+        return parent or ".", int(match.group(1))
+    step = latest_step(path)
+    if step is None:
+        raise FileNotFoundError(f"no committed checkpoint at {path}")
+    return path, step
 
 
 # -------------------------------------------------------------------------------------------------------- restoring

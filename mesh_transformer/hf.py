@@ -44,11 +44,20 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
     tree[path[-1]] = value
 
 
+def hf_layout(n_layers: int) -> list[tuple[tuple[str, ...], int | None, str, bool]]:
+    """(our path, layer index or None, HF name, transpose?) for every HF weight, in `to_hf_arrays` order.
+
+    Streaming converters use it to read and write one weight at a time, and to know every shape up front.
+    """
+    layout = [(path, None, name, transpose) for path, name, transpose in _TOP_NAMES]
+    layout += [(("layers", *path), i, f"transformer.h.{i}.{name}", transpose)
+               for path, name, transpose in _LAYER_NAMES for i in range(n_layers)]
+    return layout
+
+
 def hf_names(n_layers: int) -> list[str]:
     """Every weight name of an HF GPT-J state dict, in our export order."""
-    names = [hf for _, hf, _ in _TOP_NAMES]
-    names += [f"transformer.h.{i}.{hf}" for i in range(n_layers) for _, hf, _ in _LAYER_NAMES]
-    return names
+    return [name for _, _, name, _ in hf_layout(n_layers)]
 
 
 def to_hf_arrays(get: Callable[[tuple[str, ...]], np.ndarray], n_layers: int) -> Iterator[tuple[str, np.ndarray]]:

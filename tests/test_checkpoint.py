@@ -99,7 +99,8 @@ def test_subtree_restore_never_reads_other_leaves(saved):
 
 def test_restore_casts_to_target_dtype(saved):
     root, host = saved
-    params, _ = checkpoint.restore(root, 1, _target(TARGETS["8x1"], LAYOUT["params"], jnp.float32), paths_prefix="params")
+    target = _target(TARGETS["8x1"], LAYOUT["params"], jnp.float32)
+    params, _ = checkpoint.restore(root, 1, target, paths_prefix="params")
     assert params["half"].dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(params["half"]), host["params"]["half"].astype(np.float32))
 
@@ -219,7 +220,8 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=proc
 mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("dp", "mp"))  # dp rows are processes
 full = np.arange(128, dtype=np.float32).reshape(8, 16)
 specs = {"both": P("dp", "mp"), "cols": P(None, "mp"), "rep": P()}
-tree = {k: jax.make_array_from_callback(full.shape, NamedSharding(mesh, s), lambda i: full[i]) for k, s in specs.items()}
+tree = {k: jax.make_array_from_callback(full.shape, NamedSharding(mesh, s), lambda i: full[i])
+        for k, s in specs.items()}
 checkpoint.save(root, 1, tree, {"processes": 2}, blocking=True)
 jax.distributed.shutdown()
 """

@@ -54,7 +54,8 @@ def test_hf_round_trip_is_exact():
     jax.tree.map(np.testing.assert_array_equal, back, params)
     # and HF itself accepts the state dict as complete
     hf_model = GPTJForCausalLM(GPTJConfig(**hf.hf_config(cfg)))
-    missing, unexpected = hf_model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()}, strict=False)
+    torch_state = {k: torch.from_numpy(v.copy()) for k, v in state.items()}
+    missing, unexpected = hf_model.load_state_dict(torch_state, strict=False)
     assert not unexpected and all(".attn.bias" in m or "masked_bias" in m for m in missing)
 
 

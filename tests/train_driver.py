@@ -9,7 +9,7 @@ import threading
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mesh_transformer import checkpoint  # noqa: E402
+from mesh_transformer import checkpoint
 
 if os.environ.get("STALL_CHECKPOINT_STEP"):
     stall_step = int(os.environ["STALL_CHECKPOINT_STEP"])
@@ -23,6 +23,6 @@ if os.environ.get("STALL_CHECKPOINT_STEP"):
 
     checkpoint._write_index = stalled_write_index
 
-import device_train  # noqa: E402
+import device_train
 
 sys.exit(device_train.main(sys.argv[1:]))
