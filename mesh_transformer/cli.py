@@ -40,7 +40,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from mesh_transformer import checkpoint, tfrecord, trainer
 
     return (config.ConfigError, tfrecord.DataError, checkpoint.CorruptCheckpointError, trainer.TrainingError,
-            FileNotFoundError, PermissionError)
+            FileNotFoundError, FileExistsError, PermissionError)
 
 
 def run_main(fn: Callable[[], int]) -> int:

@@ -1,0 +1,43 @@
+"""Import an HF GPT-J directory (safetensors) as our checkpoint, with a matching config at OUTPUT/config.json.
+
+    python from_hf_weights.py --hf-model gptj-hf --output-ckpt runs/gptj [--cores-per-replica 8] [--dtype fp32]
+
+Weights are streamed one at a time; pytorch_model.bin (pickle) is refused: re-save it as safetensors first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from mesh_transformer import cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hf-model", required=True, help="HF GPT-J directory: config.json + safetensors (or gs://)")
+    parser.add_argument("--output-ckpt", required=True, help="checkpoint root to write step_0 under (local or gs://)")
+    parser.add_argument("--cores-per-replica", type=int, default=1,
+                        help="model-parallel layout of the output and its config (default 1)")
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="cast the params (default: keep)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def run() -> int:
+        from mesh_transformer import convert, storage
+
+        if convert.detect_format(args.hf_model) != convert.HF:
+            raise FileNotFoundError(f"{args.hf_model} is not an HF directory (config.json + safetensors)")
+        cfg = convert.source_config(args.hf_model, cores_per_replica=args.cores_per_replica)
+        step_dir = convert.write_checkpoint(args.hf_model, cfg, args.output_ckpt, dtype=args.dtype, slim=True)
+        config_path = storage.join(args.output_ckpt, "config.json")
+        storage.write_bytes_atomic(config_path, json.dumps(cfg.to_dict(), indent=2).encode())
+        print(f"wrote {step_dir} and {config_path}", flush=True)
+        return 0
+
+    return cli.run_main(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Export a checkpoint (ours, original mesh-transformer-jax, or HF) as an HF GPTJForCausalLM directory.
+
+    python to_hf_weights.py --input-ckpt runs/6B --config configs/6B_roto_256.json --output-path gptj-hf \\
+        [--dtype fp16|bf16|fp32] [--max-shard-size 5GB]
+
+The directory holds config.json, safetensors weights (split with model.safetensors.index.json past --max-shard-size)
+and the tokenizer files, so GPTJForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load it. Local or gs://.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from mesh_transformer import cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mesh_transformer.safetensors_io import parse_size
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--input-ckpt", required=True,
+                        help="our checkpoint (root or step dir), an original step_N dir, or an HF directory")
+    cli.add_config_args(parser)
+    parser.add_argument("--output-path", required=True, help="directory to write (local or gs://)")
+    parser.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16", help="weight dtype (fp16)")
+    parser.add_argument("--max-shard-size", type=parse_size, default="5GB",
+                        help="largest safetensors file, e.g. 5GB, 500MB, 2GiB (default 5GB)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def run() -> int:
+        from mesh_transformer import convert
+
+        cfg = cli.load_config(args)
+        files = convert.write_hf(args.input_ckpt, cfg, args.output_path, dtype=args.dtype,
+                                 max_shard_bytes=args.max_shard_size)
+        print(f"wrote {args.output_path}: {', '.join(files)}", flush=True)
+        return 0
+
+    return cli.run_main(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
