@@ -1,4 +1,7 @@
-"""Forward+backward tokens/s and MFU of our GPT-J against HF GPTJForCausalLM (torch), same config, same machine.
+"""Training throughput of our GPT-J against HF GPTJForCausalLM (torch) on the same weights and machine.
+
+Two rows each: forward+backward alone, and a full training step (clipping, AdamW). MFU is against the f32 matmul
+rate this machine reaches (measured first).
 
     python bench/bench_model.py [--config configs/bench.json] [--batch 4]
 """
@@ -16,7 +19,49 @@ import torch
 from transformers import GPTJConfig, GPTJForCausalLM
 
 from bench.common import best_time_s, emit, matmul_peak_flop_per_s, train_flops_per_token
-from mesh_transformer import config, hf, model
+from mesh_transformer import config, hf, model, optim
+from mesh_transformer.mesh import make_dp_mp
+
+
+def ours(cfg, ids_BxT1, repeats):
+    """Seconds per forward+backward and per full train step, on one device."""
+    mesh = make_dp_mp(1, 1)
+    opt = optim.make_optimizer(cfg)
+    state = model.init_train_state(cfg, mesh, opt, jax.random.PRNGKey(0))
+    hf_state = hf.params_to_hf(jax.tree.map(np.asarray, state["params"]), cfg.layers)
+    grad_fn = jax.jit(jax.value_and_grad(lambda p, x: model.loss_fn(p, x, cfg)))
+    fwd_bwd_s = best_time_s(lambda: jax.block_until_ready(grad_fn(state["params"], ids_BxT1)), repeats)
+    train_step = model.make_train_step(cfg, mesh, opt, optim.lr_schedule(cfg))
+    batch = jax.device_put(ids_BxT1[None], model.batch_sharding(mesh))
+    box = [state]
+
+    def step():
+        box[0], metrics = train_step(box[0], batch)
+        jax.block_until_ready(metrics)
+
+    return hf_state, fwd_bwd_s, best_time_s(step, repeats)
+
+
+def hf_torch(cfg, hf_state, ids_BxT1, repeats):
+    """Seconds per forward+backward and per full train step (torch AdamW, same hyperparameters)."""
+    hf_cfg = GPTJConfig(**hf.hf_config(cfg))
+    hf_cfg._attn_implementation = "sdpa"
+    hf_model = GPTJForCausalLM(hf_cfg)
+    hf_model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in hf_state.items()}, strict=False)
+    torch_opt = torch.optim.AdamW(hf_model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8,
+                                  weight_decay=cfg.weight_decay)
+    ids = torch.from_numpy(ids_BxT1).long()
+
+    def fwd_bwd():
+        hf_model.zero_grad(set_to_none=True)
+        hf_model(ids[:, :-1], labels=ids[:, :-1]).loss.backward()
+
+    def step():
+        fwd_bwd()
+        torch.nn.utils.clip_grad_norm_(hf_model.parameters(), 1.0)
+        torch_opt.step()
+
+    return best_time_s(fwd_bwd, repeats), best_time_s(step, repeats)
 
 
 def main() -> None:
@@ -25,37 +70,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    cfg = config.load(args.config, ["cores_per_replica=1"])
+    cfg = config.load(args.config, ["cores_per_replica=1", "warmup_steps=0"])
     tokens = args.batch * cfg.seq
     flops = train_flops_per_token(cfg) * tokens
     peak = matmul_peak_flop_per_s()
-    emit(bench="matmul_peak_f32", gflop_per_s=round(peak / 1e9, 1), devices=jax.device_count(),
-         platform=jax.devices()[0].platform)
-
-    params = model.init_unsharded(cfg, jax.random.PRNGKey(0))
-    ids = np.random.default_rng(0).integers(0, cfg.n_vocab, (args.batch, cfg.seq + 1)).astype(np.int32)
-    step = jax.jit(jax.value_and_grad(lambda p, x: model.loss_fn(p, x, cfg)))
-    ours_s = best_time_s(lambda: jax.block_until_ready(step(params, ids)), args.repeats)
-    emit(bench="fwd_bwd", impl="ours_jax", remat=cfg.remat, tokens_per_s=round(tokens / ours_s, 1),
-         step_s=round(ours_s, 4), mfu_of_measured_peak=round(flops / ours_s / peak, 3))
-
-    hf_cfg = GPTJConfig(**hf.hf_config(cfg))
-    hf_cfg._attn_implementation = "eager"
-    hf_model = GPTJForCausalLM(hf_cfg)
-    hf_model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in
-                              hf.params_to_hf(jax.tree.map(np.asarray, params), cfg.layers).items()}, strict=False)
-    ids_t = torch.from_numpy(ids).long()
-
-    def hf_step():
-        hf_model.zero_grad(set_to_none=True)
-        hf_model(ids_t[:, :-1], labels=ids_t[:, :-1]).loss.backward()
-
-    for impl in ("eager", "sdpa"):
-        hf_cfg._attn_implementation = impl
-        hf_s = best_time_s(hf_step, args.repeats)
-        emit(bench="fwd_bwd", impl=f"hf_torch_{impl}", torch_threads=torch.get_num_threads(),
-             tokens_per_s=round(tokens / hf_s, 1), step_s=round(hf_s, 4),
-             mfu_of_measured_peak=round(flops / hf_s / peak, 3), ours_speedup=round(hf_s / ours_s, 2))
+    emit(bench="matmul_peak_f32", gflop_per_s=round(peak / 1e9, 1), platform=jax.devices()[0].platform,
+         torch_threads=torch.get_num_threads())
+    ids_BxT1 = np.random.default_rng(0).integers(0, cfg.n_vocab, (args.batch, cfg.seq + 1)).astype(np.int32)
+    hf_state, *ours_s = ours(cfg, ids_BxT1, args.repeats)
+    hf_s = hf_torch(cfg, hf_state, ids_BxT1, args.repeats)
+    for what, our_s, their_s in zip(("fwd_bwd", "train_step"), ours_s, hf_s):
+        for impl, seconds in (("ours_jax", our_s), ("hf_torch_sdpa", their_s)):
+            emit(bench=what, impl=impl, remat=cfg.remat, tokens_per_s=round(tokens / seconds, 1),
+                 step_s=round(seconds, 4), mfu_of_measured_peak=round(flops / seconds / peak, 3),
+                 ours_speedup=round(their_s / our_s, 2))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,117 @@
+"""Greedy decode tokens/s of our KV-cache sampler against HF GPTJForCausalLM.generate (torch), same weights.
+
+Batch 1 is bound by reading the weights once per token, so it is also reported against the memory-bandwidth
+roofline (measured here): bandwidth / bytes of weights read per token. One real CPU device, mp 1.
+
+    python bench/bench_sampling.py [--config configs/bench.json] [--prompt-len 32] [--new-tokens 128]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from transformers import GPTJConfig, GPTJForCausalLM
+
+from bench.common import best_time_s, emit
+from mesh_transformer import config, hf, model, sampling
+from mesh_transformer.mesh import make_dp_mp
+
+BANDWIDTH_BYTES = 512 * 2 ** 20
+
+
+def memory_bandwidth_bytes_per_s() -> dict[str, float]:
+    """Streaming rates of a 512 MiB array: jax sum (reads) and numpy copy (reads + writes)."""
+    x = jnp.ones(BANDWIDTH_BYTES // 4, jnp.float32)
+    total = jax.jit(jnp.sum)
+    read_s = best_time_s(lambda: total(x).block_until_ready(), repeats=5)
+    a = np.ones(BANDWIDTH_BYTES // 4, np.float32)
+    b = np.empty_like(a)
+    copy_s = best_time_s(lambda: np.copyto(b, a), repeats=5)
+    return {"jax_sum_read": BANDWIDTH_BYTES / read_s, "numpy_copy_read_write": 2 * BANDWIDTH_BYTES / copy_s}
+
+
+def weight_bytes_per_token(cfg: config.Config, itemsize: int) -> int:
+    """Bytes read per decode step at batch 1: every weight except the embedding table, of which one row is read."""
+    n_params = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(model.param_shapes(cfg)))
+    return (n_params - cfg.n_vocab * cfg.d_model + cfg.d_model) * itemsize
+
+
+def bench_ours(sampler: sampling.Sampler, prompts: list, new_tokens: int, repeats: int) -> tuple[float, float]:
+    """(best seconds for all new tokens, best seconds for the first one: prefill)."""
+    def run(n):
+        results = sampler.generate(prompts, n, temperature=0.0, stop_token_ids=[])
+        assert all(len(r.tokens) == n for r in results)
+
+    return best_time_s(lambda: run(new_tokens), repeats), best_time_s(lambda: run(1), repeats)
+
+
+def bench_hf(hf_model, prompts: np.ndarray, new_tokens: int, repeats: int) -> tuple[float, float]:
+    ids = torch.from_numpy(prompts).long()
+
+    def run(n):
+        with torch.no_grad():
+            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                    pad_token_id=0)
+        assert out.shape[1] == ids.shape[1] + n
+
+    return best_time_s(lambda: run(new_tokens), repeats), best_time_s(lambda: run(1), repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/bench.json")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    cfg = config.load(args.config, ["cores_per_replica=1"])
+    bandwidth = memory_bandwidth_bytes_per_s()
+    best_bandwidth = max(bandwidth.values())
+    emit(bench="memory_bandwidth", **{f"{k}_gb_per_s": round(v / 1e9, 2) for k, v in bandwidth.items()},
+         devices=jax.device_count(), platform=jax.devices()[0].platform)
+
+    params = jax.tree.map(np.asarray, model.init_unsharded(cfg, jax.random.PRNGKey(0)))
+    sampler = sampling.Sampler(cfg, make_dp_mp(1, 1), params)
+    hf_cfg = GPTJConfig(**hf.hf_config(cfg))
+    hf_model = GPTJForCausalLM(hf_cfg).eval()
+    hf_model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in hf.params_to_hf(params, cfg.layers).items()},
+                             strict=False)
+    hf_model.generation_config.eos_token_id = None  # random weights: decode all tokens on both sides
+    itemsize = jnp.dtype(model.DTYPES[cfg.compute_dtype]).itemsize
+    bytes_per_token = weight_bytes_per_token(cfg, itemsize)
+    roofline = best_bandwidth / bytes_per_token
+    rng = np.random.default_rng(0)
+    decode_steps = args.new_tokens - 1
+    for batch in args.batches:
+        prompts = rng.integers(0, 50257, (batch, args.prompt_len)).astype(np.int32)
+        start_s = time.perf_counter()
+        ours_total_s, ours_prefill_s = bench_ours(sampler, prompts.tolist(), args.new_tokens, args.repeats)
+        ours_decode = batch * decode_steps / (ours_total_s - ours_prefill_s)
+        emit(bench="greedy_decode", impl="ours_jax", batch=batch, prompt_len=args.prompt_len,
+             new_tokens=args.new_tokens, decode_tokens_per_s=round(ours_decode, 1),
+             end_to_end_tokens_per_s=round(batch * args.new_tokens / ours_total_s, 1),
+             prefill_s=round(ours_prefill_s, 4), total_s=round(ours_total_s, 4), compiles=sampler.compile_count,
+             bench_wall_s=round(time.perf_counter() - start_s, 1),
+             **({"roofline_tokens_per_s": round(roofline, 1), "weight_mb_per_token": round(bytes_per_token / 1e6, 1),
+                 "fraction_of_roofline": round(ours_decode / roofline, 3)} if batch == 1 else {}))
+        hf_total_s, hf_prefill_s = bench_hf(hf_model, prompts, args.new_tokens, args.repeats)
+        hf_decode = batch * decode_steps / (hf_total_s - hf_prefill_s)
+        emit(bench="greedy_decode", impl="hf_torch_generate", attn=hf_model.config._attn_implementation, batch=batch,
+             torch_threads=torch.get_num_threads(), decode_tokens_per_s=round(hf_decode, 1),
+             end_to_end_tokens_per_s=round(batch * args.new_tokens / hf_total_s, 1),
+             prefill_s=round(hf_prefill_s, 4), total_s=round(hf_total_s, 4),
+             ours_decode_speedup=round(ours_decode / hf_decode, 2),
+             **({"fraction_of_roofline": round(hf_decode / roofline, 3)} if batch == 1 else {}))
+
+
+if __name__ == "__main__":
+    main()
