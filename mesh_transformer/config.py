@@ -56,6 +56,8 @@ class Config:
     seed: int = 0
     tokenizer: str = "gpt2"
     parallelism: str = "shard_map"
+    mesh_fsdp: int = 1
+    mesh_tensor: int = 1
     keep_last: int = 3
 
     @property
@@ -82,7 +84,7 @@ _CHOICES = {
     "norm": ("layernorm",),
     "pe": ("rotary",),
     "compute_dtype": ("float32", "bfloat16"),
-    "parallelism": ("shard_map",),
+    "parallelism": ("shard_map", "dp", "fsdp", "tp", "fsdp_tp"),
 }
 
 
@@ -120,13 +122,13 @@ def _check_keys(raw: dict) -> None:
 
 def _check_values(cfg: Config) -> None:
     positive = ("layers", "d_model", "n_heads", "n_vocab", "seq", "cores_per_replica", "per_replica_batch",
-                "gradient_accumulation_steps", "tpu_size", "total_steps", "keep_last")
+                "gradient_accumulation_steps", "tpu_size", "total_steps", "keep_last", "mesh_fsdp", "mesh_tensor")
     for key in positive:
         if getattr(cfg, key) < 1:
             raise ConfigError(f"config key '{key}' must be at least 1, got {getattr(cfg, key)}")
     if cfg.d_model % cfg.n_heads:
         raise ConfigError(f"config key 'd_model' ({cfg.d_model}) must be divisible by n_heads ({cfg.n_heads})")
-    for key in ("n_heads", "n_vocab"):
+    for key in ("n_heads", "n_vocab") if cfg.parallelism == "shard_map" else ():  # GSPMD: partitioning.check
         if getattr(cfg, key) % cfg.cores_per_replica:
             raise ConfigError(f"config key '{key}' ({getattr(cfg, key)}) must be divisible by "
                               f"cores_per_replica ({cfg.cores_per_replica})")
@@ -176,7 +178,12 @@ def load(path: str, overrides: Sequence[str] = ()) -> Config:
 
 
 def check_devices(cfg: Config, n_devices: int) -> None:
-    """The device count must split into whole model-parallel groups."""
+    """The device count must split into whole model-parallel groups (or GSPMD fsdp x tensor groups)."""
+    if cfg.parallelism != "shard_map":
+        if n_devices % (cfg.mesh_fsdp * cfg.mesh_tensor):
+            raise ConfigError(f"config keys 'mesh_fsdp' x 'mesh_tensor' ({cfg.mesh_fsdp} x {cfg.mesh_tensor}) must "
+                              f"divide the device count ({n_devices})")
+        return
     if n_devices % cfg.cores_per_replica:
         raise ConfigError(f"config key 'cores_per_replica' ({cfg.cores_per_replica}) must divide the device count "
                           f"({n_devices})")

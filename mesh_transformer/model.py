@@ -16,6 +16,14 @@ from mesh_transformer.config import Config
 from mesh_transformer.mesh import DP, MP
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+HIDDEN_AXES = ("batch", "length", "embed")
+LOGITS_AXES = ("batch", "length", "vocab")
+# (x, logical axes) -> x placed as a parallelism mode wants; the GSPMD path passes one, the model never sees a mesh.
+Constrain = Callable[[jax.Array, tuple[str, ...]], jax.Array]
+
+
+def _unconstrained(x: jax.Array, logical_axes: tuple[str, ...]) -> jax.Array:
+    return x
 
 
 def param_shapes(cfg: Config, dtype=jnp.float32) -> dict:
@@ -78,7 +86,8 @@ def _init_std(cfg: Config, path: tuple[str, ...]) -> float:
     return 1.0 / D ** 0.5
 
 
-def _init(cfg: Config, key: jax.Array) -> dict:
+def init_params(cfg: Config, key: jax.Array) -> dict:
+    """Random params by the original's scales, as global arrays; jit it with out_shardings to create them sharded."""
     shapes = param_shapes(cfg)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     keys = jax.random.split(key, len(leaves))
@@ -96,39 +105,46 @@ def _init(cfg: Config, key: jax.Array) -> dict:
 
 def init(cfg: Config, mesh: Mesh, key: jax.Array) -> dict:
     """Random params created directly in their shards: no device or host ever holds the whole model."""
-    return jax.jit(partial(_init, cfg), out_shardings=param_shardings(cfg, mesh))(key)
+    return jax.jit(partial(init_params, cfg), out_shardings=param_shardings(cfg, mesh))(key)
 
 
 def init_unsharded(cfg: Config, key: jax.Array) -> dict:
     """The same params as `init` with the same key, on one device (for tests and tiny models)."""
-    return jax.jit(partial(_init, cfg))(key)
+    return jax.jit(partial(init_params, cfg))(key)
 
 
 def cast_for_compute(params: dict, cfg: Config) -> dict:
     return jax.tree.map(lambda x: x.astype(DTYPES[cfg.compute_dtype]), params)
 
 
-def forward(params: dict, ids_BxT: jax.Array, cfg: Config, tp_axis: str | None = None) -> jax.Array:
-    """Logits [B, T, V] in f32 (this device's vocab columns under tensor parallelism)."""
+def forward(params: dict, ids_BxT: jax.Array, cfg: Config, tp_axis: str | None = None,
+            constrain: Constrain | None = None) -> jax.Array:
+    """Logits [B, T, V] in f32 (this device's vocab columns under tensor parallelism).
+
+    `constrain` pins activations between layers (GSPMD): under FSDP that makes XLA gather one layer's weights per
+    scan iteration instead of splitting the activations like the weights.
+    """
+    constrain = constrain or _unconstrained
     params = cast_for_compute(params, cfg)
-    h_BxTxD = layers.embed(ids_BxT, params["embed"]["wte"], tp_axis)
+    h_BxTxD = constrain(layers.embed(ids_BxT, params["embed"]["wte"], tp_axis), HIDDEN_AXES)
     positions_1xT = jnp.arange(ids_BxT.shape[1])[None]
     sincos = layers.rotary_sincos(positions_1xT, cfg.pe_rotary_dims)
     mask_1xTxT = layers.causal_mask(ids_BxT.shape[1])
 
     def step(h_BxTxD, layer_params):
-        return layers.block(h_BxTxD, layer_params, cfg.head_dim, sincos, mask_1xTxT, tp_axis)[0], None
+        h_BxTxD = layers.block(h_BxTxD, layer_params, cfg.head_dim, sincos, mask_1xTxT, tp_axis)[0]
+        return constrain(h_BxTxD, HIDDEN_AXES), None
 
     if cfg.remat:
         step = jax.checkpoint(step, prevent_cse=False)
     h_BxTxD, _ = lax.scan(step, h_BxTxD, params["layers"])
-    return layers.head(h_BxTxD, params["ln_f"], params["lm_head"])
+    return constrain(layers.head(h_BxTxD, params["ln_f"], params["lm_head"]), LOGITS_AXES)
 
 
 def loss_fn(params: dict, tokens_BxT1: jax.Array, cfg: Config, tp_axis: str | None = None,
-            dp_axis: str | None = None) -> jax.Array:
+            dp_axis: str | None = None, constrain: Constrain | None = None) -> jax.Array:
     """Mean next-token cross entropy of a [B, T+1] token batch (inputs [:-1], targets [1:])."""
-    logits_BxTxV = forward(params, tokens_BxT1[:, :-1], cfg, tp_axis)
+    logits_BxTxV = forward(params, tokens_BxT1[:, :-1], cfg, tp_axis, constrain)
     loss = layers.cross_entropy(logits_BxTxV, tokens_BxT1[:, 1:], tp_axis).mean()
     return loss if dp_axis is None else lax.pmean(loss, dp_axis)
 
@@ -160,28 +176,31 @@ def sharded_loss_and_grad_fn(cfg: Config, mesh: Mesh) -> Callable:
 # Train state: {"step": int32 [], "params": tree, "opt_state": optax state}, every leaf placed on the mesh.
 
 
-def _opt_state_shardings(abstract_opt_state, cfg: Config, mesh: Mesh):
-    """Optimizer moments sit exactly where their params sit; counters are replicated."""
-    by_path = {tuple(k.key for k in path): s for path, s in
-               jax.tree_util.tree_flatten_with_path(param_shardings(cfg, mesh))[0]}
-    replicated = NamedSharding(mesh, P())
+def follow_params(abstract_opt_state, abstract_params: dict, replicated: NamedSharding):
+    """Optimizer-state shardings: a leaf at a param's path and of its shape (a moment) sits like that param; the
+    rest (counters) is replicated."""
+    by_path = {tuple(k.key for k in path): s for path, s in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
 
     def place(path, leaf):
-        dict_keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
-        return by_path.get(dict_keys, replicated) if leaf.ndim else replicated
+        param = by_path.get(tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)))
+        return param.sharding if param is not None and param.shape == leaf.shape else replicated
 
     return jax.tree_util.tree_map_with_path(place, abstract_opt_state)
 
 
+def train_state_of(params: dict, optimizer, mesh: Mesh) -> dict:
+    """Abstract {"step", "params", "opt_state"} for abstract params placed on `mesh` (any layout)."""
+    replicated = NamedSharding(mesh, P())
+    opt_state = jax.eval_shape(optimizer.init, params)
+    opt_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt_state,
+                             follow_params(opt_state, params, replicated))
+    return {"step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), "params": params,
+            "opt_state": opt_state}
+
+
 def abstract_train_state(cfg: Config, mesh: Mesh, optimizer) -> dict:
     """Shapes, dtypes and shardings of the whole train state, allocating nothing (for restore and AOT)."""
-    params = abstract_params(cfg, mesh)
-    opt_state = jax.eval_shape(optimizer.init, params)
-    opt_shardings = _opt_state_shardings(opt_state, cfg, mesh)
-    opt_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt_state,
-                             opt_shardings)
-    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
-    return {"step": step, "params": params, "opt_state": opt_state}
+    return train_state_of(abstract_params(cfg, mesh), optimizer, mesh)
 
 
 def _shardings(abstract) -> dict:
@@ -205,10 +224,8 @@ def batch_sharding(mesh: Mesh, accumulated: bool = True) -> NamedSharding:
     return NamedSharding(mesh, P(None, DP, None) if accumulated else P(DP, None))
 
 
-def make_train_step(cfg: Config, mesh: Mesh, optimizer, schedule: Callable) -> Callable:
-    """Jitted (state, tokens [G, B, T+1]) -> (state, metrics): gradients accumulated over G in f32, state donated."""
-    loss_and_grad = sharded_loss_and_grad_fn(cfg, mesh)
-
+def accumulated_train_step(loss_and_grad: Callable, optimizer, schedule: Callable) -> Callable:
+    """(state, tokens [G, B, T+1]) -> (state, metrics): gradients of G micro-batches summed in f32, one update."""
     def step(state, tokens_GxBxT1):
         def micro(carry, tokens_BxT1):
             loss_sum, grad_sum = carry
@@ -224,9 +241,21 @@ def make_train_step(cfg: Config, mesh: Mesh, optimizer, schedule: Callable) -> C
         metrics = {"loss": loss_sum / n_micro, "grad_norm": optax.global_norm(grads), "lr": schedule(state["step"])}
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
-    shardings = _shardings(abstract_train_state(cfg, mesh, optimizer))
-    return jax.jit(step, in_shardings=(shardings, batch_sharding(mesh)),
-                   out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)
+    return step
+
+
+def jit_train_step(step: Callable, abstract_state: dict, batch: NamedSharding) -> Callable:
+    """Jit a train step with the state's shardings in and out, the state donated, metrics replicated."""
+    shardings = _shardings(abstract_state)
+    mesh = batch.mesh
+    return jax.jit(step, in_shardings=(shardings, batch), out_shardings=(shardings, NamedSharding(mesh, P())),
+                   donate_argnums=0)
+
+
+def make_train_step(cfg: Config, mesh: Mesh, optimizer, schedule: Callable) -> Callable:
+    """Jitted (state, tokens [G, B, T+1]) -> (state, metrics) on the shard_map path, state donated."""
+    step = accumulated_train_step(sharded_loss_and_grad_fn(cfg, mesh), optimizer, schedule)
+    return jit_train_step(step, abstract_train_state(cfg, mesh, optimizer), batch_sharding(mesh))
 
 
 def make_eval_step(cfg: Config, mesh: Mesh) -> Callable:

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from mesh_transformer import checkpoint, data, model, optim, storage
+from mesh_transformer import checkpoint, data, model, optim, partitioning, storage
 from mesh_transformer import mesh as mesh_lib
 from mesh_transformer.config import Config, ConfigError
 from mesh_transformer.metrics import MetricsWriter
@@ -74,12 +74,17 @@ class Trainer:
         _check_inputs(cfg)
         self.cfg = cfg
         self.root = cfg.model_path
-        self.mesh = mesh_lib.make(cfg)
+        # Both paths offer the same state and step functions: model (shard_map) or partitioning (GSPMD).
+        if cfg.parallelism == "shard_map":
+            self.path, self.mesh = model, mesh_lib.make(cfg)
+            self.global_batch = cfg.per_replica_batch * self.mesh.shape[mesh_lib.DP]
+        else:
+            self.path, self.mesh = partitioning, partitioning.mesh_for(cfg)
+            self.global_batch = partitioning.global_batch(cfg, self.mesh)
         self.optimizer = optim.make_optimizer(cfg)
         self.schedule = optim.lr_schedule(cfg)
-        self.global_batch = cfg.per_replica_batch * self.mesh.shape[mesh_lib.DP]
-        self.train_step = model.make_train_step(cfg, self.mesh, self.optimizer, self.schedule)
-        self.eval_step = model.make_eval_step(cfg, self.mesh)
+        self.train_step = self.path.make_train_step(cfg, self.mesh, self.optimizer, self.schedule)
+        self.eval_step = self.path.make_eval_step(cfg, self.mesh)
         self.state, data_state = self._start_state(tune_model_path, fresh_opt)
         self.step = int(self.state["step"])
         self.dataset = data.TokenDataset(
@@ -92,15 +97,15 @@ class Trainer:
 
     def _start_state(self, tune_model_path: str | None, fresh_opt: bool) -> tuple[dict, dict | None]:
         """Resume from the latest valid checkpoint of model_dir, else start from tune_model_path or random init."""
-        abstract = model.abstract_train_state(self.cfg, self.mesh, self.optimizer)
+        abstract = self.path.abstract_train_state(self.cfg, self.mesh, self.optimizer)
         found = checkpoint.restore_latest_valid(self.root, abstract)
         if found is not None:
             step, state, metadata = found
             log.info("resuming from %s at step %d", self.root, step)
             if fresh_opt:
-                state["opt_state"] = model.init_opt_state(state["params"], self.cfg, self.mesh, self.optimizer)
+                state["opt_state"] = self.path.init_opt_state(state["params"], self.cfg, self.mesh, self.optimizer)
             return state, metadata.get("data_state")
-        state = model.init_train_state(self.cfg, self.mesh, self.optimizer, jax.random.PRNGKey(self.cfg.seed))
+        state = self.path.init_train_state(self.cfg, self.mesh, self.optimizer, jax.random.PRNGKey(self.cfg.seed))
         if tune_model_path:
             tune_step = checkpoint.latest_step(tune_model_path)
             if tune_step is None:
@@ -111,7 +116,7 @@ class Trainer:
         return state, None
 
     def _global_batch(self, local_GxBxT1: np.ndarray) -> jax.Array:
-        return jax.make_array_from_process_local_data(model.batch_sharding(self.mesh), local_GxBxT1)
+        return jax.make_array_from_process_local_data(self.path.batch_sharding(self.mesh), local_GxBxT1)
 
     def save(self, blocking: bool = False) -> None:
         if self.last_saved_step == self.step:
@@ -135,7 +140,7 @@ class Trainer:
         return results
 
     def _val_batch(self, local_BxT1: np.ndarray) -> jax.Array:
-        return jax.make_array_from_process_local_data(model.batch_sharding(self.mesh, accumulated=False),
+        return jax.make_array_from_process_local_data(self.path.batch_sharding(self.mesh, accumulated=False),
                                                       local_BxT1)
 
     def _log(self, step: int, metrics: dict, seconds: float) -> dict[str, float]:

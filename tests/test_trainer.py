@@ -193,3 +193,18 @@ def test_training_reads_and_writes_gcs(tmp_path):
         assert checkpoint.list_steps("gs://bucket/run") == [3]
         assert sorted(train_losses("gs://bucket/run")) == [1, 2, 3]
         assert Trainer(dataclasses.replace(cfg, total_steps=4)).step == 3
+
+
+def test_parallelism_is_a_config_change_and_checkpoints_cross_modes(tmp_path):
+    # fsdp 2 x tensor 4 splits the batch 2 ways, as shard_map dp 2 x mp 4 does: the same global batch
+    fsdp_tp = make_config(tmp_path, total_steps=3, parallelism="fsdp_tp", mesh_fsdp=2, mesh_tensor=4)
+    trainer = Trainer(fsdp_tp)
+    assert dict(trainer.mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 4}
+    trainer.run()
+    shard_map = dataclasses.replace(fsdp_tp, parallelism="shard_map", total_steps=4)
+    resumed = Trainer(shard_map)  # the GSPMD checkpoint, restored on the ('dp', 'mp') layout
+    assert resumed.step == 3 and resumed.run() == 4
+    reference = make_config(tmp_path, total_steps=4, model_dir=str(tmp_path / "reference"))
+    Trainer(reference).run()
+    np.testing.assert_allclose([train_losses(shard_map.model_dir)[s] for s in range(1, 5)],
+                               [train_losses(reference.model_dir)[s] for s in range(1, 5)], rtol=1e-5)
