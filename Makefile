@@ -25,6 +25,9 @@ demo: $(STAMP)
 	$(PY) create_finetune_tfrecords.py $(DEMO)/corpus/val val --output-dir $(DEMO)/data --seq 64 --preserve-data-order
 	$(DEMO_ENV) $(PY) device_train.py --config configs/demo.json
 	$(PY) plot_metrics.py $(DEMO)/model
+	@echo "--- a sample from the trained model, prompt 'def __init__(self':"
+	$(DEMO_ENV) $(PY) device_sample.py --config configs/demo.json --prompt "def __init__(self" \
+		--max-new-tokens 48 --temperature 1.0 --top-k 40 --seed 3
 	@echo "metrics: $(DEMO)/model/metrics.jsonl  loss plot: $(DEMO)/model/loss.png  TensorBoard: $(DEMO)/model/tensorboard"
 
 bench: $(STAMP)
