@@ -75,21 +75,36 @@ def mlp(n_BxTxD: jax.Array, p: dict) -> jax.Array:
     return h_BxTxF @ p["fc_out"]["kernel"]
 
 
+def write_cache(cache_BxSxHxK: jax.Array, new_BxTxHxK: jax.Array, index: jax.Array | int) -> jax.Array:
+    """The cache with T new keys (or values) written from `index`: a scalar for every row, or [B], one per row."""
+    new_BxTxHxK = new_BxTxHxK.astype(cache_BxSxHxK.dtype)
+    if jnp.ndim(index) == 0:
+        return lax.dynamic_update_slice_in_dim(cache_BxSxHxK, new_BxTxHxK, index, 1)
+    if new_BxTxHxK.shape[1] == 1:
+        # One token per row (decoding): a select, which XLA fuses into the reads of the cache; a scatter would not.
+        at_BxS = jnp.arange(cache_BxSxHxK.shape[1])[None, :] == index[:, None]
+        return jnp.where(at_BxS[:, :, None, None], new_BxTxHxK, cache_BxSxHxK)
+    return jax.vmap(lambda c_SxHxK, n_TxHxK, i: lax.dynamic_update_slice_in_dim(c_SxHxK, n_TxHxK, i, 0))(
+        cache_BxSxHxK, new_BxTxHxK, index)
+
+
 def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, mask_BxTxS, tp_axis: str | None = None,
-          cache: tuple | None = None):
+          cache: tuple | None = None, return_new_kv: bool = False):
     """One GPT-J block: h + Attn(LN(h)) + MLP(LN(h)), with one all-reduce of attn + mlp under tensor parallelism.
 
     With `cache=(k_BxSxHxK, v_BxSxHxK, write_index)`, the new keys and values are written into the cache at
-    write_index and attention reads the whole cache; the updated (k, v) are returned as the second output.
+    write_index (one buffer position for all rows, or one per row as a [B] array) and attention reads the whole
+    cache; the updated (k, v) are returned as the second output, or with `return_new_kv` only the T new ones
+    [B, T, H, K] (for a caller that stores them in a larger cache itself).
     """
     n_BxTxD = layer_norm(h_BxTxD, p["ln_1"])
     q, k, v = qkv(n_BxTxD, p["attn"], head_dim, sincos)
     new_cache = None
     if cache is not None:
         k_cache, v_cache, index = cache
-        k = lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), index, 1)
-        v = lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), index, 1)
-        new_cache = (k, v)
+        new_kv = (k, v)
+        k, v = write_cache(k_cache, k, index), write_cache(v_cache, v, index)
+        new_cache = new_kv if return_new_kv else (k, v)
     out_BxTxD = attend(q, k, v, mask_BxTxS) @ p["attn"]["out"] + mlp(n_BxTxD, p["mlp"])
     if tp_axis is not None:
         out_BxTxD = lax.psum(out_BxTxD, tp_axis)

@@ -1,0 +1,141 @@
+"""Serving throughput over HTTP: concurrent streaming clients (continuous batching) against the same requests sent
+one at a time, with aggregate tokens/s, latency and time to first token.
+
+One real CPU device (mp 1), random weights, greedy; EOS is ignored so every request makes exactly --new-tokens
+tokens. Every program is compiled before timing (the engine's warm-up), so the figures are of serving alone. The
+server runs in a process of its own, as it would in use, so the clients' work does not hold its interpreter lock.
+
+    python bench/bench_serving.py [--config configs/bench.json] [--clients 32] [--new-tokens 64] [--prompt-len 32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import httpx
+import jax
+import numpy as np
+
+from bench.common import emit
+from mesh_transformer import config, model, serving, server
+from mesh_transformer.mesh import make_dp_mp
+from mesh_transformer.tokenizer import load_tokenizer
+
+GOAL_SPEEDUP = 8
+
+
+def one_request(client: httpx.Client, prompt: list[int], new_tokens: int) -> dict:
+    """Stream one greedy completion; its latency, time to first token and completion tokens."""
+    body = {"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start_s = time.perf_counter()
+    first_s, tokens = None, 0
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and first_s is None:
+                first_s = time.perf_counter() - start_s
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return {"latency_s": time.perf_counter() - start_s, "ttft_s": first_s, "tokens": tokens}
+
+
+def concurrent(client: httpx.Client, prompts: list[list[int]], new_tokens: int) -> tuple[list[dict], float]:
+    """All requests at once, one client thread each; (per-request results, wall seconds)."""
+    results: list[dict] = [{}] * len(prompts)
+    gate = threading.Barrier(len(prompts) + 1)
+
+    def run(i: int) -> None:
+        gate.wait()
+        results[i] = one_request(client, prompts[i], new_tokens)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    gate.wait()
+    start_s = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    return results, time.perf_counter() - start_s
+
+
+def one_at_a_time(client: httpx.Client, prompts: list[list[int]], new_tokens: int) -> tuple[list[dict], float]:
+    start_s = time.perf_counter()
+    results = [one_request(client, prompt, new_tokens) for prompt in prompts]
+    return results, time.perf_counter() - start_s
+
+
+def summary(mode: str, results: list[dict], wall_s: float, **extra) -> dict:
+    tokens = sum(r["tokens"] for r in results)
+    latency, ttft = [r["latency_s"] for r in results], [r["ttft_s"] for r in results]
+    record = {"bench": "serving", "mode": mode, "requests": len(results), "tokens": tokens,
+              "tokens_per_s": round(tokens / wall_s, 1), "wall_s": round(wall_s, 2),
+              "latency_p50_s": round(float(np.percentile(latency, 50)), 3),
+              "latency_p95_s": round(float(np.percentile(latency, 95)), 3),
+              "ttft_p50_s": round(float(np.percentile(ttft, 50)), 3),
+              "ttft_p95_s": round(float(np.percentile(ttft, 95)), 3), **extra}
+    emit(**record)
+    return record
+
+
+def run_server(config_path: str, slots: int, ready: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
+    """The server process: random weights, every program compiled, then serving on a free port until `stop`."""
+    cfg = config.load(config_path, ["cores_per_replica=1"])
+    params = jax.tree.map(np.asarray, model.init_unsharded(cfg, jax.random.PRNGKey(0)))
+    tokenizer = load_tokenizer()
+    start_s = time.perf_counter()
+    engine = serving.Engine(cfg, make_dp_mp(1, 1), params, tokenizer, max_batch=slots, max_queue=2 * slots,
+                            stop_token_ids=(), warm_up=True)
+    setup = {"slots": engine.n_slots, "warm_up_s": round(time.perf_counter() - start_s, 1), "layers": cfg.layers,
+             "d_model": cfg.d_model, "seq": cfg.seq, "devices": jax.device_count(),
+             "platform": jax.devices()[0].platform}
+    try:
+        with server.BackgroundServer(server.create_app(engine, tokenizer, model_name=cfg.name)) as running:
+            ready.put((running.url, setup))
+            stop.wait()
+    finally:
+        engine.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/bench.json")
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    args = parser.parse_args()
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or JAX state inherited
+    ready, stop = context.Queue(), context.Event()
+    process = context.Process(target=run_server, args=(args.config, args.clients, ready, stop), daemon=True)
+    process.start()
+    try:
+        url, setup = ready.get(timeout=1800)
+        emit(bench="serving_setup", **setup)
+        rng = np.random.default_rng(0)
+        prompts = rng.integers(0, len(load_tokenizer()), (args.clients, args.prompt_len)).tolist()
+        limits = httpx.Limits(max_connections=2 * args.clients)
+        with httpx.Client(base_url=url, timeout=600, limits=limits) as client:
+            concurrent(client, prompts[:4], 4)  # warms the HTTP path and the client's connections
+            shared = {"clients": args.clients, "new_tokens": args.new_tokens, "prompt_len": args.prompt_len}
+            batched = summary("concurrent", *concurrent(client, prompts, args.new_tokens), **shared)
+            alone = summary("one_at_a_time", *one_at_a_time(client, prompts, args.new_tokens), **shared)
+        speedup = batched["tokens_per_s"] / alone["tokens_per_s"]
+        emit(bench="serving_speedup", concurrent_over_one_at_a_time=round(speedup, 2), goal=GOAL_SPEEDUP,
+             met=speedup >= GOAL_SPEEDUP)
+    finally:
+        stop.set()
+        process.join(60)
+
+
+if __name__ == "__main__":
+    main()

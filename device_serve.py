@@ -1,0 +1,80 @@
+"""Serve a GPT-J over HTTP: OpenAI-compatible /v1/completions (streaming too), /v1/models, the original /complete and
+/health, with continuous batching on the devices.
+
+Example: python device_serve.py --config configs/6B_roto_256.json --ckpt gs://bucket/step_383500 --port 5000
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from functools import partial
+
+from mesh_transformer.cli import add_config_args, load_config, run_main
+from mesh_transformer.config import ConfigError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit status 2 through run_main, no usage dump
+        raise ConfigError(message)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; raises ConfigError on a bad one."""
+    p = _Parser(description=__doc__.splitlines()[0])
+    add_config_args(p)
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--ckpt", help="our checkpoint (root or step dir) or an original mesh-transformer-jax one; "
+                                       "default: the config's model_dir")
+    source.add_argument("--hf", help="an HF GPT-J directory (config.json and safetensors weights)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=5000, help="port (default 5000)")
+    p.add_argument("--max-batch", type=int, default=8, help="requests generated together (default 8; rounded up "
+                                                           "to a multiple of the data-parallel size)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; more get 429 (default 64)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    p.add_argument("--model-name", default=None, help="the model id the API reports (default: the config's name)")
+    p.add_argument("--warm-up", action="store_true", help="compile every program before listening: a slower start, "
+                                                          "no compile pauses while serving")
+    args = p.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port must be in [0, 65535], got {args.port}")
+    for flag in ("max_batch", "max_queue"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.api_key == "":
+        p.error("--api-key is empty")
+    return args
+
+
+def _main(argv: list[str] | None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from mesh_transformer import convert, mesh, serving, server
+    from mesh_transformer.tokenizer import load_tokenizer
+
+    cfg = load_config(args)
+    device_mesh = mesh.make(cfg)
+    try:
+        tokenizer = load_tokenizer(cfg.tokenizer)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    params = convert.load_params(cfg, device_mesh, args.hf or args.ckpt or cfg.model_path)
+    engine = serving.Engine(cfg, device_mesh, params, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
+                            warm_up=args.warm_up)
+    app = server.create_app(engine, tokenizer, model_name=args.model_name or cfg.name, api_key=args.api_key)
+    logging.info("serving %s with %d slots on http://%s:%d", cfg.name, engine.n_slots, args.host, args.port)
+    try:
+        server.serve(app, args.host, args.port)
+    finally:
+        engine.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the server; user mistakes print one line on stderr and exit 2."""
+    return run_main(partial(_main, argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

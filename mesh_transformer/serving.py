@@ -1,0 +1,329 @@
+"""Continuous-batching generation engine: one background thread owns the device; requests join between decode steps.
+
+The engine holds N slots of a shared KV cache (slot_decoding.py). A new request is prefilled alone (prompt length
+bucketed, so compiles are reused) into a free slot between two decode steps and joins the next step; each step
+advances every busy slot by one token, sampled with that request's own temperature, top-k, top-p and seed. EOS,
+max_tokens and stop strings (checked here on the decoded text) end a request; streamed text leaves as it is made.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from mesh_transformer import model, slot_decoding
+from mesh_transformer.config import Config
+from mesh_transformer.mesh import DP
+from mesh_transformer.sampling import _placed, _tokens_within, bucket, check_sampling, cut_at_stop
+from mesh_transformer.tokenizer import EOS_ID
+
+log = logging.getLogger(__name__)
+
+MIN_SPAN = 32  # the shortest stretch of the cache a decode step reads
+SPAN_BUCKETS = 4  # by default spans are seq/8, seq/4, seq/2, seq: compiles stay few on a long context
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is full; the caller should retry later."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine has stopped (shut down, or its device loop failed) and takes no more requests."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """A piece of one completion: new text and the tokens behind it; the last event has a finish_reason or error."""
+    text: str = ""
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length" (max_tokens reached)
+    error: str | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class GenerationRequest:
+    """One completion to make. Events go to `on_event`, called on the engine thread, so it must not block long.
+
+    Without `stream` there is one event, at the end; with it, text leaves as it is made, holding back what could be
+    the start of a stop string or an incomplete UTF-8 character.
+    """
+    prompt: list[int]
+    max_tokens: int
+    on_event: Callable[[Event], None]
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+@dataclasses.dataclass(eq=False)
+class _Slot:
+    request: GenerationRequest
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    sent_chars: int = 0
+    sent_tokens: int = 0
+
+    @property
+    def position(self) -> int:
+        """Where the last sampled token's key is written in the next decode step."""
+        return len(self.request.prompt) + len(self.tokens) - 1
+
+
+# ------------------------------------------------------------------------------------------------------ host text
+def streamable_length(text: str, stop: Sequence[str]) -> int:
+    """How much of a completion's text can be sent now: all but a trailing incomplete UTF-8 character ('\ufffd')
+    and any tail that could be the start of a stop string."""
+    end = len(text.rstrip("\ufffd"))
+    held = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, end), held, -1):
+            if text.endswith(s[:k], 0, end):
+                held = k
+                break
+    return end - held
+
+
+# ---------------------------------------------------------------------------------------------------------- engine
+class Engine:
+    """Owns the device loop in a background thread: a bounded queue of waiting requests feeding N slots.
+
+    N is max_batch rounded up to a multiple of the mesh's dp. `submit` fails at once with QueueFull when the queue
+    holds max_queue requests. Cancelled requests leave the queue at once and free their slot at the next step.
+    A decode step computes only the slots up to the highest busy one (a power of two per dp group) and reads only
+    the cache positions up to the furthest busy one (a power of two, at least `min_span`), so a lone request does
+    not pay for N slots and a long context; each (rows, span) pair is one compiled program. With `warm_up`, the
+    constructor compiles every program first, so no request waits for a compile.
+    """
+
+    def __init__(self, cfg: Config, mesh: Mesh, params: dict, tokenizer: Any, *, max_batch: int = 8,
+                 max_queue: int = 64, stop_token_ids: Sequence[int] = (EOS_ID,), min_span: int | None = None,
+                 warm_up: bool = False):
+        if max_batch < 1 or max_queue < 1:
+            raise ValueError(f"max_batch and max_queue must be at least 1, got {max_batch} and {max_queue}")
+        self.cfg, self.tokenizer, self.max_queue = cfg, tokenizer, max_queue
+        self.min_span = min_span or max(MIN_SPAN, cfg.seq >> (SPAN_BUCKETS - 1))
+        self.stop_token_ids = frozenset(stop_token_ids)
+        dp = mesh.shape[DP]
+        self.n_slots = -(-max_batch // dp) * dp
+        self._n_local = self.n_slots // dp
+        dtype = model.DTYPES[cfg.compute_dtype]
+        self._params = jax.tree.map(partial(_placed, dtype=dtype), params, model.param_shardings(cfg, mesh))
+        self._programs = slot_decoding.programs(cfg, mesh)
+        cache_shape = (cfg.layers, self.n_slots, cfg.n_heads, cfg.head_dim, cfg.seq)
+        zeros = jax.jit(lambda: jnp.zeros(cache_shape, dtype),
+                        out_shardings=NamedSharding(mesh, slot_decoding.CACHE_SPEC))
+        self._k_cache, self._v_cache = zeros(), zeros()
+        self._slots: list[_Slot | None] = [None] * self.n_slots
+        self._waiting: collections.deque[GenerationRequest] = collections.deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self.error: str | None = None
+        self.counts = {"completed": 0, "cancelled": 0}
+        if warm_up:
+            self._warm_up()
+        self._thread = threading.Thread(target=self._run, name="serving-engine", daemon=True)
+        self._thread.start()
+
+    # -------------------------------------------------------------------------------------------- public, any thread
+    def submit(self, requests: Sequence[GenerationRequest]) -> None:
+        """Queue requests, all or none: raises QueueFull when they do not fit, EngineStopped after a stop, and
+        ValueError for a request that cannot run (checked here, so that no request can stop the device loop)."""
+        for request in requests:
+            self._check(request)
+        with self._cond:
+            if self._stopping or self.error:
+                raise EngineStopped(self.error or "the engine is shutting down")
+            if len(self._waiting) + len(requests) > self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
+            self._waiting.extend(requests)
+            self._cond.notify()
+
+    def _check(self, request: GenerationRequest) -> None:
+        seq, vocab = self.cfg.seq, self.cfg.n_vocab
+        if not request.prompt or any(not 0 <= t < vocab for t in request.prompt):
+            raise ValueError(f"a prompt must be 1 or more token ids in [0, {vocab})")
+        if request.max_tokens < 1 or len(request.prompt) + request.max_tokens > seq:
+            raise ValueError(f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) must fit "
+                             f"the context of {seq} tokens, with max_tokens at least 1")
+        check_sampling([request.temperature], [request.top_k], [request.top_p])
+
+    def cancel(self, requests: Sequence[GenerationRequest]) -> None:
+        """Stop generating for these requests (e.g. the client went away); no further events are sent."""
+        with self._cond:
+            for request in requests:
+                if not request.cancelled.is_set():
+                    request.cancelled.set()
+                    if request in self._waiting:
+                        self._waiting.remove(request)
+                        self.counts["cancelled"] += 1
+
+    def stats(self) -> dict:
+        """Slots, queue and request counts, for health checks."""
+        with self._cond:
+            busy = sum(slot is not None for slot in self._slots)
+            return {"slots": {"total": self.n_slots, "busy": busy, "free": self.n_slots - busy},
+                    "queue": {"waiting": len(self._waiting), "max": self.max_queue}, "requests": dict(self.counts)}
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the device loop; requests still waiting or running get an error event."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+
+    # ------------------------------------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._stopping or self._waiting or any(self._slots)):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    admitted = self._take_admissions()
+                for slot, request in admitted:
+                    self._prefill(slot, request)
+                self._drop_cancelled()
+                if any(self._slots):
+                    self._decode_step()
+            self._fail_all("the server is shutting down")
+        except Exception as e:  # a device or program failure: answer everyone, refuse new work
+            log.exception("serving engine failed")
+            with self._cond:
+                self.error = f"the generation engine failed: {type(e).__name__}: {e}"
+            self._fail_all(self.error)
+
+    def _take_admissions(self) -> list[tuple[int, GenerationRequest]]:
+        """Pop waiting requests into free slots, lowest local row first so decode steps compute fewer rows."""
+        free = sorted((i for i, slot in enumerate(self._slots) if slot is None),
+                      key=lambda i: (i % self._n_local, i // self._n_local))
+        admitted = []
+        while free and self._waiting:
+            request = self._waiting.popleft()
+            slot = free.pop(0)
+            self._slots[slot] = _Slot(request)  # reserved now, so stats count it busy
+            admitted.append((slot, request))
+        return admitted
+
+    def _warm_up(self) -> None:
+        """Run every program once (each prompt bucket, each rows x span) on the empty cache, compiling them all."""
+        seq = self.cfg.seq
+        widths = sorted({bucket(n, maximum=seq) for n in range(1, seq)})
+        rows = sorted({bucket(n, minimum=1, maximum=self._n_local) for n in range(1, self._n_local + 1)})
+        spans = sorted({bucket(n, minimum=self.min_span, maximum=seq) for n in range(1, seq + 1)})
+        log.info("compiling %d prefill and %d decode programs", len(widths), len(rows) * len(spans))
+        for width in widths:
+            self._run_prefill(np.zeros((1, width), np.int32), 1, 0)
+        for n in rows:
+            for span in spans:
+                self._run_decode(*(np.zeros(self.n_slots, dtype) for dtype in (np.int32, np.int32, np.float32,
+                                   np.int32, np.float32, np.uint32, np.int32)), rows=n, span=span)
+
+    def _run_prefill(self, ids_1xT: np.ndarray, length: int, slot: int, temperature: float = 0.0, top_k: int = 0,
+                     top_p: float = 1.0, seed: int = 0) -> tuple[int, float]:
+        token, logprob, self._k_cache, self._v_cache = self._programs.prefill(
+            self._params, self._k_cache, self._v_cache, ids_1xT, np.int32(length), np.int32(slot),
+            np.float32(temperature), np.int32(top_k), np.float32(top_p), np.uint32(seed % 2 ** 32))
+        return int(np.asarray(token)[0]), float(np.asarray(logprob)[0])
+
+    def _run_decode(self, *slots: np.ndarray, rows: int, span: int) -> tuple[np.ndarray, np.ndarray]:
+        tokens, logprobs, self._k_cache, self._v_cache = self._programs.decode(
+            self._params, self._k_cache, self._v_cache, *slots, rows=rows, span=span)
+        return np.asarray(tokens), np.asarray(logprobs)
+
+    def _prefill(self, slot: int, request: GenerationRequest) -> None:
+        ids_1xT = np.zeros((1, bucket(len(request.prompt), maximum=self.cfg.seq)), np.int32)
+        ids_1xT[0, :len(request.prompt)] = request.prompt
+        self._accept(slot, *self._run_prefill(ids_1xT, len(request.prompt), slot, request.temperature, request.top_k,
+                                              request.top_p, request.seed))
+
+    def _decode_step(self) -> None:
+        busy = [i for i, slot in enumerate(self._slots) if slot is not None]
+        rows = bucket(max(i % self._n_local for i in busy) + 1, minimum=1, maximum=self._n_local)
+        span = bucket(max(self._slots[i].position for i in busy) + 1, minimum=self.min_span, maximum=self.cfg.seq)
+        token, position, index = (np.zeros(self.n_slots, np.int32) for _ in range(3))
+        temperature, top_p = np.zeros(self.n_slots, np.float32), np.ones(self.n_slots, np.float32)
+        top_k, seed = np.zeros(self.n_slots, np.int32), np.zeros(self.n_slots, np.uint32)
+        for i in busy:
+            slot = self._slots[i]
+            request = slot.request
+            token[i], position[i], index[i] = slot.tokens[-1], slot.position, len(slot.tokens)
+            temperature[i], top_k[i], top_p[i] = request.temperature, request.top_k, request.top_p
+            seed[i] = request.seed % 2 ** 32
+        tokens, logprobs = self._run_decode(token, position, temperature, top_k, top_p, seed, index, rows=rows,
+                                            span=span)
+        for i in busy:  # outputs hold `rows` entries per dp group
+            out = (i // self._n_local) * rows + i % self._n_local
+            self._accept(i, int(tokens[out]), float(logprobs[out]))
+
+    def _accept(self, i: int, token: int, logprob: float) -> None:
+        """Take a slot's new token: end the request on EOS, a stop string or max_tokens; stream new text."""
+        slot = self._slots[i]
+        request = slot.request
+        if request.cancelled.is_set():
+            return
+        if token in self.stop_token_ids:
+            return self._finish(i, "stop")
+        slot.tokens.append(token)
+        slot.logprobs.append(logprob)
+        if request.stop or request.stream:
+            text = self.tokenizer.decode(slot.tokens)
+            cut_text, cut = cut_at_stop(text, request.stop)
+            if cut:
+                return self._finish(i, "stop", cut_text)
+            sendable = streamable_length(text, request.stop) if request.stream else 0
+            if sendable > slot.sent_chars:
+                self._emit(request, Event(text[slot.sent_chars:sendable], tuple(slot.tokens[slot.sent_tokens:]),
+                                          tuple(slot.logprobs[slot.sent_tokens:])))
+                slot.sent_chars, slot.sent_tokens = sendable, len(slot.tokens)
+        if len(slot.tokens) >= request.max_tokens:
+            self._finish(i, "length")
+
+    def _finish(self, i: int, reason: str, cut_text: str | None = None) -> None:
+        slot = self._slots[i]
+        text = self.tokenizer.decode(slot.tokens) if cut_text is None else cut_text
+        # After a stop string, keep only the tokens whose text lies wholly before it.
+        kept = len(slot.tokens) if cut_text is None else _tokens_within(self.tokenizer, slot.tokens, len(text))
+        sent = min(slot.sent_tokens, kept)
+        event = Event(text[slot.sent_chars:], tuple(slot.tokens[sent:kept]), tuple(slot.logprobs[sent:kept]), reason)
+        with self._cond:
+            self._slots[i] = None
+            self.counts["completed"] += 1
+        self._emit(slot.request, event)
+
+    def _drop_cancelled(self) -> None:
+        with self._cond:
+            for i, slot in enumerate(self._slots):
+                if slot is not None and slot.request.cancelled.is_set():
+                    self._slots[i] = None
+                    self.counts["cancelled"] += 1
+
+    def _emit(self, request: GenerationRequest, event: Event) -> None:
+        try:
+            request.on_event(event)
+        except Exception:  # a receiver that is gone (e.g. its event loop closed) must not stop the engine
+            log.warning("dropping a request whose receiver failed", exc_info=True)
+            request.cancelled.set()
+
+    def _fail_all(self, message: str) -> None:
+        with self._cond:
+            requests = [slot.request for slot in self._slots if slot is not None] + list(self._waiting)
+            self._slots = [None] * self.n_slots
+            self._waiting.clear()
+        for request in requests:
+            if not request.cancelled.is_set():
+                self._emit(request, Event(error=message))
