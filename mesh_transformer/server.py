@@ -73,9 +73,9 @@ class _Job:
 async def _read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 past `limit` bytes (by Content-Length, then by the bytes actually read)."""
     declared = request.headers.get("content-length")
-    if declared is not None and (not declared.isdigit() or int(declared) > limit):
-        if not declared.isdigit():
-            raise ApiError(400, "Content-Length must be a number of bytes")
+    if declared is not None and not declared.isdigit():
+        raise ApiError(400, "Content-Length must be a number of bytes")
+    if declared is not None and int(declared) > limit:
         raise ApiError(413, f"The request body is {declared} bytes; at most {limit} are accepted")
     chunks, size = [], 0
     async for chunk in request.stream():
