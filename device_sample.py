@@ -10,7 +10,7 @@ import sys
 import time
 from functools import partial
 
-from mesh_transformer.cli import add_config_args, load_config, run_main
+from mesh_transformer.cli import add_config_args, load_for_inference, run_main
 from mesh_transformer.config import ConfigError
 
 
@@ -77,16 +77,10 @@ def _complete(sampler, tokenizer, prompt: str, args: argparse.Namespace) -> None
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    from mesh_transformer import mesh, sampling
-    from mesh_transformer.tokenizer import load_tokenizer
+    from mesh_transformer import sampling
 
-    cfg = load_config(args)
-    device_mesh = mesh.make(cfg)
-    try:
-        tokenizer = load_tokenizer(cfg.tokenizer)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    sampler = sampling.Sampler(cfg, device_mesh, sampling.load_params(cfg, device_mesh, args.ckpt))
+    cfg, device_mesh, tokenizer, params = load_for_inference(args, args.ckpt)
+    sampler = sampling.Sampler(cfg, device_mesh, params)
     if args.prompt is not None:
         try:
             _complete(sampler, tokenizer, args.prompt, args)

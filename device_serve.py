@@ -10,7 +10,7 @@ import logging
 import sys
 from functools import partial
 
-from mesh_transformer.cli import add_config_args, load_config, run_main
+from mesh_transformer.cli import add_config_args, load_for_inference, run_main
 from mesh_transformer.config import ConfigError
 
 
@@ -50,16 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from mesh_transformer import convert, mesh, serving, server
-    from mesh_transformer.tokenizer import load_tokenizer
+    from mesh_transformer import serving, server
 
-    cfg = load_config(args)
-    device_mesh = mesh.make(cfg)
-    try:
-        tokenizer = load_tokenizer(cfg.tokenizer)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    params = convert.load_params(cfg, device_mesh, args.hf or args.ckpt or cfg.model_path)
+    cfg, device_mesh, tokenizer, params = load_for_inference(args, args.hf or args.ckpt)
     engine = serving.Engine(cfg, device_mesh, params, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
                             warm_up=args.warm_up)
     app = server.create_app(engine, tokenizer, model_name=args.model_name or cfg.name, api_key=args.api_key)

@@ -35,6 +35,21 @@ def load_config(args: argparse.Namespace) -> config.Config:
     return config.load(args.config, args.overrides)
 
 
+def load_for_inference(args: argparse.Namespace, source: str | None) -> tuple:
+    """(config, mesh, tokenizer, params) for the sampling and serving tools; `source` is any checkpoint format,
+    None meaning the config's model_dir."""
+    from mesh_transformer import convert, mesh
+    from mesh_transformer.tokenizer import load_tokenizer
+
+    cfg = load_config(args)
+    device_mesh = mesh.make(cfg)
+    try:
+        tokenizer = load_tokenizer(cfg.tokenizer)
+    except ValueError as e:
+        raise config.ConfigError(str(e)) from None
+    return cfg, device_mesh, tokenizer, convert.load_params(cfg, device_mesh, source or cfg.model_path)
+
+
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input, not a bug: reported on one line without a traceback."""
     from mesh_transformer import checkpoint, tfrecord, trainer
