@@ -10,18 +10,13 @@ import sys
 import time
 from functools import partial
 
-from mesh_transformer.cli import add_config_args, load_for_inference, run_main
+from mesh_transformer.cli import Parser, add_config_args, load_for_inference, run_main
 from mesh_transformer.config import ConfigError
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line and exit status 2 through run_main, no usage dump
-        raise ConfigError(message)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line; raises ConfigError on a bad one."""
-    p = _Parser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     add_config_args(p)
     p.add_argument("--ckpt", help="our checkpoint (root or step dir), an original mesh-transformer-jax one or an HF "
                                   "GPT-J directory; default: the config's model_dir")

@@ -10,18 +10,12 @@ import logging
 import sys
 from functools import partial
 
-from mesh_transformer.cli import add_config_args, load_for_inference, run_main
-from mesh_transformer.config import ConfigError
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line and exit status 2 through run_main, no usage dump
-        raise ConfigError(message)
+from mesh_transformer.cli import Parser, add_config_args, load_for_inference, run_main
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line; raises ConfigError on a bad one."""
-    p = _Parser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     add_config_args(p)
     source = p.add_mutually_exclusive_group()
     source.add_argument("--ckpt", help="our checkpoint (root or step dir) or an original mesh-transformer-jax one; "

@@ -8,6 +8,13 @@ from collections.abc import Callable
 from mesh_transformer import config
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one-line ConfigErrors (exit status 2 through run_main, no usage dump)."""
+
+    def error(self, message: str) -> None:
+        raise config.ConfigError(message)
+
+
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="flat JSON config file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
