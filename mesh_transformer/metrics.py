@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mesh_transformer import storage
-from mesh_transformer.tfrecord import _len_field, _varint, frame_record
+from mesh_transformer.tfrecord import len_field, varint, frame_record
 
 log = logging.getLogger(__name__)
 
@@ -43,32 +43,32 @@ class MetricsError(ValueError):
 # ---- TensorBoard Event protos ----
 
 def _double_field(field: int, value: float) -> bytes:
-    return _varint(field << 3 | _WIRE_FIXED64) + struct.pack("<d", value)
+    return varint(field << 3 | _WIRE_FIXED64) + struct.pack("<d", value)
 
 
 def _float_field(field: int, value: float) -> bytes:
-    return _varint(field << 3 | _WIRE_FIXED32) + struct.pack("<f", value)
+    return varint(field << 3 | _WIRE_FIXED32) + struct.pack("<f", value)
 
 
 def _varint_field(field: int, value: int) -> bytes:
-    return _varint(field << 3 | _WIRE_VARINT) + _varint(value)
+    return varint(field << 3 | _WIRE_VARINT) + varint(value)
 
 
 def file_version_event(wall_time: float) -> bytes:
     """The Event every event file starts with; TensorBoard reads its version string to pick a parser."""
-    return _double_field(1, wall_time) + _len_field(3, _FILE_VERSION)
+    return _double_field(1, wall_time) + len_field(3, _FILE_VERSION)
 
 
 def session_start_event(wall_time: float, step: int) -> bytes:
     """An Event marking a (re)start at `step`, so TensorBoard discards older points at steps >= `step`."""
-    return _double_field(1, wall_time) + _varint_field(2, step) + _len_field(7, _varint_field(1, _SESSION_START))
+    return _double_field(1, wall_time) + _varint_field(2, step) + len_field(7, _varint_field(1, _SESSION_START))
 
 
 def scalars_event(wall_time: float, step: int, scalars: Mapping[str, float]) -> bytes:
     """An Event holding one Summary with a simple_value per scalar."""
-    values = b"".join(_len_field(1, _len_field(1, tag.encode()) + _float_field(2, value))
+    values = b"".join(len_field(1, len_field(1, tag.encode()) + _float_field(2, value))
                       for tag, value in scalars.items())
-    return _double_field(1, wall_time) + _varint_field(2, step) + _len_field(5, values)
+    return _double_field(1, wall_time) + _varint_field(2, step) + len_field(5, values)
 
 
 def _new_events_path(directory: str) -> str:

@@ -149,7 +149,7 @@ def loss_fn(params: dict, tokens_BxT1: jax.Array, cfg: Config, tp_axis: str | No
     return loss if dp_axis is None else lax.pmean(loss, dp_axis)
 
 
-def shard_map_over(cfg: Config, mesh: Mesh, fn: Callable, in_specs, out_specs) -> Callable:
+def shard_map_over(mesh: Mesh, fn: Callable, in_specs, out_specs) -> Callable:
     """Run `fn` per device on the Megatron ('dp', 'mp') layout, checking varying/invariant values."""
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
 
@@ -157,20 +157,20 @@ def shard_map_over(cfg: Config, mesh: Mesh, fn: Callable, in_specs, out_specs) -
 def sharded_logits_fn(cfg: Config, mesh: Mesh) -> Callable:
     """Jitted (params, ids [B, T]) -> logits [B, T, V], batch split on dp and vocab on mp."""
     fn = partial(forward, cfg=cfg, tp_axis=MP)
-    return jax.jit(shard_map_over(cfg, mesh, fn, (param_specs(cfg), P(DP, None)), P(DP, None, MP)))
+    return jax.jit(shard_map_over(mesh, fn, (param_specs(cfg), P(DP, None)), P(DP, None, MP)))
 
 
 def sharded_loss_fn(cfg: Config, mesh: Mesh) -> Callable:
     """Jitted (params, tokens [B, T+1]) -> mean loss, vocab-sharded cross entropy."""
     fn = partial(loss_fn, cfg=cfg, tp_axis=MP, dp_axis=DP)
-    return jax.jit(shard_map_over(cfg, mesh, fn, (param_specs(cfg), P(DP, None)), P()))
+    return jax.jit(shard_map_over(mesh, fn, (param_specs(cfg), P(DP, None)), P()))
 
 
 def sharded_loss_and_grad_fn(cfg: Config, mesh: Mesh) -> Callable:
     """Loss and gradients computed per device; check_vma supplies the backward collectives."""
     specs = param_specs(cfg)
     fn = jax.value_and_grad(partial(loss_fn, cfg=cfg, tp_axis=MP, dp_axis=DP))
-    return shard_map_over(cfg, mesh, fn, (specs, P(DP, None)), (P(), specs))
+    return shard_map_over(mesh, fn, (specs, P(DP, None)), (P(), specs))
 
 
 # Train state: {"step": int32 [], "params": tree, "opt_state": optax state}, every leaf placed on the mesh.

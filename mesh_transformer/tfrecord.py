@@ -40,7 +40,7 @@ def frame_record(data: bytes) -> bytes:
 
 # ---- protobuf wire format, the few pieces tf.train.Example needs ----
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
     value &= (1 << 64) - 1  # negative int64s are 10-byte two's complement on the wire
     out = bytearray()
     while value >= 0x80:
@@ -50,8 +50,8 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _len_field(field: int, payload: bytes) -> bytes:
-    return _varint(field << 3 | _WIRE_LEN) + _varint(len(payload)) + payload
+def len_field(field: int, payload: bytes) -> bytes:
+    return varint(field << 3 | _WIRE_LEN) + varint(len(payload)) + payload
 
 
 def encode_packed_varints(values_N: np.ndarray) -> bytes:
@@ -126,10 +126,10 @@ def encode_example(features: Mapping[str, np.ndarray]) -> bytes:
     entries = b""
     for key, values in features.items():
         packed = encode_packed_varints(values)
-        int64_list = _len_field(1, packed) if packed else b""  # proto3 omits an empty packed field
-        feature = _len_field(3, int64_list)
-        entries += _len_field(1, _len_field(1, key.encode()) + _len_field(2, feature))
-    return _len_field(1, entries)
+        int64_list = len_field(1, packed) if packed else b""  # proto3 omits an empty packed field
+        feature = len_field(3, int64_list)
+        entries += len_field(1, len_field(1, key.encode()) + len_field(2, feature))
+    return len_field(1, entries)
 
 
 def _decode_int64_list(buf: memoryview) -> np.ndarray:

@@ -45,7 +45,7 @@ def _records(path: str) -> list[bytes]:
     return out
 
 
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+def varint(buf: bytes, pos: int) -> tuple[int, int]:
     value, shift = 0, 0
     while True:
         byte = buf[pos]
@@ -61,14 +61,14 @@ def _proto(buf: bytes) -> dict[int, list]:
     fields: dict[int, list] = {}
     pos = 0
     while pos < len(buf):
-        key, pos = _varint(buf, pos)
+        key, pos = varint(buf, pos)
         wire = key & 7
         if wire == 0:
-            value, pos = _varint(buf, pos)
+            value, pos = varint(buf, pos)
         else:
             size = {1: 8, 5: 4}.get(wire)
             if size is None:
-                size, pos = _varint(buf, pos)
+                size, pos = varint(buf, pos)
             value, pos = buf[pos:pos + size], pos + size
         fields.setdefault(key >> 3, []).append(value)
     return fields

@@ -11,7 +11,7 @@ from mesh_transformer import tfrecord
 from mesh_transformer.tfrecord import DataError
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
     n &= (1 << 64) - 1
     out = b""
     while True:
@@ -29,14 +29,14 @@ def _masked(data: bytes) -> int:
 def _hand_record(tokens: list[int], packed: bool = True) -> bytes:
     """One framed record holding tf.train.Example{"text": Int64List(tokens)}, assembled byte by byte."""
     if packed:
-        payload = b"".join(_varint(t) for t in tokens)
-        int64_list = b"\x0a" + _varint(len(payload)) + payload  # field 1, wire type 2
+        payload = b"".join(varint(t) for t in tokens)
+        int64_list = b"\x0a" + varint(len(payload)) + payload  # field 1, wire type 2
     else:
-        int64_list = b"".join(b"\x08" + _varint(t) for t in tokens)  # field 1, wire type 0, one per value
-    feature = b"\x1a" + _varint(len(int64_list)) + int64_list  # Feature.int64_list = 3
-    entry = b"\x0a\x04text" + b"\x12" + _varint(len(feature)) + feature  # map entry: key = 1, value = 2
-    features = b"\x0a" + _varint(len(entry)) + entry  # Features.feature = 1
-    example = b"\x0a" + _varint(len(features)) + features  # Example.features = 1
+        int64_list = b"".join(b"\x08" + varint(t) for t in tokens)  # field 1, wire type 0, one per value
+    feature = b"\x1a" + varint(len(int64_list)) + int64_list  # Feature.int64_list = 3
+    entry = b"\x0a\x04text" + b"\x12" + varint(len(feature)) + feature  # map entry: key = 1, value = 2
+    features = b"\x0a" + varint(len(entry)) + entry  # Features.feature = 1
+    example = b"\x0a" + varint(len(features)) + features  # Example.features = 1
     length = struct.pack("<Q", len(example))
     return length + struct.pack("<I", _masked(length)) + example + struct.pack("<I", _masked(example))
 
@@ -51,7 +51,7 @@ def test_masked_crc_known_answer():
 def test_packed_varints_match_reference_and_round_trip():
     values = np.array([0, 1, 127, 128, 300, 16383, 16384, 50256, 2**31, 2**62, 2**63 - 1, -1, -50256], np.int64)
     encoded = tfrecord.encode_packed_varints(values)
-    assert encoded == b"".join(_varint(int(v)) for v in values)
+    assert encoded == b"".join(varint(int(v)) for v in values)
     np.testing.assert_array_equal(tfrecord.decode_packed_varints(encoded), values)
 
 
