@@ -10,7 +10,7 @@ import sys
 import time
 from functools import partial
 
-from mesh_transformer.cli import Parser, add_config_args, load_for_inference, run_main
+from mesh_transformer.cli import Parser, add_config_args, keep_host_memory, load_for_inference, run_main
 from mesh_transformer.config import ConfigError
 
 
@@ -96,4 +96,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    keep_host_memory()
     sys.exit(main())

@@ -10,7 +10,7 @@ import logging
 import sys
 from functools import partial
 
-from mesh_transformer.cli import Parser, add_config_args, load_for_inference, run_main
+from mesh_transformer.cli import Parser, add_config_args, keep_host_memory, load_for_inference, run_main
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,4 +64,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    keep_host_memory()
     sys.exit(main())

@@ -19,6 +19,7 @@ import torch
 from transformers import GPTJConfig, GPTJForCausalLM
 
 from bench.common import best_time_s, emit, matmul_peak_flop_per_s, train_flops_per_token
+from mesh_transformer.cli import keep_host_memory
 from mesh_transformer import config, hf, model, optim
 from mesh_transformer.mesh import make_dp_mp
 
@@ -87,4 +88,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    keep_host_memory()
     main()

@@ -21,6 +21,7 @@ import torch
 from transformers import GPTJConfig, GPTJForCausalLM
 
 from bench.common import best_time_s, emit
+from mesh_transformer.cli import keep_host_memory
 from mesh_transformer import config, hf, model, sampling
 from mesh_transformer.mesh import make_dp_mp
 
@@ -114,4 +115,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    keep_host_memory()
     main()

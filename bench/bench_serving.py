@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from bench.common import emit
+from mesh_transformer.cli import keep_host_memory
 from mesh_transformer import config, model, serving, server
 from mesh_transformer.mesh import make_dp_mp
 from mesh_transformer.tokenizer import load_tokenizer
@@ -138,4 +139,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    keep_host_memory()
     main()

@@ -129,8 +129,8 @@ def head(h_BxTxD: jax.Array, ln_f: dict, lm_head: dict) -> jax.Array:
     return logits_BxTxV + lm_head["bias"].astype(F32)
 
 
-def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array, tp_axis: str | None = None) -> jax.Array:
-    """Per-token cross entropy [B, T] from (vocab-sharded) f32 logits, never gathering the vocab."""
+def _logsumexp_and_target(logits_BxTxV: jax.Array, targets_BxT: jax.Array, tp_axis: str | None):
+    """log sum exp of each row and the target's logit [B, T], over the whole (possibly vocab-sharded) vocabulary."""
     vocab_local = logits_BxTxV.shape[-1]
     offset = 0 if tp_axis is None else lax.axis_index(tp_axis) * vocab_local
     max_BxT = lax.stop_gradient(logits_BxTxV.max(-1))
@@ -144,4 +144,60 @@ def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array, tp_axis: str 
     target_logit_BxT = jnp.where(in_range_BxT, picked_BxT, 0.0)
     if tp_axis is not None:
         sum_exp_BxT, target_logit_BxT = lax.psum((sum_exp_BxT, target_logit_BxT), tp_axis)
-    return jnp.log(sum_exp_BxT) + max_BxT - target_logit_BxT
+    return jnp.log(sum_exp_BxT) + max_BxT, target_logit_BxT
+
+
+def cross_entropy(logits_BxTxV: jax.Array, targets_BxT: jax.Array, tp_axis: str | None = None) -> jax.Array:
+    """Per-token cross entropy [B, T] from (vocab-sharded) f32 logits, never gathering the vocab."""
+    lse_BxT, target_logit_BxT = _logsumexp_and_target(logits_BxTxV, targets_BxT, tp_axis)
+    return lse_BxT - target_logit_BxT
+
+
+def head_cross_entropy(h_BxTxD: jax.Array, ln_f: dict, lm_head: dict, targets_BxT: jax.Array,
+                       tp_axis: str | None = None, constrain_logits=None) -> jax.Array:
+    """`cross_entropy(head(h))` with a hand-written backward through the LM head: the training loss.
+
+    The [B, T, V] logits are the largest activation by far. Autodiff would keep exp(logits), then write the
+    gradient of the logits and a transposed copy of it for the kernel's gradient. Here the forward writes
+    softmax - onehot once, and the backward is two matmuls that read it in place, with the per-token cotangent
+    folded into the small [B, T, D] side.
+    """
+    n_BxTxD, kernel_DxV, bias_V = _same_varying_axes(layer_norm(h_BxTxD, ln_f), lm_head["kernel"], lm_head["bias"])
+    return _head_ce(n_BxTxD, kernel_DxV, bias_V, targets_BxT, tp_axis, constrain_logits)
+
+
+def _same_varying_axes(*xs: jax.Array) -> list[jax.Array]:
+    """Inside shard_map, cast each array to vary over every mesh axis that any of them varies over, so that a
+    custom_vjp's backward returns gradients of the primal's type; autodiff turns each cast into the psum the
+    gradient needs (over 'dp' for the weights, over 'mp' for the activations). Outside shard_map: unchanged."""
+    axes = [jax.typeof(x).manual_axis_type.varying for x in xs]
+    union = frozenset().union(*axes)
+    return [lax.pcast(x, tuple(sorted(union - a)), to="varying") if union - a else x for x, a in zip(xs, axes)]
+
+
+def _head_ce_fwd(n_BxTxD, kernel_DxV, bias_V, targets_BxT, tp_axis, constrain_logits):
+    logits_BxTxV = jnp.einsum("btd,dv->btv", n_BxTxD, kernel_DxV, preferred_element_type=F32) + bias_V.astype(F32)
+    if constrain_logits is not None:
+        logits_BxTxV = constrain_logits(logits_BxTxV)
+    lse_BxT, target_logit_BxT = _logsumexp_and_target(logits_BxTxV, targets_BxT, tp_axis)
+    vocab_local = logits_BxTxV.shape[-1]
+    offset = 0 if tp_axis is None else lax.axis_index(tp_axis) * vocab_local
+    onehot_BxTxV = jnp.arange(vocab_local) == (targets_BxT - offset)[..., None]
+    dlogits_BxTxV = (jnp.exp(logits_BxTxV - lse_BxT[..., None]) - onehot_BxTxV).astype(n_BxTxD.dtype)
+    return lse_BxT - target_logit_BxT, (n_BxTxD, kernel_DxV, bias_V, dlogits_BxTxV)
+
+
+def _head_ce_bwd(tp_axis, constrain_logits, residuals, g_BxT):
+    n_BxTxD, kernel_DxV, bias_V, dlogits_BxTxV = residuals
+    g_BxT = g_BxT.astype(F32)
+    scaled_n_BxTxD = (n_BxTxD * g_BxT[..., None]).astype(n_BxTxD.dtype)
+    d_kernel = jnp.einsum("btd,btv->dv", scaled_n_BxTxD, dlogits_BxTxV, preferred_element_type=F32)
+    d_bias = jnp.einsum("bt,btv->v", g_BxT, dlogits_BxTxV, preferred_element_type=F32)
+    d_n_BxTxD = jnp.einsum("btv,dv->btd", dlogits_BxTxV, kernel_DxV, preferred_element_type=F32) * g_BxT[..., None]
+    return (d_n_BxTxD.astype(n_BxTxD.dtype), d_kernel.astype(kernel_DxV.dtype), d_bias.astype(bias_V.dtype),
+            None)
+
+
+_head_ce = jax.custom_vjp(lambda n, kernel, bias, targets, tp_axis, constrain: _head_ce_fwd(
+    n, kernel, bias, targets, tp_axis, constrain)[0], nondiff_argnums=(4, 5))
+_head_ce.defvjp(_head_ce_fwd, _head_ce_bwd)

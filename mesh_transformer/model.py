@@ -126,6 +126,12 @@ def forward(params: dict, ids_BxT: jax.Array, cfg: Config, tp_axis: str | None =
     """
     constrain = constrain or _unconstrained
     params = cast_for_compute(params, cfg)
+    h_BxTxD = hidden(params, ids_BxT, cfg, tp_axis, constrain)
+    return constrain(layers.head(h_BxTxD, params["ln_f"], params["lm_head"]), LOGITS_AXES)
+
+
+def hidden(params: dict, ids_BxT: jax.Array, cfg: Config, tp_axis: str | None, constrain: Constrain) -> jax.Array:
+    """The last block's output [B, T, D], before the final LayerNorm; params already in the compute dtype."""
     h_BxTxD = constrain(layers.embed(ids_BxT, params["embed"]["wte"], tp_axis), HIDDEN_AXES)
     positions_1xT = jnp.arange(ids_BxT.shape[1])[None]
     sincos = layers.rotary_sincos(positions_1xT, cfg.pe_rotary_dims)
@@ -137,15 +143,19 @@ def forward(params: dict, ids_BxT: jax.Array, cfg: Config, tp_axis: str | None =
 
     if cfg.remat:
         step = jax.checkpoint(step, prevent_cse=False)
-    h_BxTxD, _ = lax.scan(step, h_BxTxD, params["layers"])
-    return constrain(layers.head(h_BxTxD, params["ln_f"], params["lm_head"]), LOGITS_AXES)
+    return lax.scan(step, h_BxTxD, params["layers"])[0]
 
 
 def loss_fn(params: dict, tokens_BxT1: jax.Array, cfg: Config, tp_axis: str | None = None,
             dp_axis: str | None = None, constrain: Constrain | None = None) -> jax.Array:
     """Mean next-token cross entropy of a [B, T+1] token batch (inputs [:-1], targets [1:])."""
-    logits_BxTxV = forward(params, tokens_BxT1[:, :-1], cfg, tp_axis, constrain)
-    loss = layers.cross_entropy(logits_BxTxV, tokens_BxT1[:, 1:], tp_axis).mean()
+    constrain = constrain or _unconstrained
+    params = cast_for_compute(params, cfg)
+    h_BxTxD = hidden(params, tokens_BxT1[:, :-1], cfg, tp_axis, constrain)
+    pin_logits = None if constrain is _unconstrained else partial(constrain, logical_axes=LOGITS_AXES)
+    ce_BxT = layers.head_cross_entropy(h_BxTxD, params["ln_f"], params["lm_head"], tokens_BxT1[:, 1:], tp_axis,
+                                       pin_logits)
+    loss = ce_BxT.mean()
     return loss if dp_axis is None else lax.pmean(loss, dp_axis)
 
 
@@ -232,9 +242,12 @@ def accumulated_train_step(loss_and_grad: Callable, optimizer, schedule: Callabl
             loss, grads = loss_and_grad(state["params"], tokens_BxT1)
             return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state["params"])
-        (loss_sum, grad_sum), _ = lax.scan(micro, (jnp.zeros((), jnp.float32), zeros), tokens_GxBxT1)
         n_micro = tokens_GxBxT1.shape[0]
+        if n_micro == 1:  # no accumulator: the gradients go straight into the update
+            loss_sum, grad_sum = loss_and_grad(state["params"], tokens_GxBxT1[0])
+        else:
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state["params"])
+            (loss_sum, grad_sum), _ = lax.scan(micro, (jnp.zeros((), jnp.float32), zeros), tokens_GxBxT1)
         grads = jax.tree.map(lambda g: g / n_micro, grad_sum)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
