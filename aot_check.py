@@ -93,11 +93,21 @@ def _memory(compiled) -> dict[str, float]:
             "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes, "total_bytes": total}
 
 
+def _unstacked(abstract_params: dict) -> dict:
+    """Abstract params with the layers unstacked, as the inference programs take them."""
+    def split(s):
+        one = NamedSharding(s.sharding.mesh, P(*s.sharding.spec[1:]))
+        return [jax.ShapeDtypeStruct(s.shape[1:], s.dtype, sharding=one)] * s.shape[0]
+
+    return model.unstack_layers(abstract_params, split)
+
+
 def _decode_inputs(cfg: Config, mesh: Mesh, batch: int, batch_spec, heads_spec, params) -> tuple:
     """Abstract (params, ids, positions, key_ok, index, cache) of one decode token against a full-length cache."""
-    cache_shape = (cfg.layers, batch, cfg.seq, cfg.n_heads, cfg.head_dim)
-    cache_spec = P(None, batch_spec, None, heads_spec, None)
-    cache = tuple(_abstract(cache_shape, model.DTYPES[cfg.compute_dtype], mesh, cache_spec) for _ in range(2))
+    cache_shape = (batch, cfg.n_heads, cfg.head_dim, cfg.seq)
+    cache_spec = P(batch_spec, heads_spec, None, None)
+    cache = tuple([_abstract(cache_shape, model.DTYPES[cfg.compute_dtype], mesh, cache_spec)] * cfg.layers
+                  for _ in range(2))
     rows = P(batch_spec, None)
     return (params, _abstract((batch, 1), jnp.int32, mesh, rows), _abstract((batch, 1), jnp.int32, mesh, rows),
             _abstract((batch, cfg.seq), jnp.bool_, mesh, rows), _abstract((), jnp.int32, mesh, P()), cache)
@@ -111,12 +121,12 @@ def shard_map_programs(cfg: Config, devices: list) -> dict:
     batch = cfg.per_replica_batch * mesh.shape[mesh_lib.DP]
     tokens = jax.ShapeDtypeStruct((cfg.gradient_accumulation_steps, batch, cfg.seq + 1), jnp.int32,
                                   sharding=model.batch_sharding(mesh))
-    decode_params = model.abstract_params(cfg, mesh, model.DTYPES[cfg.compute_dtype])
+    decode_params = _unstacked(model.abstract_params(cfg, mesh, model.DTYPES[cfg.compute_dtype]))
     decode_args = _decode_inputs(cfg, mesh, batch, mesh_lib.DP, mesh_lib.MP, decode_params)
-    cache_spec = decode_args[-1][0].sharding.spec
+    cache_spec = [decode_args[-1][0][0].sharding.spec] * cfg.layers
     decode = jax.jit(jax.shard_map(
         partial(sampling.forward_cached, cfg=cfg, tp_axis=mesh_lib.MP), mesh=mesh,
-        in_specs=(model.param_specs(cfg), P(mesh_lib.DP, None), P(mesh_lib.DP, None), P(mesh_lib.DP, None), P(),
+        in_specs=(sampling.param_specs(cfg), P(mesh_lib.DP, None), P(mesh_lib.DP, None), P(mesh_lib.DP, None), P(),
                   (cache_spec, cache_spec)),
         out_specs=(P(mesh_lib.DP, None), (cache_spec, cache_spec)), check_vma=True), donate_argnums=5)
     return {"mesh": dict(mesh.shape), "state": state, "tokens": tokens,
@@ -132,12 +142,12 @@ def gspmd_programs(cfg: Config, devices: list, sizes: dict) -> dict:
     batch = partitioning.global_batch(cfg, mesh)
     tokens = jax.ShapeDtypeStruct((cfg.gradient_accumulation_steps, batch, cfg.seq + 1), jnp.int32,
                                   sharding=partitioning.batch_sharding(mesh))
-    decode_params = partitioning.abstract_params(cfg, mesh, model.DTYPES[cfg.compute_dtype])
+    decode_params = _unstacked(partitioning.abstract_params(cfg, mesh, model.DTYPES[cfg.compute_dtype]))
     spec = partitioning.logical_sharding(cfg, mesh, partitioning.ACTIVATION_AXES["kv_cache"]).spec
-    decode_args = _decode_inputs(cfg, mesh, batch, spec[1], spec[3], decode_params)
+    decode_args = _decode_inputs(cfg, mesh, batch, spec[0], spec[1], decode_params)
     logits = partitioning.logical_sharding(cfg, mesh, ("batch", "vocab"))
     decode = jax.jit(partial(sampling.forward_cached, cfg=cfg), in_shardings=jax.tree.map(
-        lambda s: s.sharding, decode_args), out_shardings=(logits, tuple(a.sharding for a in decode_args[-1])),
+        lambda s: s.sharding, decode_args), out_shardings=(logits, jax.tree.map(lambda a: a.sharding, decode_args[-1])),
         donate_argnums=5)
     return {"mesh": dict(mesh.shape), "state": state, "tokens": tokens,
             "train": partitioning.make_train_step(cfg, mesh, optimizer, optim.lr_schedule(cfg)),

@@ -54,14 +54,27 @@ def qkv(n_BxTxD: jax.Array, p: dict, head_dim: int, sincos: tuple[jax.Array, jax
     return apply_rotary(q, *sincos), apply_rotary(k, *sincos), v
 
 
-def attend(q_BxTxHxK: jax.Array, k_BxSxHxK: jax.Array, v_BxSxHxK: jax.Array, mask_BxTxS: jax.Array) -> jax.Array:
-    """Softmax attention in f32 over the keys allowed by the mask; returns [B, T, H*K]."""
-    head_dim = q_BxTxHxK.shape[-1]
-    scores_BxHxTxS = jnp.einsum("bthk,bshk->bhts", q_BxTxHxK, k_BxSxHxK, preferred_element_type=F32)
-    scores_BxHxTxS = scores_BxHxTxS / jnp.sqrt(F32(head_dim))
-    scores_BxHxTxS = jnp.where(mask_BxTxS[:, None], scores_BxHxTxS, jnp.finfo(F32).min)
-    probs_BxHxTxS = jax.nn.softmax(scores_BxHxTxS, -1).astype(v_BxSxHxK.dtype)
-    ctx_BxTxHxK = jnp.einsum("bhts,bshk->bthk", probs_BxHxTxS, v_BxSxHxK)
+def attend(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array, mask_BxTxT: jax.Array,
+           past: tuple | None = None) -> jax.Array:
+    """Softmax attention in f32 over the keys allowed by the mask; returns [B, T, H*K].
+
+    With `past=(k_BxSxHxK, v_BxSxHxK, mask_BxTxS)` the queries also see S earlier keys (a KV cache), read where
+    they lie: their scores are joined to the new keys' before the softmax, so the cache is never copied to append
+    the new keys to it.
+    """
+    def scores(k_BxSxHxK, mask_BxTxS):
+        s_BxHxTxS = jnp.einsum("bthk,bshk->bhts", q_BxTxHxK, k_BxSxHxK, preferred_element_type=F32)
+        s_BxHxTxS = s_BxHxTxS / jnp.sqrt(F32(q_BxTxHxK.shape[-1]))
+        return jnp.where(mask_BxTxS[:, None], s_BxHxTxS, jnp.finfo(F32).min)
+
+    scores_BxHxTxT = scores(k_BxTxHxK, mask_BxTxT)
+    if past is not None:
+        scores_BxHxTxT = jnp.concatenate([scores(past[0], past[2]), scores_BxHxTxT], -1)
+    probs_BxHxTxT = jax.nn.softmax(scores_BxHxTxT, -1).astype(v_BxTxHxK.dtype)
+    n_past = 0 if past is None else past[0].shape[1]
+    ctx_BxTxHxK = jnp.einsum("bhts,bshk->bthk", probs_BxHxTxT[..., n_past:], v_BxTxHxK)
+    if past is not None:
+        ctx_BxTxHxK += jnp.einsum("bhts,bshk->bthk", probs_BxHxTxT[..., :n_past], past[1])
     return ctx_BxTxHxK.reshape(*ctx_BxTxHxK.shape[:2], -1)
 
 
@@ -75,40 +88,19 @@ def mlp(n_BxTxD: jax.Array, p: dict) -> jax.Array:
     return h_BxTxF @ p["fc_out"]["kernel"]
 
 
-def write_cache(cache_BxSxHxK: jax.Array, new_BxTxHxK: jax.Array, index: jax.Array | int) -> jax.Array:
-    """The cache with T new keys (or values) written from `index`: a scalar for every row, or [B], one per row."""
-    new_BxTxHxK = new_BxTxHxK.astype(cache_BxSxHxK.dtype)
-    if jnp.ndim(index) == 0:
-        return lax.dynamic_update_slice_in_dim(cache_BxSxHxK, new_BxTxHxK, index, 1)
-    if new_BxTxHxK.shape[1] == 1:
-        # One token per row (decoding): a select, which XLA fuses into the reads of the cache; a scatter would not.
-        at_BxS = jnp.arange(cache_BxSxHxK.shape[1])[None, :] == index[:, None]
-        return jnp.where(at_BxS[:, :, None, None], new_BxTxHxK, cache_BxSxHxK)
-    return jax.vmap(lambda c_SxHxK, n_TxHxK, i: lax.dynamic_update_slice_in_dim(c_SxHxK, n_TxHxK, i, 0))(
-        cache_BxSxHxK, new_BxTxHxK, index)
-
-
-def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, mask_BxTxS, tp_axis: str | None = None,
-          cache: tuple | None = None, return_new_kv: bool = False):
+def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, mask_BxTxT, tp_axis: str | None = None,
+          past: tuple | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """One GPT-J block: h + Attn(LN(h)) + MLP(LN(h)), with one all-reduce of attn + mlp under tensor parallelism.
 
-    With `cache=(k_BxSxHxK, v_BxSxHxK, write_index)`, the new keys and values are written into the cache at
-    write_index (one buffer position for all rows, or one per row as a [B] array) and attention reads the whole
-    cache; the updated (k, v) are returned as the second output, or with `return_new_kv` only the T new ones
-    [B, T, H, K] (for a caller that stores them in a larger cache itself).
+    Returns the new h and this block's keys and values [B, T, H, K], for a caller that keeps a KV cache. With
+    `past=(k_BxSxHxK, v_BxSxHxK, mask_BxTxS)` attention also sees those cached keys (see `attend`).
     """
     n_BxTxD = layer_norm(h_BxTxD, p["ln_1"])
     q, k, v = qkv(n_BxTxD, p["attn"], head_dim, sincos)
-    new_cache = None
-    if cache is not None:
-        k_cache, v_cache, index = cache
-        new_kv = (k, v)
-        k, v = write_cache(k_cache, k, index), write_cache(v_cache, v, index)
-        new_cache = new_kv if return_new_kv else (k, v)
-    out_BxTxD = attend(q, k, v, mask_BxTxS) @ p["attn"]["out"] + mlp(n_BxTxD, p["mlp"])
+    out_BxTxD = attend(q, k, v, mask_BxTxT, past) @ p["attn"]["out"] + mlp(n_BxTxD, p["mlp"])
     if tp_axis is not None:
         out_BxTxD = lax.psum(out_BxTxD, tp_axis)
-    return h_BxTxD + out_BxTxD + p["mlp"]["fc_out"]["bias"], new_cache
+    return h_BxTxD + out_BxTxD + p["mlp"]["fc_out"]["bias"], (k, v)
 
 
 def embed(ids_BxT: jax.Array, wte_VxD: jax.Array, tp_axis: str | None = None) -> jax.Array:

@@ -61,6 +61,21 @@ def param_specs(cfg: Config) -> dict:
     }
 
 
+def unstacked_specs(specs: dict, n_layers: int) -> dict:
+    """A param tree's specs (or shardings' specs) with "layers" as a list of per-layer trees, as `unstack_layers`."""
+    layer = jax.tree.map(lambda spec: P(*spec[1:]), specs["layers"], is_leaf=lambda x: isinstance(x, P))
+    return {**specs, "layers": [layer] * n_layers}
+
+
+def unstack_layers(params: dict, split: Callable | None = None) -> dict:
+    """The params with "layers" as a list of L per-layer trees, for inference programs that loop over the layers
+    in Python. `split(stacked leaf) -> its L slices` (default: indexing) may also place or describe them."""
+    split = split or (lambda x: [x[i] for i in range(x.shape[0])])
+    stacked, treedef = jax.tree.flatten(params["layers"])
+    slices = [split(x) for x in stacked]
+    return {**params, "layers": [jax.tree.unflatten(treedef, list(layer)) for layer in zip(*slices)]}
+
+
 def param_shardings(cfg: Config, mesh: Mesh) -> dict:
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs(cfg))
 

@@ -50,7 +50,7 @@ ACTIVATION_AXES = {
     "heads": ("batch", "length", "heads", "head_dim"),
     "mlp": ("batch", "length", "mlp"),
     "logits": ("batch", "length", "vocab"),
-    "kv_cache": ("layers", "batch", "length", "heads", "head_dim"),
+    "kv_cache": ("batch", "heads", "head_dim", "length"),  # one layer's
 }
 
 

@@ -2,10 +2,10 @@
 
 Prompts are left-padded so that every row ends at the same buffer position; rotary positions count a row's real
 tokens only and the attention mask hides pad keys, so a row's tokens do not depend on its neighbours. The KV cache
-[L, B, S, H, K] is split like the heads (H over 'mp') and the batch over 'dp'; the same layer functions as training
-run under `jax.shard_map`. Batch, prompt length and generation length are bucketed to powers of two, so a new length
-inside a bucket reuses the compiled program. Shapes: B batch, T prompt (bucket), N new tokens (bucket), S = T + N
-cache length, V vocab, L layers, H heads (on this device), K head dim.
+(L arrays [B, H, K, S] each for keys and values) is split like the heads (H over 'mp') and the batch over 'dp';
+the same layer functions as training run under `jax.shard_map`. Batch, prompt length and generation length are
+bucketed to powers of two, so a new length inside a bucket reuses the compiled program. Shapes: B batch, T prompt
+(bucket), N new tokens (bucket), S = T + N cache length, V vocab, L layers, H heads (on this device), K head dim.
 """
 from __future__ import annotations
 
@@ -92,37 +92,40 @@ def sample(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array, 
 
 
 # ----------------------------------------------------------------------------------------------- cached forward
-def attention_mask(key_ok_BxS: jax.Array, index: jax.Array, length: int) -> jax.Array:
-    """[B, T, S]: query t (at buffer index + t) sees keys at or before it that are not padding."""
-    query_1xTx1 = (index + jnp.arange(length))[None, :, None]
-    return key_ok_BxS[:, None, :] & (jnp.arange(key_ok_BxS.shape[1])[None, None, :] <= query_1xTx1)
-
-
 def forward_cached(params: dict, ids_BxT: jax.Array, positions_BxT: jax.Array, key_ok_BxS: jax.Array,
-                   index: jax.Array, cache: tuple[jax.Array, jax.Array], cfg: Config,
-                   tp_axis: str | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Logits [B, V] after the last of T new tokens written at buffer `index`, and the updated (k, v) caches."""
-    length = ids_BxT.shape[1]
+                   index: jax.Array | int, cache: tuple[list, list], cfg: Config,
+                   tp_axis: str | None = None) -> tuple[jax.Array, tuple[list, list]]:
+    """Logits [B, V] after the last of T new tokens written at buffer `index`, and the updated (k, v) caches.
+
+    `params` has its layers unstacked (`model.unstack_layers`) and the loop over them is unrolled: a scan over
+    the stacked layers would copy every layer's weights out of the stack at every token, doubling what a decode
+    step reads. The caches are lists of L arrays [B, H, K, S] (one per layer, as a slice of a stacked cache would
+    be copied before every read), positions last, the layout XLA's CPU dot wants for one-token attention; handing
+    a layer's cache to the block as [B, S, H, K] is then free. Query t (at buffer index + t)
+    sees the non-padding keys at or before it; with `index` the int 0 (a prefill) the cache is not read at all.
+    """
+    length, cache_len = ids_BxT.shape[1], key_ok_BxS.shape[1]
     h_BxTxD = layers.embed(ids_BxT, params["embed"]["wte"], tp_axis)
     sincos = layers.rotary_sincos(positions_BxT, cfg.pe_rotary_dims)
-    mask_BxTxS = attention_mask(key_ok_BxS, index, length)
-
-    def step(carry, xs):
-        h_BxTxD, k_LxBxSxHxK, v_LxBxSxHxK = carry
-        layer_params, layer = xs
-        h_BxTxD, (k_BxSxHxK, v_BxSxHxK) = layers.block(
-            h_BxTxD, layer_params, cfg.head_dim, sincos, mask_BxTxS, tp_axis,
-            cache=(k_LxBxSxHxK[layer], v_LxBxSxHxK[layer], index))
-        # Write back only the new positions, so the loop carry is updated in place.
-        new_k = lax.dynamic_slice_in_dim(k_BxSxHxK, index, length, 1)[None]
-        new_v = lax.dynamic_slice_in_dim(v_BxSxHxK, index, length, 1)[None]
-        at = (layer, 0, index, 0, 0)
-        return (h_BxTxD, lax.dynamic_update_slice(k_LxBxSxHxK, new_k, at),
-                lax.dynamic_update_slice(v_LxBxSxHxK, new_v, at)), None
-
-    (h_BxTxD, *cache), _ = lax.scan(step, (h_BxTxD, *cache), (params["layers"], jnp.arange(cfg.layers)))
+    new_ok_BxT = lax.dynamic_slice_in_dim(key_ok_BxS, index, length, 1)
+    mask_BxTxT = new_ok_BxT[:, None, :] & layers.causal_mask(length)
+    read_cache = not (isinstance(index, int) and index == 0)
+    past_mask_Bx1xS = (key_ok_BxS & (jnp.arange(cache_len) < index))[:, None, :]
+    k_cache, v_cache = list(cache[0]), list(cache[1])
+    for layer, layer_params in enumerate(params["layers"]):
+        past = (k_cache[layer].transpose(0, 3, 1, 2), v_cache[layer].transpose(0, 3, 1, 2), past_mask_Bx1xS)
+        h_BxTxD, (k_BxTxHxK, v_BxTxHxK) = layers.block(h_BxTxD, layer_params, cfg.head_dim, sincos, mask_BxTxT,
+                                                       tp_axis, past if read_cache else None)
+        # Only the T new keys and values are written, so the cache is updated in place. The write must come after
+        # attention's reads of the cache, else XLA copies the cache to keep them apart: adding 0 * h (which
+        # attention produced) makes it depend on them.
+        after = 0 * h_BxTxD[:, :1, :1, None].astype(k_cache[layer].dtype)
+        k_cache[layer] = lax.dynamic_update_slice_in_dim(k_cache[layer], (k_BxTxHxK + after).transpose(0, 2, 3, 1),
+                                                         index, 3)
+        v_cache[layer] = lax.dynamic_update_slice_in_dim(v_cache[layer], (v_BxTxHxK + after).transpose(0, 2, 3, 1),
+                                                         index, 3)
     logits_BxV = layers.head(h_BxTxD[:, -1:], params["ln_f"], params["lm_head"])[:, 0]
-    return gather_vocab(logits_BxV, tp_axis), tuple(cache)
+    return gather_vocab(logits_BxV, tp_axis), (k_cache, v_cache)
 
 
 def gather_vocab(logits_BxV: jax.Array, tp_axis: str | None) -> jax.Array:
@@ -155,12 +158,12 @@ def generate_local(params: dict, ids_BxT: jax.Array, valid_BxT: jax.Array, tempe
     """
     batch, prompt_len = ids_BxT.shape
     cache_len = prompt_len + n_new
-    heads = params["layers"]["attn"]["k"].shape[-1] // cfg.head_dim
+    heads = params["layers"][0]["attn"]["k"].shape[-1] // cfg.head_dim
     axes = tuple(a for a in (dp_axis, tp_axis) if a)
     row_axes = (dp_axis,) if dp_axis else ()
-    dtype = params["layers"]["attn"]["k"].dtype
-    cache = tuple(_vary(jnp.zeros((cfg.layers, batch, cache_len, heads, cfg.head_dim), dtype), axes)
-                  for _ in range(2))
+    dtype = params["layers"][0]["attn"]["k"].dtype
+    cache = tuple([_vary(jnp.zeros((batch, heads, cfg.head_dim, cache_len), dtype), axes)
+                   for _ in range(cfg.layers)] for _ in range(2))
     key_ok_BxS = jnp.concatenate([valid_BxT, jnp.ones((batch, n_new), bool)], axis=1)
     real_len_B = valid_BxT.sum(-1)
     key_Bx2 = jax.vmap(jax.random.PRNGKey)(seed_B)
@@ -233,14 +236,39 @@ def _placed(x: Any, sharding: NamedSharding, dtype: Any) -> jax.Array:
     return x if x.dtype == dtype else x.astype(dtype)
 
 
+def place_params(params: dict, cfg: Config, mesh: Mesh) -> dict:
+    """The params for the inference programs: on their shards, in the compute dtype, layers unstacked into a list.
+
+    A stacked leaf is placed and split before the next one is touched, so the device holds at most one stacked
+    leaf besides the result.
+    """
+    dtype = model.DTYPES[cfg.compute_dtype]
+    shardings = model.param_shardings(cfg, mesh)
+    placed = jax.tree.map(partial(_placed, dtype=dtype), {k: v for k, v in params.items() if k != "layers"},
+                          {k: v for k, v in shardings.items() if k != "layers"})
+    layer_shardings = iter(jax.tree.leaves(shardings["layers"]))
+
+    def split(x):
+        sharding = next(layer_shardings)
+        one = NamedSharding(mesh, P(*sharding.spec[1:]))
+        return jax.jit(lambda s: [s[i] for i in range(cfg.layers)], out_shardings=[one] * cfg.layers)(
+            _placed(x, sharding, dtype))
+
+    return model.unstack_layers({**placed, "layers": params["layers"]}, split)
+
+
+def param_specs(cfg: Config) -> dict:
+    """shard_map in_specs of `place_params`' tree."""
+    return model.unstacked_specs(model.param_specs(cfg), cfg.layers)
+
+
 class Sampler:
     """Generates from a GPT-J on a ('dp', 'mp') mesh; params are kept sharded, in the compute dtype."""
 
     def __init__(self, cfg: Config, mesh: Mesh, params: dict):
         self.cfg, self.mesh = cfg, mesh
         self.dp = mesh.shape[DP]
-        dtype = model.DTYPES[cfg.compute_dtype]
-        self.params = jax.tree.map(partial(_placed, dtype=dtype), params, model.param_shardings(cfg, mesh))
+        self.params = place_params(params, cfg, mesh)
         self._traces = 0
         self._generate = jax.jit(self._trace_generate, static_argnames="n_new")
 
@@ -253,7 +281,7 @@ class Sampler:
         self._traces += 1
         row, rows = P(DP), P(DP, None)
         fn = jax.shard_map(partial(generate_local, cfg=self.cfg, n_new=n_new, tp_axis=MP, dp_axis=DP),
-                           mesh=self.mesh, in_specs=(model.param_specs(self.cfg), rows, rows, *[row] * 5, P(), P()),
+                           mesh=self.mesh, in_specs=(param_specs(self.cfg), rows, rows, *[row] * 5, P(), P()),
                            out_specs=(rows, rows), check_vma=True)
         return fn(params, *batch)
 

@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 import jax
@@ -23,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from mesh_transformer import model, slot_decoding
 from mesh_transformer.config import Config
 from mesh_transformer.mesh import DP
-from mesh_transformer.sampling import _placed, _tokens_within, bucket, check_sampling, cut_at_stop
+from mesh_transformer.sampling import _tokens_within, place_params, bucket, check_sampling, cut_at_stop
 from mesh_transformer.tokenizer import EOS_ID
 
 log = logging.getLogger(__name__)
@@ -121,10 +120,10 @@ class Engine:
         self.n_slots = -(-max_batch // dp) * dp
         self._n_local = self.n_slots // dp
         dtype = model.DTYPES[cfg.compute_dtype]
-        self._params = jax.tree.map(partial(_placed, dtype=dtype), params, model.param_shardings(cfg, mesh))
+        self._params = place_params(params, cfg, mesh)
         self._programs = slot_decoding.programs(cfg, mesh)
-        cache_shape = (cfg.layers, self.n_slots, cfg.n_heads, cfg.head_dim, cfg.seq)
-        zeros = jax.jit(lambda: jnp.zeros(cache_shape, dtype),
+        cache_shape = (self.n_slots, cfg.n_heads, cfg.head_dim, cfg.seq)
+        zeros = jax.jit(lambda: [jnp.zeros(cache_shape, dtype) for _ in range(cfg.layers)],
                         out_shardings=NamedSharding(mesh, slot_decoding.CACHE_SPEC))
         self._k_cache, self._v_cache = zeros(), zeros()
         self._slots: list[_Slot | None] = [None] * self.n_slots

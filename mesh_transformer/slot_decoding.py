@@ -1,10 +1,12 @@
 """Device programs for serving: prefill one request into a slot of a shared KV cache, and advance every busy slot by
 one token, each slot at its own position.
 
-The cache [L, N, H, K, S] holds N slots of S = cfg.seq positions, heads split over 'mp' and slots over 'dp'; both
-programs run under `jax.shard_map` with the same layer functions as training and sampling. Positions come last
-because XLA's CPU dot wants one-token attention's keys and values that way: handing them to the layers as
-[B, S, H, K] is then free, where a [..., S, H, K] cache cost a slow strided copy of the span per layer.
+The cache, L arrays [N, H, K, S] each for keys and values (one per layer: a slice of a stacked cache is copied
+before every read), holds N slots of S = cfg.seq positions, heads split over 'mp' and slots over 'dp'; both
+programs run under `jax.shard_map` with the same layer functions as training and sampling, with the layers
+unrolled over unstacked params (`sampling.place_params`). Positions come last because XLA's CPU dot wants
+one-token attention's keys and values that way: handing them to the layers as [B, S, H, K] is then free, where a
+[..., S, H, K] cache cost a slow strided copy of the span per layer.
 
 A prompt is written from position 0 of its slot (no padding on the left), its rotary positions are its own, and its
 queries see only keys at or before their own position. Token i of a request is drawn with key
@@ -22,12 +24,12 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from mesh_transformer import layers, model
+from mesh_transformer import layers
 from mesh_transformer.config import Config
 from mesh_transformer.mesh import DP, MP
-from mesh_transformer.sampling import gather_vocab, sample
+from mesh_transformer.sampling import gather_vocab, param_specs, sample
 
-CACHE_SPEC = P(None, DP, MP, None, None)  # [L, N, H, K, S]: slots over dp, heads over mp
+CACHE_SPEC = P(DP, MP, None, None)  # each layer's [N, H, K, S]: slots over dp, heads over mp
 
 
 def choose(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array,
@@ -39,7 +41,7 @@ def choose(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array, 
     return token_B, logprob_B
 
 
-def prefill_local(params: dict, k_cache: jax.Array, v_cache: jax.Array, ids_1xT: jax.Array, length: jax.Array,
+def prefill_local(params: dict, k_cache: list, v_cache: list, ids_1xT: jax.Array, length: jax.Array,
                   slot: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seed: jax.Array, *,
                   cfg: Config, tp_axis: str | None = None, dp_axis: str | None = None):
     """Run one prompt (right-padded to T) and write its keys and values from position 0 of its slot.
@@ -48,36 +50,33 @@ def prefill_local(params: dict, k_cache: jax.Array, v_cache: jax.Array, ids_1xT:
     log-prob [1] and the updated caches.
     """
     width = ids_1xT.shape[1]
-    n_local, heads = k_cache.shape[1], k_cache.shape[2]
+    n_local = k_cache[0].shape[0]
     h_1xTxD = layers.embed(ids_1xT, params["embed"]["wte"], tp_axis)
     sincos = layers.rotary_sincos(jnp.arange(width)[None], cfg.pe_rotary_dims)
     mask_1xTxT = layers.causal_mask(width)
-    empty_1xTxHxK = jnp.zeros((1, width, heads, cfg.head_dim), k_cache.dtype)
-
-    def step(h_1xTxD, layer_params):
-        # An empty cache of the prompt's width makes the block hand back this layer's keys and values.
-        h_1xTxD, kv = layers.block(h_1xTxD, layer_params, cfg.head_dim, sincos, mask_1xTxT, tp_axis,
-                                   cache=(empty_1xTxHxK, empty_1xTxHxK, 0))
-        return h_1xTxD, kv
-
-    h_1xTxD, (k_Lx1xTxHxK, v_Lx1xTxHxK) = lax.scan(step, h_1xTxD, params["layers"])
+    kv = []
+    for layer_params in params["layers"]:
+        h_1xTxD, kv_layer = layers.block(h_1xTxD, layer_params, cfg.head_dim, sincos, mask_1xTxT, tp_axis)
+        kv.append(kv_layer)
     last_1x1xD = lax.dynamic_slice_in_dim(h_1xTxD, length - 1, 1, 1)
     logits_1xV = gather_vocab(layers.head(last_1x1xD, params["ln_f"], params["lm_head"])[:, 0], tp_axis)
     token_1, logprob_1 = choose(logits_1xV, temperature[None], top_k[None], top_p[None], seed[None],
                                 jnp.zeros(1, jnp.int32))
     local = slot - (lax.axis_index(dp_axis) * n_local if dp_axis else 0)
     owns = (local >= 0) & (local < n_local)
-    at = (0, jnp.clip(local, 0, n_local - 1), 0, 0, 0)
+    at = (jnp.clip(local, 0, n_local - 1), 0, 0, 0)
 
-    def write(cache_LxNxHxKxS, new_Lx1xTxHxK):
-        new_Lx1xHxKxT = new_Lx1xTxHxK.transpose(0, 1, 3, 4, 2).astype(cache_LxNxHxKxS.dtype)
-        old = lax.dynamic_slice(cache_LxNxHxKxS, at, new_Lx1xHxKxT.shape)
-        return lax.dynamic_update_slice(cache_LxNxHxKxS, jnp.where(owns, new_Lx1xHxKxT, old), at)
+    def write(cache_NxHxKxS, new_1xTxHxK):
+        new_1xHxKxT = new_1xTxHxK.transpose(0, 2, 3, 1).astype(cache_NxHxKxS.dtype)
+        old = lax.dynamic_slice(cache_NxHxKxS, at, new_1xHxKxT.shape)
+        return lax.dynamic_update_slice(cache_NxHxKxS, jnp.where(owns, new_1xHxKxT, old), at)
 
-    return token_1, logprob_1, write(k_cache, k_Lx1xTxHxK), write(v_cache, v_Lx1xTxHxK)
+    k_cache = [write(c, k) for c, (k, _) in zip(k_cache, kv)]
+    v_cache = [write(c, v) for c, (_, v) in zip(v_cache, kv)]
+    return token_1, logprob_1, k_cache, v_cache
 
 
-def decode_local(params: dict, k_cache: jax.Array, v_cache: jax.Array, token_N: jax.Array, position_N: jax.Array,
+def decode_local(params: dict, k_cache: list, v_cache: list, token_N: jax.Array, position_N: jax.Array,
                  temperature_N: jax.Array, top_k_N: jax.Array, top_p_N: jax.Array, seed_N: jax.Array,
                  index_N: jax.Array, *, cfg: Config, rows: int, span: int, tp_axis: str | None = None):
     """One token for each of the first `rows` slots: write the last token's key at the slot's own position, attend
@@ -86,31 +85,25 @@ def decode_local(params: dict, k_cache: jax.Array, v_cache: jax.Array, token_N: 
     Returns tokens and log-probs [R] and the updated caches.
     """
     token_R, position_R = token_N[:rows], position_N[:rows]
-    heads = k_cache.shape[2]
     h_Rx1xD = layers.embed(token_R[:, None], params["embed"]["wte"], tp_axis)
     sincos = layers.rotary_sincos(position_R[:, None], cfg.pe_rotary_dims)
-    mask_Rx1xS = (jnp.arange(span)[None, :] <= position_R[:, None])[:, None, :]
+    # Cached keys strictly before each slot's own position: from there on the slot holds stale keys, if any.
+    past_mask_Rx1xS = (jnp.arange(span)[None, :] < position_R[:, None])[:, None, :]
+    new_mask_Rx1x1 = jnp.ones((rows, 1, 1), bool)
     row_R = jnp.arange(rows)
-
-    def step(carry, xs):
-        h_Rx1xD, k_LxNxHxKxS, v_LxNxHxKxS = carry
-        layer_params, layer = xs
-        window = (1, rows, heads, cfg.head_dim, span)
-        k_RxSxHxK = lax.dynamic_slice(k_LxNxHxKxS, (layer, 0, 0, 0, 0), window)[0].transpose(0, 3, 1, 2)
-        v_RxSxHxK = lax.dynamic_slice(v_LxNxHxKxS, (layer, 0, 0, 0, 0), window)[0].transpose(0, 3, 1, 2)
-        h_Rx1xD, (k_Rx1xHxK, v_Rx1xHxK) = layers.block(h_Rx1xD, layer_params, cfg.head_dim, sincos, mask_Rx1xS,
-                                                       tp_axis, cache=(k_RxSxHxK, v_RxSxHxK, position_R),
-                                                       return_new_kv=True)
-        # Only the one new key and value per slot go back, so the carried cache is updated in place. The write must
-        # come after attention's reads of the cache, else XLA copies the whole cache to keep them apart: adding
-        # 0 * h (which attention produced) makes it depend on them.
-        after_R11 = 0 * h_Rx1xD[:, :, :1, None].astype(k_LxNxHxKxS.dtype)
-        k_LxNxHxKxS = k_LxNxHxKxS.at[layer, row_R, :, :, position_R].set((k_Rx1xHxK + after_R11)[:, 0])
-        v_LxNxHxKxS = v_LxNxHxKxS.at[layer, row_R, :, :, position_R].set((v_Rx1xHxK + after_R11)[:, 0])
-        return (h_Rx1xD, k_LxNxHxKxS, v_LxNxHxKxS), None
-
-    (h_Rx1xD, k_cache, v_cache), _ = lax.scan(step, (h_Rx1xD, k_cache, v_cache),
-                                              (params["layers"], jnp.arange(cfg.layers)))
+    k_cache, v_cache = list(k_cache), list(v_cache)
+    for layer, layer_params in enumerate(params["layers"]):
+        # The first `rows` slots and `span` positions: a copy unless that is the whole cache, but only of them.
+        past = (k_cache[layer][:rows, :, :, :span].transpose(0, 3, 1, 2),
+                v_cache[layer][:rows, :, :, :span].transpose(0, 3, 1, 2), past_mask_Rx1xS)
+        h_Rx1xD, (k_Rx1xHxK, v_Rx1xHxK) = layers.block(h_Rx1xD, layer_params, cfg.head_dim, sincos, new_mask_Rx1x1,
+                                                       tp_axis, past)
+        # Only the one new key and value per slot go back, so the cache is updated in place. The write must come
+        # after attention's reads of the cache, else XLA copies the whole cache to keep them apart: adding 0 * h
+        # (which attention produced) makes it depend on them.
+        after_R11 = 0 * h_Rx1xD[:, :, :1, None].astype(k_cache[layer].dtype)
+        k_cache[layer] = k_cache[layer].at[row_R, :, :, position_R].set((k_Rx1xHxK + after_R11)[:, 0])
+        v_cache[layer] = v_cache[layer].at[row_R, :, :, position_R].set((v_Rx1xHxK + after_R11)[:, 0])
     logits_RxV = gather_vocab(layers.head(h_Rx1xD, params["ln_f"], params["lm_head"])[:, 0], tp_axis)
     token_R, logprob_R = choose(logits_RxV, temperature_N[:rows], top_k_N[:rows], top_p_N[:rows], seed_N[:rows],
                                 index_N[:rows])
@@ -122,7 +115,7 @@ class Programs:
 
     def __init__(self, cfg: Config, mesh: Mesh):
         self.cfg, self.mesh = cfg, mesh
-        specs, replicated = model.param_specs(cfg), P()
+        specs, replicated = param_specs(cfg), P()
         fn = partial(prefill_local, cfg=cfg, tp_axis=MP, dp_axis=DP)
         self.prefill = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs, CACHE_SPEC, CACHE_SPEC, *[replicated] * 7),
                                              out_specs=(replicated, replicated, CACHE_SPEC, CACHE_SPEC),
@@ -132,7 +125,7 @@ class Programs:
     def _decode(self, params, k_cache, v_cache, *slots, rows: int, span: int):
         fn = partial(decode_local, cfg=self.cfg, rows=rows, span=span, tp_axis=MP)
         row = P(DP)
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=(model.param_specs(self.cfg), CACHE_SPEC, CACHE_SPEC,
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=(param_specs(self.cfg), CACHE_SPEC, CACHE_SPEC,
                                                            *[row] * len(slots)),
                              out_specs=(row, row, CACHE_SPEC, CACHE_SPEC), check_vma=True)(params, k_cache, v_cache,
                                                                                           *slots)

@@ -72,8 +72,9 @@ def test_kv_cache_logits_equal_full_forward_at_every_step(params):
     ids, mask = left_pad(prompts)
     length, n_new = ids.shape[1], 4
     key_ok = jnp.concatenate([jnp.asarray(mask, bool), jnp.ones((2, n_new), bool)], 1)
-    cache = tuple(jnp.zeros((CFG.layers, 2, length + n_new, CFG.n_heads, CFG.head_dim)) for _ in range(2))
-    step = jax.jit(lambda p, i, pos, at, c: sampling.forward_cached(p, i, pos, key_ok, at, c, CFG))
+    cache = tuple([jnp.zeros((2, CFG.n_heads, CFG.head_dim, length + n_new))] * CFG.layers for _ in range(2))
+    step = jax.jit(lambda p, i, pos, at, c: sampling.forward_cached(model.unstack_layers(p), i, pos, key_ok, at, c,
+                                                                    CFG))
     # Right-padded rows in one causal forward: padding after a position does not change its logits.
     rows = [p + f.tolist() for p, f in zip(prompts, fed)]
     full = np.asarray(jax.jit(lambda p, x: model.forward(p, x, CFG))(params, right_pad(rows)))
@@ -94,7 +95,7 @@ def test_sharded_results_equal_single_device(params, sampler, greedy, dp, mp):
     expected = sampler.generate(PROMPTS, 10, **kwargs)
     assert expected[0].finish_reason == "stop"
     sharded = sampling.Sampler(dataclasses.replace(CFG, cores_per_replica=mp), make_dp_mp(dp, mp), params)
-    assert sharded.params["layers"]["attn"]["k"].addressable_shards[0].data.shape[-1] == CFG.d_model // mp
+    assert sharded.params["layers"][0]["attn"]["k"].addressable_shards[0].data.shape[-1] == CFG.d_model // mp
     for ours, ref in zip(sharded.generate(PROMPTS, 10, **kwargs), expected):
         assert ours.tokens == ref.tokens and ours.finish_reason == ref.finish_reason
         np.testing.assert_allclose(ours.logprobs, ref.logprobs, atol=1e-5)
