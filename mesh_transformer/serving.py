@@ -1,7 +1,8 @@
 """Continuous-batching generation engine: one background thread owns the device; requests join between decode steps.
 
-The engine holds N slots of a shared KV cache (slot_decoding.py). A new request is prefilled alone (prompt length
-bucketed, so compiles are reused) into a free slot between two decode steps and joins the next step; each step
+The engine holds N slots of a shared KV cache (slot_decoding.py). New requests are prefilled together, up to 16 in
+one program (rows padded to 1, 4 or 16, prompt length bucketed, so compiles are reused), into free slots between
+two decode steps and join the next step; each step
 advances every busy slot by one token, sampled with that request's own temperature, top-k, top-p and seed. EOS,
 max_tokens and stop strings (checked here on the decoded text) end a request; streamed text leaves as it is made.
 """
@@ -28,6 +29,15 @@ from mesh_transformer.tokenizer import EOS_ID
 log = logging.getLogger(__name__)
 
 MIN_SPAN = 32  # the shortest stretch of the cache a decode step reads
+MAX_PREFILL_ROWS = 16  # requests prefilled together at most; fewer are padded to 1, 4 or 16 rows
+
+
+def _prefill_rows(n: int) -> int:
+    """The rows a prefill of n requests is padded to: a power of 4, so few programs cover every count."""
+    rows = 1
+    while rows < n:
+        rows *= 4
+    return min(rows, MAX_PREFILL_ROWS)
 SPAN_BUCKETS = 4  # by default spans are seq/8, seq/4, seq/2, seq: compiles stay few on a long context
 
 
@@ -194,8 +204,8 @@ class Engine:
                     if self._stopping:
                         break
                     admitted = self._take_admissions()
-                for slot, request in admitted:
-                    self._prefill(slot, request)
+                for start in range(0, len(admitted), MAX_PREFILL_ROWS):
+                    self._prefill(admitted[start:start + MAX_PREFILL_ROWS])
                 self._drop_cancelled()
                 if any(self._slots):
                     self._decode_step()
@@ -219,36 +229,50 @@ class Engine:
         return admitted
 
     def _warm_up(self) -> None:
-        """Run every program once (each prompt bucket, each rows x span) on the empty cache, compiling them all."""
+        """Run every program once (each prompt bucket x prefill rows, each rows x span) on the empty cache, compiling
+        them all."""
         seq = self.cfg.seq
         widths = sorted({bucket(n, maximum=seq) for n in range(1, seq)})
+        prefill_rows = sorted({_prefill_rows(n) for n in range(1, min(self.n_slots, MAX_PREFILL_ROWS) + 1)})
         rows = sorted({bucket(n, minimum=1, maximum=self._n_local) for n in range(1, self._n_local + 1)})
         spans = sorted({bucket(n, minimum=self.min_span, maximum=seq) for n in range(1, seq + 1)})
-        log.info("compiling %d prefill and %d decode programs", len(widths), len(rows) * len(spans))
+        log.info("compiling %d prefill and %d decode programs", len(widths) * len(prefill_rows),
+                 len(rows) * len(spans))
         for width in widths:
-            self._run_prefill(np.zeros((1, width), np.int32), 1, 0)
+            for n in prefill_rows:
+                self._run_prefill(np.zeros((n, width), np.int32), *(np.zeros(n, dtype) for dtype in (
+                    np.int32, np.int32, np.float32, np.int32, np.float32, np.uint32)))
         for n in rows:
             for span in spans:
                 self._run_decode(*(np.zeros(self.n_slots, dtype) for dtype in (np.int32, np.int32, np.float32,
                                    np.int32, np.float32, np.uint32, np.int32)), rows=n, span=span)
 
-    def _run_prefill(self, ids_1xT: np.ndarray, length: int, slot: int, temperature: float = 0.0, top_k: int = 0,
-                     top_p: float = 1.0, seed: int = 0) -> tuple[int, float]:
-        token, logprob, self._k_cache, self._v_cache = self._programs.prefill(
-            self._params, self._k_cache, self._v_cache, ids_1xT, np.int32(length), np.int32(slot),
-            np.float32(temperature), np.int32(top_k), np.float32(top_p), np.uint32(seed % 2 ** 32))
-        return int(np.asarray(token)[0]), float(np.asarray(logprob)[0])
+    def _run_prefill(self, ids_RxT: np.ndarray, *rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Prefill R prompts; `rows` are length, slot, temperature, top_k, top_p and seed, one value per prompt."""
+        tokens, logprobs, self._k_cache, self._v_cache = self._programs.prefill(
+            self._params, self._k_cache, self._v_cache, ids_RxT, *rows)
+        return np.asarray(tokens), np.asarray(logprobs)
 
     def _run_decode(self, *slots: np.ndarray, rows: int, span: int) -> tuple[np.ndarray, np.ndarray]:
         tokens, logprobs, self._k_cache, self._v_cache = self._programs.decode(
             self._params, self._k_cache, self._v_cache, *slots, rows=rows, span=span)
         return np.asarray(tokens), np.asarray(logprobs)
 
-    def _prefill(self, slot: int, request: GenerationRequest) -> None:
-        ids_1xT = np.zeros((1, bucket(len(request.prompt), maximum=self.cfg.seq)), np.int32)
-        ids_1xT[0, :len(request.prompt)] = request.prompt
-        self._accept(slot, *self._run_prefill(ids_1xT, len(request.prompt), slot, request.temperature, request.top_k,
-                                              request.top_p, request.seed))
+    def _prefill(self, admitted: list[tuple[int, GenerationRequest]]) -> None:
+        """Prefill up to MAX_PREFILL_ROWS admitted requests in one program, padded to a bucket of rows."""
+        n = _prefill_rows(len(admitted))
+        ids_RxT = np.zeros((n, bucket(max(len(r.prompt) for _, r in admitted), maximum=self.cfg.seq)), np.int32)
+        length, slot = np.ones(n, np.int32), np.full(n, -1, np.int32)  # padding rows: written nowhere
+        temperature, top_k = np.zeros(n, np.float32), np.zeros(n, np.int32)
+        top_p, seed = np.ones(n, np.float32), np.zeros(n, np.uint32)
+        for row, (i, request) in enumerate(admitted):
+            ids_RxT[row, :len(request.prompt)] = request.prompt
+            length[row], slot[row] = len(request.prompt), i
+            temperature[row], top_k[row], top_p[row] = request.temperature, request.top_k, request.top_p
+            seed[row] = request.seed % 2 ** 32
+        tokens, logprobs = self._run_prefill(ids_RxT, length, slot, temperature, top_k, top_p, seed)
+        for row, (i, _) in enumerate(admitted):
+            self._accept(i, int(tokens[row]), float(logprobs[row]))
 
     def _decode_step(self) -> None:
         busy = [i for i, slot in enumerate(self._slots) if slot is not None]

@@ -1,4 +1,4 @@
-"""Device programs for serving: prefill one request into a slot of a shared KV cache, and advance every busy slot by
+"""Device programs for serving: prefill new requests into slots of a shared KV cache, and advance every busy slot by
 one token, each slot at its own position.
 
 The cache, L arrays [N, H, K, S] each for keys and values (one per layer: a slice of a stacked cache is copied
@@ -41,39 +41,37 @@ def choose(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array, 
     return token_B, logprob_B
 
 
-def prefill_local(params: dict, k_cache: list, v_cache: list, ids_1xT: jax.Array, length: jax.Array,
-                  slot: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, seed: jax.Array, *,
-                  cfg: Config, tp_axis: str | None = None, dp_axis: str | None = None):
-    """Run one prompt (right-padded to T) and write its keys and values from position 0 of its slot.
+def prefill_local(params: dict, k_cache: list, v_cache: list, ids_RxT: jax.Array, length_R: jax.Array,
+                  slot_R: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array, top_p_R: jax.Array,
+                  seed_R: jax.Array, *, cfg: Config, tp_axis: str | None = None, dp_axis: str | None = None):
+    """Run R prompts (right-padded to T) together and write each one's keys and values from position 0 of its slot.
 
-    Every dp group computes the prompt; only the one holding the slot writes it. Returns the first token and its
-    log-prob [1] and the updated caches.
+    Every dp group computes every prompt; each writes only the rows whose slots it holds (a slot of -1 is a padding
+    row, written nowhere). Returns the first tokens and their log-probs [R] and the updated caches.
     """
-    width = ids_1xT.shape[1]
+    width = ids_RxT.shape[1]
     n_local = k_cache[0].shape[0]
-    h_1xTxD = layers.embed(ids_1xT, params["embed"]["wte"], tp_axis)
+    h_RxTxD = layers.embed(ids_RxT, params["embed"]["wte"], tp_axis)
     sincos = layers.rotary_sincos(jnp.arange(width)[None], cfg.pe_rotary_dims)
     mask_1xTxT = layers.causal_mask(width)
     kv = []
     for layer_params in params["layers"]:
-        h_1xTxD, kv_layer = layers.block(h_1xTxD, layer_params, cfg.head_dim, sincos, mask_1xTxT, tp_axis)
+        h_RxTxD, kv_layer = layers.block(h_RxTxD, layer_params, cfg.head_dim, sincos, mask_1xTxT, tp_axis)
         kv.append(kv_layer)
-    last_1x1xD = lax.dynamic_slice_in_dim(h_1xTxD, length - 1, 1, 1)
-    logits_1xV = gather_vocab(layers.head(last_1x1xD, params["ln_f"], params["lm_head"])[:, 0], tp_axis)
-    token_1, logprob_1 = choose(logits_1xV, temperature[None], top_k[None], top_p[None], seed[None],
-                                jnp.zeros(1, jnp.int32))
-    local = slot - (lax.axis_index(dp_axis) * n_local if dp_axis else 0)
-    owns = (local >= 0) & (local < n_local)
-    at = (jnp.clip(local, 0, n_local - 1), 0, 0, 0)
+    last_Rx1xD = jnp.take_along_axis(h_RxTxD, (length_R - 1)[:, None, None], axis=1)
+    logits_RxV = gather_vocab(layers.head(last_Rx1xD, params["ln_f"], params["lm_head"])[:, 0], tp_axis)
+    token_R, logprob_R = choose(logits_RxV, temperature_R, top_k_R, top_p_R, seed_R, jnp.zeros_like(length_R))
+    local_R = slot_R - (lax.axis_index(dp_axis) * n_local if dp_axis else 0)
+    # Rows this group does not hold point past the end of its slots, and the scatter drops them.
+    target_R = jnp.where((slot_R >= 0) & (local_R >= 0) & (local_R < n_local), local_R, n_local)
 
-    def write(cache_NxHxKxS, new_1xTxHxK):
-        new_1xHxKxT = new_1xTxHxK.transpose(0, 2, 3, 1).astype(cache_NxHxKxS.dtype)
-        old = lax.dynamic_slice(cache_NxHxKxS, at, new_1xHxKxT.shape)
-        return lax.dynamic_update_slice(cache_NxHxKxS, jnp.where(owns, new_1xHxKxT, old), at)
+    def write(cache_NxHxKxS, new_RxTxHxK):
+        new_RxHxKxT = new_RxTxHxK.transpose(0, 2, 3, 1).astype(cache_NxHxKxS.dtype)
+        return cache_NxHxKxS.at[target_R, :, :, :width].set(new_RxHxKxT, mode="drop")
 
     k_cache = [write(c, k) for c, (k, _) in zip(k_cache, kv)]
     v_cache = [write(c, v) for c, (_, v) in zip(v_cache, kv)]
-    return token_1, logprob_1, k_cache, v_cache
+    return token_R, logprob_R, k_cache, v_cache
 
 
 def decode_local(params: dict, k_cache: list, v_cache: list, token_N: jax.Array, position_N: jax.Array,
