@@ -126,8 +126,8 @@ def shard_map_programs(cfg: Config, devices: list) -> dict:
     cache_spec = [decode_args[-1][0][0].sharding.spec] * cfg.layers
     decode = jax.jit(jax.shard_map(
         partial(sampling.forward_cached, cfg=cfg, tp_axis=mesh_lib.MP), mesh=mesh,
-        in_specs=(sampling.param_specs(cfg), P(mesh_lib.DP, None), P(mesh_lib.DP, None), P(mesh_lib.DP, None), P(),
-                  (cache_spec, cache_spec)),
+        in_specs=(model.unstacked_specs(model.param_specs(cfg), cfg.layers), P(mesh_lib.DP, None),
+                  P(mesh_lib.DP, None), P(mesh_lib.DP, None), P(), (cache_spec, cache_spec)),
         out_specs=(P(mesh_lib.DP, None), (cache_spec, cache_spec)), check_vma=True), donate_argnums=5)
     return {"mesh": dict(mesh.shape), "state": state, "tokens": tokens,
             "train": model.make_train_step(cfg, mesh, optimizer, optim.lr_schedule(cfg)),

@@ -93,14 +93,59 @@ def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, mask_BxTxT, tp_axi
     """One GPT-J block: h + Attn(LN(h)) + MLP(LN(h)), with one all-reduce of attn + mlp under tensor parallelism.
 
     Returns the new h and this block's keys and values [B, T, H, K], for a caller that keeps a KV cache. With
-    `past=(k_BxSxHxK, v_BxSxHxK, mask_BxTxS)` attention also sees those cached keys (see `attend`).
+    `past=(k_BxSxHxK, v_BxSxHxK, mask_BxTxS)` attention also sees those cached keys (see `attend`). `p` is a layer
+    of the param tree, or one whose projections `fuse_layer` joined (for inference).
     """
     n_BxTxD = layer_norm(h_BxTxD, p["ln_1"])
+    if "fused" in p:
+        return _fused_block(h_BxTxD, n_BxTxD, p["fused"], head_dim, sincos, mask_BxTxT, tp_axis, past)
     q, k, v = qkv(n_BxTxD, p["attn"], head_dim, sincos)
     out_BxTxD = attend(q, k, v, mask_BxTxT, past) @ p["attn"]["out"] + mlp(n_BxTxD, p["mlp"])
     if tp_axis is not None:
         out_BxTxD = lax.psum(out_BxTxD, tp_axis)
     return h_BxTxD + out_BxTxD + p["mlp"]["fc_out"]["bias"], (k, v)
+
+
+def fuse_layer(layer: dict, tp_size: int) -> dict:
+    """One layer's projections joined for inference (global arrays; run it under jit): q, k, v and fc_in, which all
+    read LN(h), become one matrix, and attn out and fc_out, whose outputs are summed, another. A one-token step
+    then reads each layer's weights in two matrix products instead of six.
+
+    Under tensor parallelism each device must hold its own heads and MLP columns side by side, so the joined
+    matrices carry a device axis: "in" [D, tp, 3*D/tp + F/tp] and "out" [tp, D/tp + F/tp, D], split on it.
+    """
+    attn, mlp_p = layer["attn"], layer["mlp"]
+    d = attn["q"].shape[0]
+
+    def cols(w):
+        return w.reshape(w.shape[0], tp_size, -1)
+
+    in_w = jnp.concatenate([cols(attn["q"]), cols(attn["k"]), cols(attn["v"]), cols(mlp_p["fc_in"]["kernel"])], -1)
+    in_b = jnp.concatenate([jnp.zeros((tp_size, 3 * d // tp_size), mlp_p["fc_in"]["bias"].dtype),
+                            mlp_p["fc_in"]["bias"].reshape(tp_size, -1)], -1)
+    out_w = jnp.concatenate([attn["out"].reshape(tp_size, -1, d), mlp_p["fc_out"]["kernel"].reshape(tp_size, -1, d)],
+                            1)
+    return {"ln_1": layer["ln_1"],
+            "fused": {"in": in_w, "in_bias": in_b, "out": out_w, "out_bias": mlp_p["fc_out"]["bias"]}}
+
+
+def _fused_block(h_BxTxD, n_BxTxD, p: dict, head_dim: int, sincos, mask_BxTxT, tp_axis, past):
+    """`block` over `fuse_layer`'s matrices (this device's slice: the device axis is 1 here)."""
+    d = p["in"].shape[0]
+    d_local = (p["in"].shape[-1] - p["out"].shape[1]) // 2  # in: 3 * D/tp + F/tp columns, out: D/tp + F/tp rows
+    y = n_BxTxD @ p["in"].reshape(d, -1) + p["in_bias"].reshape(-1)
+
+    def heads(i):
+        part = y[..., i * d_local:(i + 1) * d_local]
+        return part.reshape(*part.shape[:-1], -1, head_dim)
+
+    q, k, v = apply_rotary(heads(0), *sincos), apply_rotary(heads(1), *sincos), heads(2)
+    act = jax.nn.gelu(y[..., 3 * d_local:], approximate=True)
+    joined = jnp.concatenate([attend(q, k, v, mask_BxTxT, past), act], -1)
+    out_BxTxD = joined @ p["out"].reshape(-1, d)
+    if tp_axis is not None:
+        out_BxTxD = lax.psum(out_BxTxD, tp_axis)
+    return h_BxTxD + out_BxTxD + p["out_bias"], (k, v)
 
 
 def embed(ids_BxT: jax.Array, wte_VxD: jax.Array, tp_axis: str | None = None) -> jax.Array:

@@ -158,10 +158,10 @@ def generate_local(params: dict, ids_BxT: jax.Array, valid_BxT: jax.Array, tempe
     """
     batch, prompt_len = ids_BxT.shape
     cache_len = prompt_len + n_new
-    heads = params["layers"][0]["attn"]["k"].shape[-1] // cfg.head_dim
+    heads = cfg.n_heads // lax.axis_size(tp_axis) if tp_axis else cfg.n_heads
     axes = tuple(a for a in (dp_axis, tp_axis) if a)
     row_axes = (dp_axis,) if dp_axis else ()
-    dtype = params["layers"][0]["attn"]["k"].dtype
+    dtype = params["layers"][0]["fused"]["in"].dtype
     cache = tuple([_vary(jnp.zeros((batch, heads, cfg.head_dim, cache_len), dtype), axes)
                    for _ in range(cfg.layers)] for _ in range(2))
     key_ok_BxS = jnp.concatenate([valid_BxT, jnp.ones((batch, n_new), bool)], axis=1)
@@ -237,10 +237,11 @@ def _placed(x: Any, sharding: NamedSharding, dtype: Any) -> jax.Array:
 
 
 def place_params(params: dict, cfg: Config, mesh: Mesh) -> dict:
-    """The params for the inference programs: on their shards, in the compute dtype, layers unstacked into a list.
+    """The params for the inference programs: on their shards, in the compute dtype, layers unstacked into a list,
+    each layer's projections joined (`layers.fuse_layer`).
 
-    A stacked leaf is placed and split before the next one is touched, so the device holds at most one stacked
-    leaf besides the result.
+    A stacked leaf is placed and split before the next one is touched, and a layer is joined before the next, so
+    the device holds little besides the result.
     """
     dtype = model.DTYPES[cfg.compute_dtype]
     shardings = model.param_shardings(cfg, mesh)
@@ -254,12 +255,20 @@ def place_params(params: dict, cfg: Config, mesh: Mesh) -> dict:
         return jax.jit(lambda s: [s[i] for i in range(cfg.layers)], out_shardings=[one] * cfg.layers)(
             _placed(x, sharding, dtype))
 
-    return model.unstack_layers({**placed, "layers": params["layers"]}, split)
+    unstacked = model.unstack_layers({**placed, "layers": params["layers"]}, split)
+    fuse = jax.jit(partial(layers.fuse_layer, tp_size=mesh.shape[MP]),
+                   out_shardings=jax.tree.map(partial(NamedSharding, mesh), param_specs(cfg)["layers"][0],
+                                              is_leaf=lambda x: isinstance(x, P)))
+    layer_list = unstacked.pop("layers")
+    return {**unstacked, "layers": [fuse(layer_list.pop(0)) for _ in range(cfg.layers)]}
 
 
 def param_specs(cfg: Config) -> dict:
     """shard_map in_specs of `place_params`' tree."""
-    return model.unstacked_specs(model.param_specs(cfg), cfg.layers)
+    specs = model.unstacked_specs(model.param_specs(cfg), cfg.layers)
+    fused = {"ln_1": specs["layers"][0]["ln_1"],
+             "fused": {"in": P(None, MP, None), "in_bias": P(MP, None), "out": P(MP, None, None), "out_bias": P()}}
+    return {**specs, "layers": [fused] * cfg.layers}
 
 
 class Sampler:
