@@ -101,9 +101,14 @@ def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, mask_BxTxT, tp_axi
         return _fused_block(h_BxTxD, n_BxTxD, p["fused"], head_dim, sincos, mask_BxTxT, tp_axis, past)
     q, k, v = qkv(n_BxTxD, p["attn"], head_dim, sincos)
     out_BxTxD = attend(q, k, v, mask_BxTxT, past) @ p["attn"]["out"] + mlp(n_BxTxD, p["mlp"])
+    return _residual(h_BxTxD, out_BxTxD, p["mlp"]["fc_out"]["bias"], tp_axis), (k, v)
+
+
+def _residual(h_BxTxD: jax.Array, out_BxTxD: jax.Array, bias_D: jax.Array, tp_axis: str | None) -> jax.Array:
+    """h + the block's output, summed over tensor-parallel shards first, + fc_out's bias (added once)."""
     if tp_axis is not None:
         out_BxTxD = lax.psum(out_BxTxD, tp_axis)
-    return h_BxTxD + out_BxTxD + p["mlp"]["fc_out"]["bias"], (k, v)
+    return h_BxTxD + out_BxTxD + bias_D
 
 
 def fuse_layer(layer: dict, tp_size: int) -> dict:
@@ -142,10 +147,7 @@ def _fused_block(h_BxTxD, n_BxTxD, p: dict, head_dim: int, sincos, mask_BxTxT, t
     q, k, v = apply_rotary(heads(0), *sincos), apply_rotary(heads(1), *sincos), heads(2)
     act = jax.nn.gelu(y[..., 3 * d_local:], approximate=True)
     joined = jnp.concatenate([attend(q, k, v, mask_BxTxT, past), act], -1)
-    out_BxTxD = joined @ p["out"].reshape(-1, d)
-    if tp_axis is not None:
-        out_BxTxD = lax.psum(out_BxTxD, tp_axis)
-    return h_BxTxD + out_BxTxD + p["out_bias"], (k, v)
+    return _residual(h_BxTxD, joined @ p["out"].reshape(-1, d), p["out_bias"], tp_axis), (k, v)
 
 
 def embed(ids_BxT: jax.Array, wte_VxD: jax.Array, tp_axis: str | None = None) -> jax.Array:

@@ -167,7 +167,7 @@ def loss_fn(params: dict, tokens_BxT1: jax.Array, cfg: Config, tp_axis: str | No
     constrain = constrain or _unconstrained
     params = cast_for_compute(params, cfg)
     h_BxTxD = hidden(params, tokens_BxT1[:, :-1], cfg, tp_axis, constrain)
-    pin_logits = None if constrain is _unconstrained else partial(constrain, logical_axes=LOGITS_AXES)
+    pin_logits = None if constrain is _unconstrained else (lambda logits: constrain(logits, LOGITS_AXES))
     ce_BxT = layers.head_cross_entropy(h_BxTxD, params["ln_f"], params["lm_head"], tokens_BxT1[:, 1:], tp_axis,
                                        pin_logits)
     loss = ce_BxT.mean()
