@@ -58,23 +58,25 @@ def attend(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array, mas
            past: tuple | None = None) -> jax.Array:
     """Softmax attention in f32 over the keys allowed by the mask; returns [B, T, H*K].
 
-    With `past=(k_BxSxHxK, v_BxSxHxK, mask_BxTxS)` the queries also see S earlier keys (a KV cache), read where
-    they lie: their scores are joined to the new keys' before the softmax, so the cache is never copied to append
-    the new keys to it.
+    With `past=(k_blocks, v_blocks, mask_BxTxS)` the queries also see S earlier keys (a KV cache) held in one or
+    more blocks [B, S_j, H, K] that together make S, read where they lie: their scores are joined to the new keys'
+    before the softmax, so the cache is never copied to append the new keys or to join its blocks.
     """
     def scores(k_BxSxHxK, mask_BxTxS):
         s_BxHxTxS = jnp.einsum("bthk,bshk->bhts", q_BxTxHxK, k_BxSxHxK, preferred_element_type=F32)
         s_BxHxTxS = s_BxHxTxS / jnp.sqrt(F32(q_BxTxHxK.shape[-1]))
         return jnp.where(mask_BxTxS[:, None], s_BxHxTxS, jnp.finfo(F32).min)
 
-    scores_BxHxTxT = scores(k_BxTxHxK, mask_BxTxT)
-    if past is not None:
-        scores_BxHxTxT = jnp.concatenate([scores(past[0], past[2]), scores_BxHxTxT], -1)
-    probs_BxHxTxT = jax.nn.softmax(scores_BxHxTxT, -1).astype(v_BxTxHxK.dtype)
-    n_past = 0 if past is None else past[0].shape[1]
-    ctx_BxTxHxK = jnp.einsum("bhts,bshk->bthk", probs_BxHxTxT[..., n_past:], v_BxTxHxK)
-    if past is not None:
-        ctx_BxTxHxK += jnp.einsum("bhts,bshk->bthk", probs_BxHxTxT[..., :n_past], past[1])
+    k_blocks, v_blocks, past_mask = past if past is not None else ([], [], None)
+    starts = [0]
+    for k_block in k_blocks:
+        starts.append(starts[-1] + k_block.shape[1])
+    parts = [scores(k, past_mask[..., a:b]) for k, a, b in zip(k_blocks, starts, starts[1:])]
+    probs_BxHxTxS = jax.nn.softmax(jnp.concatenate([*parts, scores(k_BxTxHxK, mask_BxTxT)], -1), -1)
+    probs_BxHxTxS = probs_BxHxTxS.astype(v_BxTxHxK.dtype)
+    ctx_BxTxHxK = jnp.einsum("bhts,bshk->bthk", probs_BxHxTxS[..., starts[-1]:], v_BxTxHxK)
+    for v, a, b in zip(v_blocks, starts, starts[1:]):
+        ctx_BxTxHxK += jnp.einsum("bhts,bshk->bthk", probs_BxHxTxS[..., a:b], v)
     return ctx_BxTxHxK.reshape(*ctx_BxTxHxK.shape[:2], -1)
 
 
@@ -93,7 +95,7 @@ def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, mask_BxTxT, tp_axi
     """One GPT-J block: h + Attn(LN(h)) + MLP(LN(h)), with one all-reduce of attn + mlp under tensor parallelism.
 
     Returns the new h and this block's keys and values [B, T, H, K], for a caller that keeps a KV cache. With
-    `past=(k_BxSxHxK, v_BxSxHxK, mask_BxTxS)` attention also sees those cached keys (see `attend`). `p` is a layer
+    `past=(k_blocks, v_blocks, mask_BxTxS)` attention also sees those cached keys (see `attend`). `p` is a layer
     of the param tree, or one whose projections `fuse_layer` joined (for inference).
     """
     n_BxTxD = layer_norm(h_BxTxD, p["ln_1"])

@@ -113,7 +113,7 @@ def forward_cached(params: dict, ids_BxT: jax.Array, positions_BxT: jax.Array, k
     past_mask_Bx1xS = (key_ok_BxS & (jnp.arange(cache_len) < index))[:, None, :]
     k_cache, v_cache = list(cache[0]), list(cache[1])
     for layer, layer_params in enumerate(params["layers"]):
-        past = (k_cache[layer].transpose(0, 3, 1, 2), v_cache[layer].transpose(0, 3, 1, 2), past_mask_Bx1xS)
+        past = ([k_cache[layer].transpose(0, 3, 1, 2)], [v_cache[layer].transpose(0, 3, 1, 2)], past_mask_Bx1xS)
         h_BxTxD, (k_BxTxHxK, v_BxTxHxK) = layers.block(h_BxTxD, layer_params, cfg.head_dim, sincos, mask_BxTxT,
                                                        tp_axis, past if read_cache else None)
         # Only the T new keys and values are written, so the cache is updated in place. The write must come after

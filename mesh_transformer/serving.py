@@ -28,7 +28,7 @@ from mesh_transformer.tokenizer import EOS_ID
 
 log = logging.getLogger(__name__)
 
-MIN_SPAN = 32  # the shortest stretch of the cache a decode step reads
+MIN_SPAN = 32  # the shortest stretch of the cache a decode step reads: one block of it
 MAX_PREFILL_ROWS = 16  # requests prefilled together at most; fewer are padded to 1, 4 or 16 rows
 
 
@@ -38,7 +38,7 @@ def _prefill_rows(n: int) -> int:
     while rows < n:
         rows *= 4
     return min(rows, MAX_PREFILL_ROWS)
-SPAN_BUCKETS = 4  # by default spans are seq/8, seq/4, seq/2, seq: compiles stay few on a long context
+SPAN_BUCKETS = 4  # by default a step reads 1, 2, 4 or 8 blocks of seq/8: compiles stay few on a long context
 
 
 class QueueFull(RuntimeError):
@@ -113,9 +113,9 @@ class Engine:
     N is max_batch rounded up to a multiple of the mesh's dp. `submit` fails at once with QueueFull when the queue
     holds max_queue requests. Cancelled requests leave the queue at once and free their slot at the next step.
     A decode step computes only the slots up to the highest busy one (a power of two per dp group) and reads only
-    the cache positions up to the furthest busy one (a power of two, at least `min_span`), so a lone request does
-    not pay for N slots and a long context; each (rows, span) pair is one compiled program. With `warm_up`, the
-    constructor compiles every program first, so no request waits for a compile.
+    the cache blocks (of `min_span` positions) up to the furthest busy one (a power of two of them), so a lone
+    request does not pay for N slots and a long context; each (rows, blocks) pair is one compiled program. With
+    `warm_up`, the constructor compiles every program first, so no request waits for a compile.
     """
 
     def __init__(self, cfg: Config, mesh: Mesh, params: dict, tokenizer: Any, *, max_batch: int = 8,
@@ -132,8 +132,9 @@ class Engine:
         dtype = model.DTYPES[cfg.compute_dtype]
         self._params = place_params(params, cfg, mesh)
         self._programs = slot_decoding.programs(cfg, mesh)
-        cache_shape = (self.n_slots, cfg.n_heads, cfg.head_dim, cfg.seq)
-        zeros = jax.jit(lambda: [jnp.zeros(cache_shape, dtype) for _ in range(cfg.layers)],
+        self._block_sizes = slot_decoding.block_sizes(cfg.seq, min(self.min_span, cfg.seq))
+        zeros = jax.jit(lambda: [[jnp.zeros((self.n_slots, cfg.n_heads, cfg.head_dim, size), dtype)
+                                  for size in self._block_sizes] for _ in range(cfg.layers)],
                         out_shardings=NamedSharding(mesh, slot_decoding.CACHE_SPEC))
         self._k_cache, self._v_cache = zeros(), zeros()
         self._slots: list[_Slot | None] = [None] * self.n_slots
@@ -229,23 +230,24 @@ class Engine:
         return admitted
 
     def _warm_up(self) -> None:
-        """Run every program once (each prompt bucket x prefill rows, each rows x span) on the empty cache, compiling
-        them all."""
+        """Run every program once (each prompt bucket x prefill rows, each rows x blocks) on the empty cache,
+        compiling them all."""
         seq = self.cfg.seq
         widths = sorted({bucket(n, maximum=seq) for n in range(1, seq)})
         prefill_rows = sorted({_prefill_rows(n) for n in range(1, min(self.n_slots, MAX_PREFILL_ROWS) + 1)})
         rows = sorted({bucket(n, minimum=1, maximum=self._n_local) for n in range(1, self._n_local + 1)})
-        spans = sorted({bucket(n, minimum=self.min_span, maximum=seq) for n in range(1, seq + 1)})
+        n_blocks = len(self._block_sizes)
+        block_counts = sorted({bucket(n, minimum=1, maximum=n_blocks) for n in range(1, n_blocks + 1)})
         log.info("compiling %d prefill and %d decode programs", len(widths) * len(prefill_rows),
-                 len(rows) * len(spans))
+                 len(rows) * len(block_counts))
         for width in widths:
             for n in prefill_rows:
                 self._run_prefill(np.zeros((n, width), np.int32), *(np.zeros(n, dtype) for dtype in (
                     np.int32, np.int32, np.float32, np.int32, np.float32, np.uint32)))
         for n in rows:
-            for span in spans:
+            for count in block_counts:
                 self._run_decode(*(np.zeros(self.n_slots, dtype) for dtype in (np.int32, np.int32, np.float32,
-                                   np.int32, np.float32, np.uint32, np.int32)), rows=n, span=span)
+                                   np.int32, np.float32, np.uint32, np.int32)), rows=n, n_blocks=count)
 
     def _run_prefill(self, ids_RxT: np.ndarray, *rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Prefill R prompts; `rows` are length, slot, temperature, top_k, top_p and seed, one value per prompt."""
@@ -253,9 +255,9 @@ class Engine:
             self._params, self._k_cache, self._v_cache, ids_RxT, *rows)
         return np.asarray(tokens), np.asarray(logprobs)
 
-    def _run_decode(self, *slots: np.ndarray, rows: int, span: int) -> tuple[np.ndarray, np.ndarray]:
+    def _run_decode(self, *slots: np.ndarray, rows: int, n_blocks: int) -> tuple[np.ndarray, np.ndarray]:
         tokens, logprobs, self._k_cache, self._v_cache = self._programs.decode(
-            self._params, self._k_cache, self._v_cache, *slots, rows=rows, span=span)
+            self._params, self._k_cache, self._v_cache, *slots, rows=rows, n_blocks=n_blocks)
         return np.asarray(tokens), np.asarray(logprobs)
 
     def _prefill(self, admitted: list[tuple[int, GenerationRequest]]) -> None:
@@ -277,7 +279,8 @@ class Engine:
     def _decode_step(self) -> None:
         busy = [i for i, slot in enumerate(self._slots) if slot is not None]
         rows = bucket(max(i % self._n_local for i in busy) + 1, minimum=1, maximum=self._n_local)
-        span = bucket(max(self._slots[i].position for i in busy) + 1, minimum=self.min_span, maximum=self.cfg.seq)
+        furthest = max(self._slots[i].position for i in busy)
+        n_blocks = bucket(furthest // self._block_sizes[0] + 1, minimum=1, maximum=len(self._block_sizes))
         token, position, index = (np.zeros(self.n_slots, np.int32) for _ in range(3))
         temperature, top_p = np.zeros(self.n_slots, np.float32), np.ones(self.n_slots, np.float32)
         top_k, seed = np.zeros(self.n_slots, np.int32), np.zeros(self.n_slots, np.uint32)
@@ -288,7 +291,7 @@ class Engine:
             temperature[i], top_k[i], top_p[i] = request.temperature, request.top_k, request.top_p
             seed[i] = request.seed % 2 ** 32
         tokens, logprobs = self._run_decode(token, position, temperature, top_k, top_p, seed, index, rows=rows,
-                                            span=span)
+                                            n_blocks=n_blocks)
         for i in busy:  # outputs hold `rows` entries per dp group
             out = (i // self._n_local) * rows + i % self._n_local
             self._accept(i, int(tokens[out]), float(logprobs[out]))

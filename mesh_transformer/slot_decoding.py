@@ -1,18 +1,19 @@
 """Device programs for serving: prefill new requests into slots of a shared KV cache, and advance every busy slot by
 one token, each slot at its own position.
 
-The cache, L arrays [N, H, K, S] each for keys and values (one per layer: a slice of a stacked cache is copied
-before every read), holds N slots of S = cfg.seq positions, heads split over 'mp' and slots over 'dp'; both
-programs run under `jax.shard_map` with the same layer functions as training and sampling, with the layers
-unrolled over unstacked params (`sampling.place_params`). Positions come last because XLA's CPU dot wants
-one-token attention's keys and values that way: handing them to the layers as [B, S, H, K] is then free, where a
-[..., S, H, K] cache cost a slow strided copy of the span per layer.
+The cache holds N slots of S = cfg.seq positions, per layer for keys and for values a list of blocks [N, H, K, S_j]
+of consecutive positions (`block_sizes`), heads split over 'mp' and slots over 'dp'. A decode step reads only the
+first blocks, as many as the furthest busy slot needs: a span of the cache read in place, where slicing it out of
+one array per layer costs a strided copy per layer per step (and a stacked cache a copy of every layer). Within a
+block positions come last, the layout XLA's CPU dot wants for one-token attention; handing a block to the layers
+as [B, S_j, H, K] is then free. Both programs run under `jax.shard_map` with the same layer functions as training
+and sampling, with the layers unrolled over unstacked params (`sampling.place_params`).
 
 A prompt is written from position 0 of its slot (no padding on the left), its rotary positions are its own, and its
 queries see only keys at or before their own position. Token i of a request is drawn with key
 fold_in(PRNGKey(seed), i), as in sampling.py, so a completion does not depend on what else is batched. Shapes: N
-slots (R of them computed in a step), S cache length (a span of it read in a step), T prompt bucket, L layers,
-H heads (on this device), K head dim, V vocab.
+slots (R of them computed in a step), S cache length, T prompt bucket, L layers, H heads (on this device), K head
+dim, V vocab.
 """
 from __future__ import annotations
 
@@ -29,7 +30,20 @@ from mesh_transformer.config import Config
 from mesh_transformer.mesh import DP, MP
 from mesh_transformer.sampling import gather_vocab, param_specs, sample
 
-CACHE_SPEC = P(DP, MP, None, None)  # each layer's [N, H, K, S]: slots over dp, heads over mp
+CACHE_SPEC = P(DP, MP, None, None)  # each block [N, H, K, S_j]: slots over dp, heads over mp
+
+
+def block_sizes(seq: int, block: int) -> list[int]:
+    """The lengths of the cache blocks: `block` positions each, the last one shorter if `seq` is not a multiple."""
+    return [min(block, seq - start) for start in range(0, seq, block)]
+
+
+def _starts(blocks: list) -> list[int]:
+    """The first position of each block."""
+    starts = [0]
+    for b in blocks[:-1]:
+        starts.append(starts[-1] + b.shape[-1])
+    return starts
 
 
 def choose(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array,
@@ -50,7 +64,7 @@ def prefill_local(params: dict, k_cache: list, v_cache: list, ids_RxT: jax.Array
     row, written nowhere). Returns the first tokens and their log-probs [R] and the updated caches.
     """
     width = ids_RxT.shape[1]
-    n_local = k_cache[0].shape[0]
+    n_local = k_cache[0][0].shape[0]
     h_RxTxD = layers.embed(ids_RxT, params["embed"]["wte"], tp_axis)
     sincos = layers.rotary_sincos(jnp.arange(width)[None], cfg.pe_rotary_dims)
     mask_1xTxT = layers.causal_mask(width)
@@ -65,43 +79,62 @@ def prefill_local(params: dict, k_cache: list, v_cache: list, ids_RxT: jax.Array
     # Rows this group does not hold point past the end of its slots, and the scatter drops them.
     target_R = jnp.where((slot_R >= 0) & (local_R >= 0) & (local_R < n_local), local_R, n_local)
 
-    def write(cache_NxHxKxS, new_RxTxHxK):
-        new_RxHxKxT = new_RxTxHxK.transpose(0, 2, 3, 1).astype(cache_NxHxKxS.dtype)
-        return cache_NxHxKxS.at[target_R, :, :, :width].set(new_RxHxKxT, mode="drop")
+    def write(blocks, new_RxTxHxK):
+        new_RxHxKxT = new_RxTxHxK.transpose(0, 2, 3, 1).astype(blocks[0].dtype)
+        written = []
+        for start, block_NxHxKxS in zip(_starts(blocks), blocks):
+            n = min(block_NxHxKxS.shape[-1], width - start)
+            if n > 0:
+                block_NxHxKxS = block_NxHxKxS.at[target_R, :, :, :n].set(new_RxHxKxT[..., start:start + n],
+                                                                         mode="drop")
+            written.append(block_NxHxKxS)
+        return written
 
-    k_cache = [write(c, k) for c, (k, _) in zip(k_cache, kv)]
-    v_cache = [write(c, v) for c, (_, v) in zip(v_cache, kv)]
+    k_cache = [write(blocks, k) for blocks, (k, _) in zip(k_cache, kv)]
+    v_cache = [write(blocks, v) for blocks, (_, v) in zip(v_cache, kv)]
     return token_R, logprob_R, k_cache, v_cache
 
 
 def decode_local(params: dict, k_cache: list, v_cache: list, token_N: jax.Array, position_N: jax.Array,
                  temperature_N: jax.Array, top_k_N: jax.Array, top_p_N: jax.Array, seed_N: jax.Array,
-                 index_N: jax.Array, *, cfg: Config, rows: int, span: int, tp_axis: str | None = None):
+                 index_N: jax.Array, *, cfg: Config, rows: int, n_blocks: int, tp_axis: str | None = None):
     """One token for each of the first `rows` slots: write the last token's key at the slot's own position, attend
-    to the first `span` cache positions (keys after a slot's own position are masked), sample the next token.
+    to the cache positions in the first `n_blocks` blocks (keys after a slot's own position are masked), sample the
+    next token.
 
     Returns tokens and log-probs [R] and the updated caches.
     """
     token_R, position_R = token_N[:rows], position_N[:rows]
     h_Rx1xD = layers.embed(token_R[:, None], params["embed"]["wte"], tp_axis)
     sincos = layers.rotary_sincos(position_R[:, None], cfg.pe_rotary_dims)
+    starts = _starts(k_cache[0])[:n_blocks]
+    span = starts[-1] + k_cache[0][n_blocks - 1].shape[-1]
     # Cached keys strictly before each slot's own position: from there on the slot holds stale keys, if any.
     past_mask_Rx1xS = (jnp.arange(span)[None, :] < position_R[:, None])[:, None, :]
     new_mask_Rx1x1 = jnp.ones((rows, 1, 1), bool)
     row_R = jnp.arange(rows)
+
+    def write(blocks, new_RxHxK):
+        written = list(blocks)
+        for j, start in enumerate(starts):  # each slot's position lies in one of the blocks read; elsewhere dropped
+            local_R = position_R - start
+            local_R = jnp.where((local_R >= 0) & (local_R < blocks[j].shape[-1]), local_R, blocks[j].shape[-1])
+            written[j] = blocks[j].at[row_R, :, :, local_R].set(new_RxHxK, mode="drop")
+        return written
+
     k_cache, v_cache = list(k_cache), list(v_cache)
     for layer, layer_params in enumerate(params["layers"]):
-        # The first `rows` slots and `span` positions: a copy unless that is the whole cache, but only of them.
-        past = (k_cache[layer][:rows, :, :, :span].transpose(0, 3, 1, 2),
-                v_cache[layer][:rows, :, :, :span].transpose(0, 3, 1, 2), past_mask_Rx1xS)
+        # The first `rows` slots of each block read: a copy unless that is every slot, but only of them.
+        past = ([b[:rows].transpose(0, 3, 1, 2) for b in k_cache[layer][:n_blocks]],
+                [b[:rows].transpose(0, 3, 1, 2) for b in v_cache[layer][:n_blocks]], past_mask_Rx1xS)
         h_Rx1xD, (k_Rx1xHxK, v_Rx1xHxK) = layers.block(h_Rx1xD, layer_params, cfg.head_dim, sincos, new_mask_Rx1x1,
                                                        tp_axis, past)
         # Only the one new key and value per slot go back, so the cache is updated in place. The write must come
         # after attention's reads of the cache, else XLA copies the whole cache to keep them apart: adding 0 * h
         # (which attention produced) makes it depend on them.
-        after_R11 = 0 * h_Rx1xD[:, :, :1, None].astype(k_cache[layer].dtype)
-        k_cache[layer] = k_cache[layer].at[row_R, :, :, position_R].set((k_Rx1xHxK + after_R11)[:, 0])
-        v_cache[layer] = v_cache[layer].at[row_R, :, :, position_R].set((v_Rx1xHxK + after_R11)[:, 0])
+        after_R11 = 0 * h_Rx1xD[:, :, :1, None].astype(k_cache[layer][0].dtype)
+        k_cache[layer] = write(k_cache[layer], (k_Rx1xHxK + after_R11)[:, 0])
+        v_cache[layer] = write(v_cache[layer], (v_Rx1xHxK + after_R11)[:, 0])
     logits_RxV = gather_vocab(layers.head(h_Rx1xD, params["ln_f"], params["lm_head"])[:, 0], tp_axis)
     token_R, logprob_R = choose(logits_RxV, temperature_N[:rows], top_k_N[:rows], top_p_N[:rows], seed_N[:rows],
                                 index_N[:rows])
@@ -118,10 +151,10 @@ class Programs:
         self.prefill = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs, CACHE_SPEC, CACHE_SPEC, *[replicated] * 7),
                                              out_specs=(replicated, replicated, CACHE_SPEC, CACHE_SPEC),
                                              check_vma=True), donate_argnums=(1, 2))
-        self.decode = jax.jit(self._decode, static_argnames=("rows", "span"), donate_argnums=(1, 2))
+        self.decode = jax.jit(self._decode, static_argnames=("rows", "n_blocks"), donate_argnums=(1, 2))
 
-    def _decode(self, params, k_cache, v_cache, *slots, rows: int, span: int):
-        fn = partial(decode_local, cfg=self.cfg, rows=rows, span=span, tp_axis=MP)
+    def _decode(self, params, k_cache, v_cache, *slots, rows: int, n_blocks: int):
+        fn = partial(decode_local, cfg=self.cfg, rows=rows, n_blocks=n_blocks, tp_axis=MP)
         row = P(DP)
         return jax.shard_map(fn, mesh=self.mesh, in_specs=(param_specs(self.cfg), CACHE_SPEC, CACHE_SPEC,
                                                            *[row] * len(slots)),

@@ -359,3 +359,27 @@ def test_device_serve_bad_flag_is_a_one_line_error():
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "--bogus" in result.stderr
+
+
+def test_slots_at_different_positions_across_uneven_cache_blocks_match_offline(params, tokenizer):
+    """Blocks of 24, 24 and 16 positions: two requests of different lengths cross block edges at different steps,
+    side by side, and still make the offline sampler's greedy tokens."""
+    engine = serving.Engine(CFG, mesh(), params, tokenizer, max_batch=4, min_span=24)
+    assert engine._block_sizes == [24, 24, 16]
+    prompts = [tokenizer.encode(PROMPTS[0])[:3], tokenizer.encode(PROMPTS[5])[:16]]
+    n_new = CFG.seq - 16
+    got, done = {}, threading.Semaphore(0)
+
+    def collect(i):
+        def on_event(event):
+            got.setdefault(i, []).extend(event.tokens)
+            if event.finish_reason or event.error:
+                done.release()
+        return on_event
+
+    engine.submit([serving.GenerationRequest(p, n_new, collect(i), temperature=0.0) for i, p in enumerate(prompts)])
+    for _ in prompts:
+        assert done.acquire(timeout=120)
+    engine.close()
+    expected = sampling.Sampler(CFG, mesh(), params).generate(prompts, n_new, temperature=0.0, stop_token_ids=[])
+    assert [got[0], got[1]] == [r.tokens for r in expected]
