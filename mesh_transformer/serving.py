@@ -2,9 +2,13 @@
 
 The engine holds N slots of a shared KV cache (slot_decoding.py). New requests are prefilled together, up to 16 in
 one program (rows padded to 1, 4 or 16, prompt length bucketed, so compiles are reused), into free slots between
-two decode steps and join the next step; each step
-advances every busy slot by one token, sampled with that request's own temperature, top-k, top-p and seed. EOS,
-max_tokens and stop strings (checked here on the decoded text) end a request; streamed text leaves as it is made.
+two decode steps and join the next step; each step advances every busy slot by one token, sampled with that
+request's own temperature, top-k, top-p and seed. EOS, max_tokens and stop strings (checked here on the decoded
+text) end a request; streamed text leaves as it is made.
+
+The host runs one step ahead of the device: each step's input tokens stay on the device, so the engine dispatches
+step k + 1 before it reads step k's tokens, and its own work (dispatch, text, streaming) overlaps the device's. A
+request that ends on a stop token or string so costs one step of its slot that is thrown away.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mesh_transformer import model, slot_decoding
 from mesh_transformer.config import Config
@@ -85,11 +90,24 @@ class _Slot:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     sent_chars: int = 0
     sent_tokens: int = 0
+    dispatched: int = 0  # tokens asked of the device so far; `tokens` holds those already read back
 
     @property
     def position(self) -> int:
-        """Where the last sampled token's key is written in the next decode step."""
-        return len(self.request.prompt) + len(self.tokens) - 1
+        """Where the last dispatched token's key is written in the next decode step."""
+        return len(self.request.prompt) + self.dispatched - 1
+
+    @property
+    def needs_step(self) -> bool:
+        return self.dispatched < self.request.max_tokens and not self.request.cancelled.is_set()
+
+
+@dataclasses.dataclass
+class _Step:
+    """A dispatched program whose tokens are not read yet: entries are (slot index, slot, output row)."""
+    tokens: jax.Array
+    logprobs: jax.Array
+    entries: list[tuple[int, _Slot, int]]
 
 
 # ------------------------------------------------------------------------------------------------------ host text
@@ -137,6 +155,8 @@ class Engine:
                                   for size in self._block_sizes] for _ in range(cfg.layers)],
                         out_shardings=NamedSharding(mesh, slot_decoding.CACHE_SPEC))
         self._k_cache, self._v_cache = zeros(), zeros()
+        # Each slot's last token, the next decode step's input: made and kept on the device.
+        self._last_tokens = jax.device_put(np.zeros(self.n_slots, np.int32), NamedSharding(mesh, P(DP)))
         self._slots: list[_Slot | None] = [None] * self.n_slots
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
         self._cond = threading.Condition()
@@ -197,19 +217,24 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        in_flight: collections.deque[_Step] = collections.deque()
         try:
             while True:
                 with self._cond:
-                    while not (self._stopping or self._waiting or any(self._slots)):
+                    while not (self._stopping or self._waiting or any(self._slots) or in_flight):
                         self._cond.wait()
                     if self._stopping:
                         break
                     admitted = self._take_admissions()
                 for start in range(0, len(admitted), MAX_PREFILL_ROWS):
-                    self._prefill(admitted[start:start + MAX_PREFILL_ROWS])
+                    in_flight.append(self._prefill(admitted[start:start + MAX_PREFILL_ROWS]))
                 self._drop_cancelled()
-                if any(self._slots):
-                    self._decode_step()
+                step = self._decode_step()
+                if step is not None:
+                    in_flight.append(step)
+                # Read back all but the step just dispatched, which the device runs meanwhile.
+                while len(in_flight) > (step is not None):
+                    self._read_back(in_flight.popleft())
             self._fail_all("the server is shutting down")
         except Exception as e:  # a device or program failure: answer everyone, refuse new work
             log.exception("serving engine failed")
@@ -246,21 +271,24 @@ class Engine:
                     np.int32, np.int32, np.float32, np.int32, np.float32, np.uint32)))
         for n in rows:
             for count in block_counts:
-                self._run_decode(*(np.zeros(self.n_slots, dtype) for dtype in (np.int32, np.int32, np.float32,
-                                   np.int32, np.float32, np.uint32, np.int32)), rows=n, n_blocks=count)
+                self._run_decode(*(np.zeros(self.n_slots, dtype) for dtype in (np.int32, np.float32, np.int32,
+                                   np.float32, np.uint32, np.int32)), rows=n, n_blocks=count)
+        jax.block_until_ready(self._last_tokens)
 
-    def _run_prefill(self, ids_RxT: np.ndarray, *rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Prefill R prompts; `rows` are length, slot, temperature, top_k, top_p and seed, one value per prompt."""
-        tokens, logprobs, self._k_cache, self._v_cache = self._programs.prefill(
-            self._params, self._k_cache, self._v_cache, ids_RxT, *rows)
-        return np.asarray(tokens), np.asarray(logprobs)
+    def _run_prefill(self, ids_RxT: np.ndarray, *rows: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """Dispatch a prefill of R prompts; `rows` are length, slot, temperature, top_k, top_p and seed, one value
+        per prompt. Returns the first tokens and log-probs [R], still on the device."""
+        tokens, logprobs, self._last_tokens, self._k_cache, self._v_cache = self._programs.prefill(
+            self._params, self._k_cache, self._v_cache, self._last_tokens, ids_RxT, *rows)
+        return tokens, logprobs
 
-    def _run_decode(self, *slots: np.ndarray, rows: int, n_blocks: int) -> tuple[np.ndarray, np.ndarray]:
-        tokens, logprobs, self._k_cache, self._v_cache = self._programs.decode(
-            self._params, self._k_cache, self._v_cache, *slots, rows=rows, n_blocks=n_blocks)
-        return np.asarray(tokens), np.asarray(logprobs)
+    def _run_decode(self, *slots: np.ndarray, rows: int, n_blocks: int) -> tuple[jax.Array, jax.Array]:
+        """Dispatch a decode step; `slots` are position, temperature, top_k, top_p, seed and token index per slot."""
+        tokens, logprobs, self._last_tokens, self._k_cache, self._v_cache = self._programs.decode(
+            self._params, self._k_cache, self._v_cache, self._last_tokens, *slots, rows=rows, n_blocks=n_blocks)
+        return tokens, logprobs
 
-    def _prefill(self, admitted: list[tuple[int, GenerationRequest]]) -> None:
+    def _prefill(self, admitted: list[tuple[int, GenerationRequest]]) -> _Step:
         """Prefill up to MAX_PREFILL_ROWS admitted requests in one program, padded to a bucket of rows."""
         n = _prefill_rows(len(admitted))
         ids_RxT = np.zeros((n, bucket(max(len(r.prompt) for _, r in admitted), maximum=self.cfg.seq)), np.int32)
@@ -272,29 +300,40 @@ class Engine:
             length[row], slot[row] = len(request.prompt), i
             temperature[row], top_k[row], top_p[row] = request.temperature, request.top_k, request.top_p
             seed[row] = request.seed % 2 ** 32
+            self._slots[i].dispatched = 1
         tokens, logprobs = self._run_prefill(ids_RxT, length, slot, temperature, top_k, top_p, seed)
-        for row, (i, _) in enumerate(admitted):
-            self._accept(i, int(tokens[row]), float(logprobs[row]))
+        return _Step(tokens, logprobs, [(i, self._slots[i], row) for row, (i, _) in enumerate(admitted)])
 
-    def _decode_step(self) -> None:
-        busy = [i for i, slot in enumerate(self._slots) if slot is not None]
-        rows = bucket(max(i % self._n_local for i in busy) + 1, minimum=1, maximum=self._n_local)
-        furthest = max(self._slots[i].position for i in busy)
+    def _decode_step(self) -> _Step | None:
+        """Dispatch one token for every slot that needs one, or None if none does."""
+        live = [i for i, slot in enumerate(self._slots) if slot is not None and slot.needs_step]
+        if not live:
+            return None
+        rows = bucket(max(i % self._n_local for i in live) + 1, minimum=1, maximum=self._n_local)
+        furthest = max(self._slots[i].position for i in live)
         n_blocks = bucket(furthest // self._block_sizes[0] + 1, minimum=1, maximum=len(self._block_sizes))
-        token, position, index = (np.zeros(self.n_slots, np.int32) for _ in range(3))
+        position, index = np.zeros(self.n_slots, np.int32), np.zeros(self.n_slots, np.int32)
         temperature, top_p = np.zeros(self.n_slots, np.float32), np.ones(self.n_slots, np.float32)
         top_k, seed = np.zeros(self.n_slots, np.int32), np.zeros(self.n_slots, np.uint32)
-        for i in busy:
+        for i in live:
             slot = self._slots[i]
             request = slot.request
-            token[i], position[i], index[i] = slot.tokens[-1], slot.position, len(slot.tokens)
+            position[i], index[i] = slot.position, slot.dispatched
             temperature[i], top_k[i], top_p[i] = request.temperature, request.top_k, request.top_p
             seed[i] = request.seed % 2 ** 32
-        tokens, logprobs = self._run_decode(token, position, temperature, top_k, top_p, seed, index, rows=rows,
+            slot.dispatched += 1
+        tokens, logprobs = self._run_decode(position, temperature, top_k, top_p, seed, index, rows=rows,
                                             n_blocks=n_blocks)
-        for i in busy:  # outputs hold `rows` entries per dp group
-            out = (i // self._n_local) * rows + i % self._n_local
-            self._accept(i, int(tokens[out]), float(logprobs[out]))
+        # Outputs hold `rows` entries per dp group.
+        return _Step(tokens, logprobs, [(i, self._slots[i], (i // self._n_local) * rows + i % self._n_local)
+                                        for i in live])
+
+    def _read_back(self, step: _Step) -> None:
+        """Take a step's tokens, for the slots that still hold the requests they were made for."""
+        tokens, logprobs = np.asarray(step.tokens), np.asarray(step.logprobs)
+        for i, slot, row in step.entries:
+            if self._slots[i] is slot:
+                self._accept(i, int(tokens[row]), float(logprobs[row]))
 
     def _accept(self, i: int, token: int, logprob: float) -> None:
         """Take a slot's new token: end the request on EOS, a stop string or max_tokens; stream new text."""

@@ -55,13 +55,15 @@ def choose(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array, 
     return token_B, logprob_B
 
 
-def prefill_local(params: dict, k_cache: list, v_cache: list, ids_RxT: jax.Array, length_R: jax.Array,
-                  slot_R: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array, top_p_R: jax.Array,
-                  seed_R: jax.Array, *, cfg: Config, tp_axis: str | None = None, dp_axis: str | None = None):
+def prefill_local(params: dict, k_cache: list, v_cache: list, token_N: jax.Array, ids_RxT: jax.Array,
+                  length_R: jax.Array, slot_R: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array,
+                  top_p_R: jax.Array, seed_R: jax.Array, *, cfg: Config, tp_axis: str | None = None,
+                  dp_axis: str | None = None):
     """Run R prompts (right-padded to T) together and write each one's keys and values from position 0 of its slot.
 
     Every dp group computes every prompt; each writes only the rows whose slots it holds (a slot of -1 is a padding
-    row, written nowhere). Returns the first tokens and their log-probs [R] and the updated caches.
+    row, written nowhere). Returns the first tokens and their log-probs [R], the slots' last tokens [N] with these
+    written into theirs (the next decode step's input), and the updated caches.
     """
     width = ids_RxT.shape[1]
     n_local = k_cache[0][0].shape[0]
@@ -92,7 +94,8 @@ def prefill_local(params: dict, k_cache: list, v_cache: list, ids_RxT: jax.Array
 
     k_cache = [write(blocks, k) for blocks, (k, _) in zip(k_cache, kv)]
     v_cache = [write(blocks, v) for blocks, (_, v) in zip(v_cache, kv)]
-    return token_R, logprob_R, k_cache, v_cache
+    token_N = token_N.at[target_R].set(token_R, mode="drop")
+    return token_R, logprob_R, token_N, k_cache, v_cache
 
 
 def decode_local(params: dict, k_cache: list, v_cache: list, token_N: jax.Array, position_N: jax.Array,
@@ -102,7 +105,8 @@ def decode_local(params: dict, k_cache: list, v_cache: list, token_N: jax.Array,
     to the cache positions in the first `n_blocks` blocks (keys after a slot's own position are masked), sample the
     next token.
 
-    Returns tokens and log-probs [R] and the updated caches.
+    Returns tokens and log-probs [R], the slots' last tokens [N] with these written into the first R, and the
+    updated caches.
     """
     token_R, position_R = token_N[:rows], position_N[:rows]
     h_Rx1xD = layers.embed(token_R[:, None], params["embed"]["wte"], tp_axis)
@@ -138,7 +142,7 @@ def decode_local(params: dict, k_cache: list, v_cache: list, token_N: jax.Array,
     logits_RxV = gather_vocab(layers.head(h_Rx1xD, params["ln_f"], params["lm_head"])[:, 0], tp_axis)
     token_R, logprob_R = choose(logits_RxV, temperature_N[:rows], top_k_N[:rows], top_p_N[:rows], seed_N[:rows],
                                 index_N[:rows])
-    return token_R, logprob_R, k_cache, v_cache
+    return token_R, logprob_R, lax.dynamic_update_slice_in_dim(token_N, token_R, 0, 0), k_cache, v_cache
 
 
 class Programs:
@@ -148,18 +152,19 @@ class Programs:
         self.cfg, self.mesh = cfg, mesh
         specs, replicated = param_specs(cfg), P()
         fn = partial(prefill_local, cfg=cfg, tp_axis=MP, dp_axis=DP)
-        self.prefill = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs, CACHE_SPEC, CACHE_SPEC, *[replicated] * 7),
-                                             out_specs=(replicated, replicated, CACHE_SPEC, CACHE_SPEC),
-                                             check_vma=True), donate_argnums=(1, 2))
-        self.decode = jax.jit(self._decode, static_argnames=("rows", "n_blocks"), donate_argnums=(1, 2))
+        self.prefill = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs, CACHE_SPEC, CACHE_SPEC, P(DP),
+                                                                      *[replicated] * 7),
+                                             out_specs=(replicated, replicated, P(DP), CACHE_SPEC, CACHE_SPEC),
+                                             check_vma=True), donate_argnums=(1, 2, 3))
+        self.decode = jax.jit(self._decode, static_argnames=("rows", "n_blocks"), donate_argnums=(1, 2, 3))
 
     def _decode(self, params, k_cache, v_cache, *slots, rows: int, n_blocks: int):
         fn = partial(decode_local, cfg=self.cfg, rows=rows, n_blocks=n_blocks, tp_axis=MP)
         row = P(DP)
         return jax.shard_map(fn, mesh=self.mesh, in_specs=(param_specs(self.cfg), CACHE_SPEC, CACHE_SPEC,
                                                            *[row] * len(slots)),
-                             out_specs=(row, row, CACHE_SPEC, CACHE_SPEC), check_vma=True)(params, k_cache, v_cache,
-                                                                                          *slots)
+                             out_specs=(row, row, row, CACHE_SPEC, CACHE_SPEC),
+                             check_vma=True)(params, k_cache, v_cache, *slots)
 
 
 _PROGRAMS: dict[tuple, Programs] = {}

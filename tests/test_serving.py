@@ -338,6 +338,35 @@ def test_eos_ends_a_completion_with_finish_reason_stop(params, tokenizer, engine
     assert events == [serving.Event("", (), (), "stop")]
 
 
+def test_requests_ending_early_on_a_stop_token_free_their_slots_for_the_next(params, tokenizer, offline):
+    """The engine reads a step's tokens after dispatching the next one: a request that ends on a stop token has one
+    more token in flight, which must be dropped, and its slot must serve the next request correctly."""
+    stop = offline[0].tokens[5]
+    engine = serving.Engine(CFG, mesh(), params, tokenizer, max_batch=4, max_queue=len(PROMPTS), stop_token_ids=[stop])
+    events = {}
+    done = threading.Semaphore(0)
+
+    def collect(i):
+        def on_event(event):
+            events.setdefault(i, []).append(event)
+            if event.finish_reason or event.error:
+                done.release()
+        return on_event
+
+    engine.submit([serving.GenerationRequest(tokenizer.encode(p), NEW, collect(i), temperature=0.0)
+                   for i, p in enumerate(PROMPTS)])
+    for _ in PROMPTS:
+        assert done.acquire(timeout=120)
+    engine.close()
+    stopped = 0
+    for i, result in enumerate(offline):
+        expected = result.tokens[:result.tokens.index(stop)] if stop in result.tokens else result.tokens
+        assert [t for e in events[i] for t in e.tokens] == expected
+        assert events[i][-1].finish_reason == ("stop" if stop in result.tokens else "length")
+        stopped += stop in result.tokens
+    assert stopped >= 1
+
+
 @pytest.mark.parametrize("prompt, max_tokens", [([], 4), ([1] * CFG.seq, 1), ([1], CFG.seq), ([CFG.n_vocab], 1),
                                                 ([1], 0)], ids=["empty", "no-room", "too-many", "bad-id", "zero"])
 def test_engine_refuses_requests_that_cannot_run(engine, prompt, max_tokens):
