@@ -139,9 +139,14 @@ def test_stop_token_ends_row_on_device(sampler, greedy):
 def test_new_lengths_inside_the_buckets_do_not_compile_again(sampler, greedy):
     compiled = sampler.compile_count
     assert compiled >= 1
-    results = sampler.generate([[1, 2], list(range(40, 56)), [9] * 5], 13, temperature=0.0)
+    results = sampler.generate([[1, 2], list(range(40, 56)), [9] * 5], 13, temperature=0.0, return_logprobs=True)
     assert [len(r.tokens) for r in results] == [13, 13, 13]
     assert sampler.compile_count == compiled
+
+
+def test_without_logprobs_the_tokens_are_the_same(sampler, greedy):
+    plain = sampler.generate(PROMPTS, 10, temperature=0.0)  # a program that skips the log-softmax
+    assert [r.tokens for r in plain] == [r.tokens for r in greedy] and all(r.logprobs is None for r in plain)
 
 
 def test_truncate_left_cuts_the_prompt_from_the_left(sampler):
