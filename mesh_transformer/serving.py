@@ -99,6 +99,7 @@ class _Slot:
 
     @property
     def needs_step(self) -> bool:
+        """Whether the next decode step must compute a token for this slot."""
         return self.dispatched < self.request.max_tokens and not self.request.cancelled.is_set()
 
 
