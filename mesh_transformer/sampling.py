@@ -91,6 +91,13 @@ def sample(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array, 
     return lax.cond(jnp.any(temperature_B > 0), draw, lambda _: greedy_B, None)
 
 
+def chosen_logprobs(logits_BxV: jax.Array, token_B: jax.Array, wanted: jax.Array) -> jax.Array:
+    """Each chosen token's log-probability under the untempered, unfiltered distribution, or zeros when `wanted` (a
+    traced bool) is false: the log-softmax is a pass over [B, V], skipped at run time when nobody asked for it."""
+    return lax.cond(wanted, lambda: jnp.take_along_axis(jax.nn.log_softmax(logits_BxV), token_B[:, None], -1)[:, 0],
+                    lambda: jnp.zeros_like(logits_BxV[:, 0]))
+
+
 # ----------------------------------------------------------------------------------------------- cached forward
 def forward_cached(params: dict, ids_BxT: jax.Array, positions_BxT: jax.Array, key_ok_BxS: jax.Array,
                    index: jax.Array | int, cache: tuple[list, list], cfg: Config,
@@ -149,13 +156,13 @@ def _vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 
 def generate_local(params: dict, ids_BxT: jax.Array, valid_BxT: jax.Array, temperature_B: jax.Array,
                    top_k_B: jax.Array, top_p_B: jax.Array, seed_B: jax.Array, done_B: jax.Array,
-                   stop_ids: jax.Array, max_new: jax.Array, *, cfg: Config, n_new: int, logprobs: bool = True,
+                   stop_ids: jax.Array, max_new: jax.Array, logprobs: jax.Array, *, cfg: Config, n_new: int,
                    tp_axis: str | None = None, dp_axis: str | None = None) -> tuple[jax.Array, jax.Array]:
     """Prefill and decode up to `max_new` (<= n_new) tokens per row; returns tokens and log-probs [B, N].
 
     Runs per device (or globally without axis names). A row is done after a stop id; later slots hold -1. The loop
     ends when every row of the global batch is done. Log-probs are of the untempered, unfiltered distribution
-    (zeros without `logprobs`).
+    (zeros unless `logprobs`, a bool).
     """
     batch, prompt_len = ids_BxT.shape
     cache_len = prompt_len + n_new
@@ -172,10 +179,7 @@ def generate_local(params: dict, ids_BxT: jax.Array, valid_BxT: jax.Array, tempe
     def choose(logits_BxV, step, done_B):
         keys = jax.vmap(jax.random.fold_in, (0, None))(key_Bx2, step)
         token_B = sample(logits_BxV, temperature_B, top_k_B, top_p_B, keys)
-        if logprobs:  # a pass over [B, V] that costs a batch-32 step a few percent: only when asked for
-            logprob_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BxV), token_B[:, None], -1)[:, 0]
-        else:
-            logprob_B = jnp.zeros(token_B.shape, jnp.float32)
+        logprob_B = chosen_logprobs(logits_BxV, token_B, logprobs)
         token_B = jnp.where(done_B, _DONE, token_B)
         return token_B, logprob_B, done_B | jnp.isin(token_B, stop_ids)
 
@@ -283,20 +287,18 @@ class Sampler:
         self.dp = mesh.shape[DP]
         self.params = place_params(params, cfg, mesh)
         self._traces = 0
-        self._generate = jax.jit(self._trace_generate, static_argnames=("n_new", "logprobs"))
+        self._generate = jax.jit(self._trace_generate, static_argnames="n_new")
 
     @property
     def compile_count(self) -> int:
-        """How many programs have been traced (and so compiled) so far: one per distinct bucket (and per
-        return_logprobs)."""
+        """How many programs have been traced (and so compiled) so far: one per distinct bucket."""
         return self._traces
 
-    def _trace_generate(self, params, *batch, n_new: int, logprobs: bool):
+    def _trace_generate(self, params, *batch, n_new: int):
         self._traces += 1
         row, rows = P(DP), P(DP, None)
-        fn = jax.shard_map(partial(generate_local, cfg=self.cfg, n_new=n_new, logprobs=logprobs, tp_axis=MP,
-                                   dp_axis=DP),
-                           mesh=self.mesh, in_specs=(param_specs(self.cfg), rows, rows, *[row] * 5, P(), P()),
+        fn = jax.shard_map(partial(generate_local, cfg=self.cfg, n_new=n_new, tp_axis=MP, dp_axis=DP),
+                           mesh=self.mesh, in_specs=(param_specs(self.cfg), rows, rows, *[row] * 5, P(), P(), P()),
                            out_specs=(rows, rows), check_vma=True)
         return fn(params, *batch)
 
@@ -364,8 +366,8 @@ class Sampler:
         done_B = np.arange(batch) >= n
         tokens_BxN, logprobs_BxN = self._generate(
             self.params, ids_BxT, valid_BxT, rows(temperature, np.float32, 0.0), rows(top_k, np.int32, 0),
-            rows(top_p, np.float32, 1.0), seed_B, done_B, stop_ids, np.int32(max_new_tokens), n_new=n_new,
-            logprobs=return_logprobs)
+            rows(top_p, np.float32, 1.0), seed_B, done_B, stop_ids, np.int32(max_new_tokens),
+            np.bool_(return_logprobs), n_new=n_new)
         tokens_BxN, logprobs_BxN = np.asarray(tokens_BxN), np.asarray(logprobs_BxN)
 
         results = []

@@ -41,7 +41,8 @@ class _Job:
         self.requests = [
             GenerationRequest(list(prompt), params.max_tokens, partial(self._deliver, loop, index),
                               temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                              seed=params.seed + index, stop=params.stop, stream=params.stream)
+                              seed=params.seed + index, stop=params.stop, stream=params.stream,
+                              logprobs=params.logprobs is not None)
             for index, prompt in enumerate(p for p in params.prompts for _ in range(params.n))]
 
     def _deliver(self, loop: asyncio.AbstractEventLoop, index: int, event: Event) -> None:

@@ -59,7 +59,7 @@ class Event:
     """A piece of one completion: new text and the tokens behind it; the last event has a finish_reason or error."""
     text: str = ""
     tokens: tuple[int, ...] = ()
-    logprobs: tuple[float, ...] = ()
+    logprobs: tuple[float, ...] = ()  # one per token, if the request asked for them
     finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length" (max_tokens reached)
     error: str | None = None
 
@@ -69,7 +69,8 @@ class GenerationRequest:
     """One completion to make. Events go to `on_event`, called on the engine thread, so it must not block long.
 
     Without `stream` there is one event, at the end; with it, text leaves as it is made, holding back what could be
-    the start of a stop string or an incomplete UTF-8 character.
+    the start of a stop string or an incomplete UTF-8 character. Without `logprobs` the events carry none (a step
+    in which no request wants them skips a pass over the vocabulary).
     """
     prompt: list[int]
     max_tokens: int
@@ -80,6 +81,7 @@ class GenerationRequest:
     seed: int = 0
     stop: tuple[str, ...] = ()
     stream: bool = False
+    logprobs: bool = True
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
@@ -269,22 +271,24 @@ class Engine:
         for width in widths:
             for n in prefill_rows:
                 self._run_prefill(np.zeros((n, width), np.int32), *(np.zeros(n, dtype) for dtype in (
-                    np.int32, np.int32, np.float32, np.int32, np.float32, np.uint32)))
+                    np.int32, np.int32, np.float32, np.int32, np.float32, np.uint32, bool)))
         for n in rows:
             for count in block_counts:
                 self._run_decode(*(np.zeros(self.n_slots, dtype) for dtype in (np.int32, np.float32, np.int32,
-                                   np.float32, np.uint32, np.int32)), rows=n, n_blocks=count)
+                                   np.float32, np.uint32, np.int32, bool)), rows=n, n_blocks=count)
         jax.block_until_ready(self._last_tokens)
 
     def _run_prefill(self, ids_RxT: np.ndarray, *rows: np.ndarray) -> tuple[jax.Array, jax.Array]:
-        """Dispatch a prefill of R prompts; `rows` are length, slot, temperature, top_k, top_p and seed, one value
-        per prompt. Returns the first tokens and log-probs [R], still on the device."""
+        """Dispatch a prefill of R prompts; `rows` are length, slot, temperature, top_k, top_p, seed and whether
+        log-probs are wanted, one value per prompt. Returns the first tokens and log-probs [R], still on the
+        device."""
         tokens, logprobs, self._last_tokens, self._k_cache, self._v_cache = self._programs.prefill(
             self._params, self._k_cache, self._v_cache, self._last_tokens, ids_RxT, *rows)
         return tokens, logprobs
 
     def _run_decode(self, *slots: np.ndarray, rows: int, n_blocks: int) -> tuple[jax.Array, jax.Array]:
-        """Dispatch a decode step; `slots` are position, temperature, top_k, top_p, seed and token index per slot."""
+        """Dispatch a decode step; `slots` are position, temperature, top_k, top_p, seed, token index and whether
+        log-probs are wanted, per slot."""
         tokens, logprobs, self._last_tokens, self._k_cache, self._v_cache = self._programs.decode(
             self._params, self._k_cache, self._v_cache, self._last_tokens, *slots, rows=rows, n_blocks=n_blocks)
         return tokens, logprobs
@@ -295,15 +299,15 @@ class Engine:
         ids_RxT = np.zeros((n, bucket(max(len(r.prompt) for _, r in admitted), maximum=self.cfg.seq)), np.int32)
         length, slot = np.ones(n, np.int32), np.full(n, -1, np.int32)  # padding rows: written nowhere
         temperature, top_k = np.zeros(n, np.float32), np.zeros(n, np.int32)
-        top_p, seed = np.ones(n, np.float32), np.zeros(n, np.uint32)
+        top_p, seed, logprobs = np.ones(n, np.float32), np.zeros(n, np.uint32), np.zeros(n, bool)
         for row, (i, request) in enumerate(admitted):
             ids_RxT[row, :len(request.prompt)] = request.prompt
             length[row], slot[row] = len(request.prompt), i
             temperature[row], top_k[row], top_p[row] = request.temperature, request.top_k, request.top_p
-            seed[row] = request.seed % 2 ** 32
+            seed[row], logprobs[row] = request.seed % 2 ** 32, request.logprobs
             self._slots[i].dispatched = 1
-        tokens, logprobs = self._run_prefill(ids_RxT, length, slot, temperature, top_k, top_p, seed)
-        return _Step(tokens, logprobs, [(i, self._slots[i], row) for row, (i, _) in enumerate(admitted)])
+        tokens, chosen = self._run_prefill(ids_RxT, length, slot, temperature, top_k, top_p, seed, logprobs)
+        return _Step(tokens, chosen, [(i, self._slots[i], row) for row, (i, _) in enumerate(admitted)])
 
     def _decode_step(self) -> _Step | None:
         """Dispatch one token for every slot that needs one, or None if none does."""
@@ -316,17 +320,18 @@ class Engine:
         position, index = np.zeros(self.n_slots, np.int32), np.zeros(self.n_slots, np.int32)
         temperature, top_p = np.zeros(self.n_slots, np.float32), np.ones(self.n_slots, np.float32)
         top_k, seed = np.zeros(self.n_slots, np.int32), np.zeros(self.n_slots, np.uint32)
+        logprobs = np.zeros(self.n_slots, bool)
         for i in live:
             slot = self._slots[i]
             request = slot.request
             position[i], index[i] = slot.position, slot.dispatched
             temperature[i], top_k[i], top_p[i] = request.temperature, request.top_k, request.top_p
-            seed[i] = request.seed % 2 ** 32
+            seed[i], logprobs[i] = request.seed % 2 ** 32, request.logprobs
             slot.dispatched += 1
-        tokens, logprobs = self._run_decode(position, temperature, top_k, top_p, seed, index, rows=rows,
-                                            n_blocks=n_blocks)
+        tokens, chosen = self._run_decode(position, temperature, top_k, top_p, seed, index, logprobs, rows=rows,
+                                          n_blocks=n_blocks)
         # Outputs hold `rows` entries per dp group.
-        return _Step(tokens, logprobs, [(i, self._slots[i], (i // self._n_local) * rows + i % self._n_local)
+        return _Step(tokens, chosen, [(i, self._slots[i], (i // self._n_local) * rows + i % self._n_local)
                                         for i in live])
 
     def _read_back(self, step: _Step) -> None:
@@ -345,7 +350,8 @@ class Engine:
         if token in self.stop_token_ids:
             return self._finish(i, "stop")
         slot.tokens.append(token)
-        slot.logprobs.append(logprob)
+        if request.logprobs:
+            slot.logprobs.append(logprob)
         if request.stop or request.stream:
             text = self.tokenizer.decode(slot.tokens)
             cut_text, cut = cut_at_stop(text, request.stop)

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from mesh_transformer import layers
 from mesh_transformer.config import Config
 from mesh_transformer.mesh import DP, MP
-from mesh_transformer.sampling import gather_vocab, param_specs, sample
+from mesh_transformer.sampling import chosen_logprobs, gather_vocab, param_specs, sample
 
 CACHE_SPEC = P(DP, MP, None, None)  # each block [N, H, K, S_j]: slots over dp, heads over mp
 
@@ -47,18 +47,18 @@ def _starts(blocks: list) -> list[int]:
 
 
 def choose(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array,
-           seed_B: jax.Array, index_B: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Token i of each row drawn with key fold_in(PRNGKey(seed), i), and its untempered log-probability."""
+           seed_B: jax.Array, index_B: jax.Array, logprobs_B: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Token i of each row drawn with key fold_in(PRNGKey(seed), i), and its untempered log-probability (computed
+    when any row asks for it, else zeros)."""
     key_Bx2 = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(seed_B, index_B)
     token_B = sample(logits_BxV, temperature_B, top_k_B, top_p_B, key_Bx2)
-    logprob_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BxV), token_B[:, None], -1)[:, 0]
-    return token_B, logprob_B
+    return token_B, chosen_logprobs(logits_BxV, token_B, jnp.any(logprobs_B))
 
 
 def prefill_local(params: dict, k_cache: list, v_cache: list, token_N: jax.Array, ids_RxT: jax.Array,
                   length_R: jax.Array, slot_R: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array,
-                  top_p_R: jax.Array, seed_R: jax.Array, *, cfg: Config, tp_axis: str | None = None,
-                  dp_axis: str | None = None):
+                  top_p_R: jax.Array, seed_R: jax.Array, logprobs_R: jax.Array, *, cfg: Config,
+                  tp_axis: str | None = None, dp_axis: str | None = None):
     """Run R prompts (right-padded to T) together and write each one's keys and values from position 0 of its slot.
 
     Every dp group computes every prompt; each writes only the rows whose slots it holds (a slot of -1 is a padding
@@ -76,7 +76,8 @@ def prefill_local(params: dict, k_cache: list, v_cache: list, token_N: jax.Array
         kv.append(kv_layer)
     last_Rx1xD = jnp.take_along_axis(h_RxTxD, (length_R - 1)[:, None, None], axis=1)
     logits_RxV = gather_vocab(layers.head(last_Rx1xD, params["ln_f"], params["lm_head"])[:, 0], tp_axis)
-    token_R, logprob_R = choose(logits_RxV, temperature_R, top_k_R, top_p_R, seed_R, jnp.zeros_like(length_R))
+    token_R, logprob_R = choose(logits_RxV, temperature_R, top_k_R, top_p_R, seed_R, jnp.zeros_like(length_R),
+                                logprobs_R)
     local_R = slot_R - (lax.axis_index(dp_axis) * n_local if dp_axis else 0)
     # Rows this group does not hold point past the end of its slots, and the scatter drops them.
     target_R = jnp.where((slot_R >= 0) & (local_R >= 0) & (local_R < n_local), local_R, n_local)
@@ -100,7 +101,8 @@ def prefill_local(params: dict, k_cache: list, v_cache: list, token_N: jax.Array
 
 def decode_local(params: dict, k_cache: list, v_cache: list, token_N: jax.Array, position_N: jax.Array,
                  temperature_N: jax.Array, top_k_N: jax.Array, top_p_N: jax.Array, seed_N: jax.Array,
-                 index_N: jax.Array, *, cfg: Config, rows: int, n_blocks: int, tp_axis: str | None = None):
+                 index_N: jax.Array, logprobs_N: jax.Array, *, cfg: Config, rows: int, n_blocks: int,
+                 tp_axis: str | None = None):
     """One token for each of the first `rows` slots: write the last token's key at the slot's own position, attend
     to the cache positions in the first `n_blocks` blocks (keys after a slot's own position are masked), sample the
     next token.
@@ -141,7 +143,7 @@ def decode_local(params: dict, k_cache: list, v_cache: list, token_N: jax.Array,
         v_cache[layer] = write(v_cache[layer], (v_Rx1xHxK + after_R11)[:, 0])
     logits_RxV = gather_vocab(layers.head(h_Rx1xD, params["ln_f"], params["lm_head"])[:, 0], tp_axis)
     token_R, logprob_R = choose(logits_RxV, temperature_N[:rows], top_k_N[:rows], top_p_N[:rows], seed_N[:rows],
-                                index_N[:rows])
+                                index_N[:rows], logprobs_N[:rows])
     return token_R, logprob_R, lax.dynamic_update_slice_in_dim(token_N, token_R, 0, 0), k_cache, v_cache
 
 
@@ -153,7 +155,7 @@ class Programs:
         specs, replicated = param_specs(cfg), P()
         fn = partial(prefill_local, cfg=cfg, tp_axis=MP, dp_axis=DP)
         self.prefill = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs, CACHE_SPEC, CACHE_SPEC, P(DP),
-                                                                      *[replicated] * 7),
+                                                                      *[replicated] * 8),
                                              out_specs=(replicated, replicated, P(DP), CACHE_SPEC, CACHE_SPEC),
                                              check_vma=True), donate_argnums=(1, 2, 3))
         self.decode = jax.jit(self._decode, static_argnames=("rows", "n_blocks"), donate_argnums=(1, 2, 3))

@@ -353,7 +353,7 @@ def test_requests_ending_early_on_a_stop_token_free_their_slots_for_the_next(par
                 done.release()
         return on_event
 
-    engine.submit([serving.GenerationRequest(tokenizer.encode(p), NEW, collect(i), temperature=0.0)
+    engine.submit([serving.GenerationRequest(tokenizer.encode(p), NEW, collect(i), temperature=0.0, logprobs=False)
                    for i, p in enumerate(PROMPTS)])
     for _ in PROMPTS:
         assert done.acquire(timeout=120)
@@ -397,18 +397,23 @@ def test_slots_at_different_positions_across_uneven_cache_blocks_match_offline(p
     assert engine._block_sizes == [24, 24, 16]
     prompts = [tokenizer.encode(PROMPTS[0])[:3], tokenizer.encode(PROMPTS[5])[:16]]
     n_new = CFG.seq - 16
-    got, done = {}, threading.Semaphore(0)
+    got, logprobs, done = {}, {}, threading.Semaphore(0)
 
     def collect(i):
         def on_event(event):
             got.setdefault(i, []).extend(event.tokens)
+            logprobs.setdefault(i, []).extend(event.logprobs)
             if event.finish_reason or event.error:
                 done.release()
         return on_event
 
-    engine.submit([serving.GenerationRequest(p, n_new, collect(i), temperature=0.0) for i, p in enumerate(prompts)])
+    engine.submit([serving.GenerationRequest(p, n_new, collect(i), temperature=0.0, logprobs=i == 1)
+                   for i, p in enumerate(prompts)])
     for _ in prompts:
         assert done.acquire(timeout=120)
     engine.close()
-    expected = sampling.Sampler(CFG, mesh(), params).generate(prompts, n_new, temperature=0.0, stop_token_ids=[])
+    expected = sampling.Sampler(CFG, mesh(), params).generate(prompts, n_new, temperature=0.0, stop_token_ids=[],
+                                                              return_logprobs=True)
     assert [got[0], got[1]] == [r.tokens for r in expected]
+    assert logprobs[0] == [] and len(logprobs[1]) == n_new  # only the request that asked gets them
+    np.testing.assert_allclose(logprobs[1], expected[1].logprobs, atol=1e-4)
