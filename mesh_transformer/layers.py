@@ -118,29 +118,36 @@ def fuse_layer(layer: dict, tp_size: int) -> dict:
     read LN(h), become one matrix, and attn out and fc_out, whose outputs are summed, another. A one-token step
     then reads each layer's weights in two matrix products instead of six.
 
-    Under tensor parallelism each device must hold its own heads and MLP columns side by side, so the joined
-    matrices carry a device axis: "in" [D, tp, 3*D/tp + F/tp] and "out" [tp, D/tp + F/tp, D], split on it.
+    The joined matrices are stored one row per output ([N, K]): XLA's CPU matrix-vector products over such rows
+    use both cores of a 2-core machine where [K, N] mostly used one. Under tensor parallelism each device must hold
+    its own heads and MLP columns side by side, so the matrices carry a device axis: "in" [tp, 3*D/tp + F/tp, D]
+    and "out" [tp, D, D/tp + F/tp], split on it.
     """
     attn, mlp_p = layer["attn"], layer["mlp"]
     d = attn["q"].shape[0]
 
-    def cols(w):
-        return w.reshape(w.shape[0], tp_size, -1)
+    def rows(w):  # [D, C] -> [tp, C/tp, D]: each device's output columns, as rows
+        return w.reshape(d, tp_size, -1).transpose(1, 2, 0)
 
-    in_w = jnp.concatenate([cols(attn["q"]), cols(attn["k"]), cols(attn["v"]), cols(mlp_p["fc_in"]["kernel"])], -1)
+    in_w = jnp.concatenate([rows(attn["q"]), rows(attn["k"]), rows(attn["v"]), rows(mlp_p["fc_in"]["kernel"])], 1)
     in_b = jnp.concatenate([jnp.zeros((tp_size, 3 * d // tp_size), mlp_p["fc_in"]["bias"].dtype),
                             mlp_p["fc_in"]["bias"].reshape(tp_size, -1)], -1)
     out_w = jnp.concatenate([attn["out"].reshape(tp_size, -1, d), mlp_p["fc_out"]["kernel"].reshape(tp_size, -1, d)],
-                            1)
+                            1).transpose(0, 2, 1)
     return {"ln_1": layer["ln_1"],
             "fused": {"in": in_w, "in_bias": in_b, "out": out_w, "out_bias": mlp_p["fc_out"]["bias"]}}
 
 
+def _by_rows(x: jax.Array, w_NxK: jax.Array) -> jax.Array:
+    """x @ w_NxK.T, contracting the last axis of both."""
+    return lax.dot_general(x, w_NxK, (((x.ndim - 1,), (1,)), ((), ())))
+
+
 def _fused_block(h_BxTxD, n_BxTxD, p: dict, head_dim: int, sincos, mask_BxTxT, tp_axis, past):
     """`block` over `fuse_layer`'s matrices (this device's slice: the device axis is 1 here)."""
-    d = p["in"].shape[0]
-    d_local = (p["in"].shape[-1] - p["out"].shape[1]) // 2  # in: 3 * D/tp + F/tp columns, out: D/tp + F/tp rows
-    y = n_BxTxD @ p["in"].reshape(d, -1) + p["in_bias"].reshape(-1)
+    d = p["in"].shape[-1]
+    d_local = (p["in"].shape[1] - p["out"].shape[-1]) // 2  # in: 3 * D/tp + F/tp rows, out: D/tp + F/tp columns
+    y = _by_rows(n_BxTxD, p["in"].reshape(-1, d)) + p["in_bias"].reshape(-1)
 
     def heads(i):
         part = y[..., i * d_local:(i + 1) * d_local]
@@ -149,7 +156,7 @@ def _fused_block(h_BxTxD, n_BxTxD, p: dict, head_dim: int, sincos, mask_BxTxT, t
     q, k, v = apply_rotary(heads(0), *sincos), apply_rotary(heads(1), *sincos), heads(2)
     act = jax.nn.gelu(y[..., 3 * d_local:], approximate=True)
     joined = jnp.concatenate([attend(q, k, v, mask_BxTxT, past), act], -1)
-    return _residual(h_BxTxD, joined @ p["out"].reshape(-1, d), p["out_bias"], tp_axis), (k, v)
+    return _residual(h_BxTxD, _by_rows(joined, p["out"].reshape(d, -1)), p["out_bias"], tp_axis), (k, v)
 
 
 def embed(ids_BxT: jax.Array, wte_VxD: jax.Array, tp_axis: str | None = None) -> jax.Array:

@@ -275,7 +275,7 @@ def param_specs(cfg: Config) -> dict:
     """shard_map in_specs of `place_params`' tree."""
     specs = model.unstacked_specs(model.param_specs(cfg), cfg.layers)
     fused = {"ln_1": specs["layers"][0]["ln_1"],
-             "fused": {"in": P(None, MP, None), "in_bias": P(MP, None), "out": P(MP, None, None), "out_bias": P()}}
+             "fused": {"in": P(MP, None, None), "in_bias": P(MP, None), "out": P(MP, None, None), "out_bias": P()}}
     return {**specs, "layers": [fused] * cfg.layers}
 
 

@@ -96,7 +96,7 @@ def test_sharded_results_equal_single_device(params, sampler, greedy, dp, mp):
     assert expected[0].finish_reason == "stop"
     sharded = sampling.Sampler(dataclasses.replace(CFG, cores_per_replica=mp), make_dp_mp(dp, mp), params)
     fused_in = sharded.params["layers"][0]["fused"]["in"]  # each device: its heads' q, k, v and its fc_in columns
-    assert fused_in.addressable_shards[0].data.shape == (CFG.d_model, 1, (3 * CFG.d_model + CFG.d_ff) // mp)
+    assert fused_in.addressable_shards[0].data.shape == (1, (3 * CFG.d_model + CFG.d_ff) // mp, CFG.d_model)
     for ours, ref in zip(sharded.generate(PROMPTS, 10, **kwargs), expected):
         assert ours.tokens == ref.tokens and ours.finish_reason == ref.finish_reason
         np.testing.assert_allclose(ours.logprobs, ref.logprobs, atol=1e-5)
