@@ -127,6 +127,17 @@ def streamable_length(text: str, stop: Sequence[str]) -> int:
     return end - held
 
 
+def _sampling_rows(n: int, placed: list[tuple[int, GenerationRequest]]) -> tuple[np.ndarray, ...]:
+    """Temperature, top_k, top_p, seed and whether log-probs are wanted [n], each request's at its row; other rows
+    are greedy, without log-probs."""
+    temperature, top_k, top_p = np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32)
+    seed, logprobs = np.zeros(n, np.uint32), np.zeros(n, bool)
+    for row, request in placed:
+        temperature[row], top_k[row], top_p[row] = request.temperature, request.top_k, request.top_p
+        seed[row], logprobs[row] = request.seed % 2 ** 32, request.logprobs
+    return temperature, top_k, top_p, seed, logprobs
+
+
 # ---------------------------------------------------------------------------------------------------------- engine
 class Engine:
     """Owns the device loop in a background thread: a bounded queue of waiting requests feeding N slots.
@@ -298,14 +309,11 @@ class Engine:
         n = _prefill_rows(len(admitted))
         ids_RxT = np.zeros((n, bucket(max(len(r.prompt) for _, r in admitted), maximum=self.cfg.seq)), np.int32)
         length, slot = np.ones(n, np.int32), np.full(n, -1, np.int32)  # padding rows: written nowhere
-        temperature, top_k = np.zeros(n, np.float32), np.zeros(n, np.int32)
-        top_p, seed, logprobs = np.ones(n, np.float32), np.zeros(n, np.uint32), np.zeros(n, bool)
         for row, (i, request) in enumerate(admitted):
             ids_RxT[row, :len(request.prompt)] = request.prompt
             length[row], slot[row] = len(request.prompt), i
-            temperature[row], top_k[row], top_p[row] = request.temperature, request.top_k, request.top_p
-            seed[row], logprobs[row] = request.seed % 2 ** 32, request.logprobs
             self._slots[i].dispatched = 1
+        temperature, top_k, top_p, seed, logprobs = _sampling_rows(n, [(row, r) for row, (_, r) in enumerate(admitted)])
         tokens, chosen = self._run_prefill(ids_RxT, length, slot, temperature, top_k, top_p, seed, logprobs)
         return _Step(tokens, chosen, [(i, self._slots[i], row) for row, (i, _) in enumerate(admitted)])
 
@@ -318,15 +326,11 @@ class Engine:
         furthest = max(self._slots[i].position for i in live)
         n_blocks = bucket(furthest // self._block_sizes[0] + 1, minimum=1, maximum=len(self._block_sizes))
         position, index = np.zeros(self.n_slots, np.int32), np.zeros(self.n_slots, np.int32)
-        temperature, top_p = np.zeros(self.n_slots, np.float32), np.ones(self.n_slots, np.float32)
-        top_k, seed = np.zeros(self.n_slots, np.int32), np.zeros(self.n_slots, np.uint32)
-        logprobs = np.zeros(self.n_slots, bool)
+        temperature, top_k, top_p, seed, logprobs = _sampling_rows(self.n_slots,
+                                                                   [(i, self._slots[i].request) for i in live])
         for i in live:
             slot = self._slots[i]
-            request = slot.request
             position[i], index[i] = slot.position, slot.dispatched
-            temperature[i], top_k[i], top_p[i] = request.temperature, request.top_k, request.top_p
-            seed[i], logprobs[i] = request.seed % 2 ** 32, request.logprobs
             slot.dispatched += 1
         tokens, chosen = self._run_decode(position, temperature, top_k, top_p, seed, index, logprobs, rows=rows,
                                           n_blocks=n_blocks)
