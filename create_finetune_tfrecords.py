@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the tool; user mistakes print one line on stderr and exit 2."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from mesh_transformer.finetune_records import PackOptions, create_finetune_tfrecords
+    from mesh_transformer.train.finetune_records import PackOptions, create_finetune_tfrecords
     from mesh_transformer.tokenizer import load_tokenizer
 
     options = PackOptions(seq=args.seq, n_repack_epochs=args.n_repack_epochs, seed=args.seed,

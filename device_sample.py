@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--prompt is empty")
     if "" in args.stop:
         p.error("--stop texts must not be empty")
-    from mesh_transformer.sampling import check_sampling
+    from mesh_transformer.infer.sampler import check_sampling
 
     try:
         check_sampling([args.temperature], [args.top_k], [args.top_p])
@@ -72,7 +72,7 @@ def _complete(sampler, tokenizer, prompt: str, args: argparse.Namespace) -> None
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    from mesh_transformer import sampling
+    from mesh_transformer.infer import sampler as sampling
 
     cfg, device_mesh, tokenizer, params = load_for_inference(args, args.ckpt)
     sampler = sampling.Sampler(cfg, device_mesh, params)

@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from mesh_transformer import serving, server
+    from mesh_transformer.serve import engine as serving, server
 
     cfg, device_mesh, tokenizer, params = load_for_inference(args, args.hf or args.ckpt)
     engine = serving.Engine(cfg, device_mesh, params, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> int:
         import jax
 
-        from mesh_transformer import trainer
+        from mesh_transformer.train import trainer
 
         cfg = cli.load_config(args)
         cli.start_distributed(args)

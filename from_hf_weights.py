@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def run() -> int:
-        from mesh_transformer import convert, storage
+        from mesh_transformer.store import convert, storage
 
         if convert.detect_format(args.hf_model) != convert.HF:
             raise FileNotFoundError(f"{args.hf_model} is not an HF directory (config.json + safetensors)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mesh_transformer.metrics import MetricsError, plot_loss
+from mesh_transformer.train.metrics import MetricsError, plot_loss
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,7 @@ def convert_checkpoint(args: argparse.Namespace, cores_per_replica: int | None, 
     """The shared body of resharding_example and slim_model: write the checkpoint, then its config."""
     import json
 
-    from mesh_transformer import checkpoint, convert, storage
+    from mesh_transformer.store import checkpoint, convert, storage
 
     cfg = cli.load_config(args)
     step_dir = convert.write_checkpoint(args.input_ckpt, cfg, args.output_ckpt, cores_per_replica=cores_per_replica,

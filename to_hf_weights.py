@@ -16,7 +16,7 @@ from mesh_transformer import cli
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mesh_transformer.safetensors_io import parse_size
+    from mesh_transformer.store.safetensors_io import parse_size
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input-ckpt", required=True,
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def run() -> int:
-        from mesh_transformer import convert
+        from mesh_transformer.store import convert
 
         cfg = cli.load_config(args)
         files = convert.write_hf(args.input_ckpt, cfg, args.output_path, dtype=args.dtype,

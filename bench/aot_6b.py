@@ -22,7 +22,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bench.common import emit
-from mesh_transformer import config, mesh, model
+from mesh_transformer import config
+from mesh_transformer.parallel import mesh
+from mesh_transformer.model import gptj as model
 
 GIB = 2 ** 30
 

@@ -20,8 +20,11 @@ from transformers import GPTJConfig, GPTJForCausalLM
 
 from bench.common import best_time_s, emit, matmul_peak_flop_per_s, train_flops_per_token
 from mesh_transformer.cli import keep_host_memory
-from mesh_transformer import config, hf, model, optim
-from mesh_transformer.mesh import make_dp_mp
+from mesh_transformer import config
+from mesh_transformer.store import hf
+from mesh_transformer.model import gptj as model
+from mesh_transformer.train import optim
+from mesh_transformer.parallel.mesh import make_dp_mp
 
 
 def ours(cfg, ids_BxT1, repeats):

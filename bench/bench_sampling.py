@@ -22,8 +22,11 @@ from transformers import GPTJConfig, GPTJForCausalLM
 
 from bench.common import best_time_s, emit
 from mesh_transformer.cli import keep_host_memory
-from mesh_transformer import config, hf, model, sampling
-from mesh_transformer.mesh import make_dp_mp
+from mesh_transformer import config
+from mesh_transformer.store import hf
+from mesh_transformer.model import gptj as model
+from mesh_transformer.infer import sampler as sampling
+from mesh_transformer.parallel.mesh import make_dp_mp
 
 BANDWIDTH_BYTES = 512 * 2 ** 20
 

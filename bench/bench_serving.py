@@ -25,8 +25,10 @@ import numpy as np
 
 from bench.common import emit
 from mesh_transformer.cli import keep_host_memory
-from mesh_transformer import config, model, serving, server
-from mesh_transformer.mesh import make_dp_mp
+from mesh_transformer import config
+from mesh_transformer.model import gptj as model
+from mesh_transformer.serve import engine as serving, server
+from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.tokenizer import load_tokenizer
 
 GOAL_SPEEDUP = 8

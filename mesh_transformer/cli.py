@@ -32,7 +32,7 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
 
 def start_distributed(args: argparse.Namespace) -> None:
     """Join the multi-process run the flags (or the environment) describe, before any device is touched."""
-    from mesh_transformer import mesh
+    from mesh_transformer.parallel import mesh
 
     try:
         mesh.init_distributed(args.coordinator, args.num_processes, args.process_id)
@@ -47,7 +47,8 @@ def load_config(args: argparse.Namespace) -> config.Config:
 def load_for_inference(args: argparse.Namespace, source: str | None) -> tuple:
     """(config, mesh, tokenizer, params) for the sampling and serving tools; `source` is any checkpoint format,
     None meaning the config's model_dir."""
-    from mesh_transformer import convert, mesh
+    from mesh_transformer.store import convert
+    from mesh_transformer.parallel import mesh
     from mesh_transformer.tokenizer import load_tokenizer
 
     cfg = load_config(args)
@@ -61,7 +62,8 @@ def load_for_inference(args: argparse.Namespace, source: str | None) -> tuple:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input, not a bug: reported on one line without a traceback."""
-    from mesh_transformer import checkpoint, tfrecord, trainer
+    from mesh_transformer.store import checkpoint, tfrecord
+    from mesh_transformer.train import trainer
 
     return (config.ConfigError, tfrecord.DataError, checkpoint.CorruptCheckpointError, trainer.TrainingError,
             FileNotFoundError, FileExistsError, PermissionError)

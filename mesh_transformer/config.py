@@ -163,7 +163,7 @@ def _parse_override(item: str) -> tuple[str, Any]:
 
 def load(path: str, overrides: Sequence[str] = ()) -> Config:
     """Read a JSON config file, apply `key=value` overrides, validate."""
-    from mesh_transformer import storage
+    from mesh_transformer.store import storage
 
     try:
         raw = json.loads(storage.read_bytes(path))

@@ -9,7 +9,7 @@ import threading
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mesh_transformer import checkpoint
+from mesh_transformer.store import checkpoint
 
 if os.environ.get("STALL_CHECKPOINT_STEP"):
     stall_step = int(os.environ["STALL_CHECKPOINT_STEP"])

@@ -1,0 +1,1 @@
+"""Serving: the continuous-batching engine, the pure completions API, and the HTTP server."""

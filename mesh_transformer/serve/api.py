@@ -1,0 +1,284 @@
+"""The OpenAI-compatible completions API as pure functions: request validation with OpenAI-style errors, and the
+response objects. No HTTP here (server.py) and no device (serving.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+from mesh_transformer.serve.engine import Event
+
+DEFAULT_MAX_TOKENS = 16
+MAX_N = 16
+MAX_PROMPTS = 64
+MAX_STOP, MAX_STOP_CHARS = 4, 256
+MAX_LOGPROBS = 5
+MAX_SEED = 2 ** 63 - 1
+COMPLETE_DEFAULT_LENGTH = 512  # what the original /complete generated
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI does: {"error": {message, type, param, code}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What the served model allows: its context, the token ids the tokenizer knows, choices per request."""
+    context: int
+    vocab: int
+    max_choices: int = MAX_PROMPTS
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionParams:
+    """A validated completion request: token prompts and how to sample n choices of each."""
+    prompts: tuple[tuple[int, ...], ...]
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = 1
+    stream: bool = False
+    stop: tuple[str, ...] = ()
+    seed: int = 0
+    logprobs: int | None = None
+    include_usage: bool = False
+
+
+# --------------------------------------------------------------------------------------------------------- parsing
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """The request body as a JSON object; NaN and Infinity are refused (they are not JSON)."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ApiError(400, f"We could not parse the JSON body of your request: {str(e)[:200]}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"The request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _get(body: dict, name: str, default: Any) -> Any:
+    """The field's value; a missing field and null both mean the default, as in OpenAI's API."""
+    value = body.get(name)
+    return default if value is None else value
+
+
+def _integer(body: dict, name: str, default: Any, low: int, high: int) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise ApiError(400, f"'{name}' must be an integer, got {json.dumps(value)[:50]}", name)
+    if not low <= value <= high:
+        raise ApiError(400, f"'{name}' must be in [{low}, {high}], got {value}", name)
+    return value
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float, open_low: bool = False) -> float:
+    value = _get(body, name, default)
+    if not _is_number(value):
+        raise ApiError(400, f"'{name}' must be a finite number, got {json.dumps(value)[:50]}", name)
+    if not (low < value if open_low else low <= value) or value > high:
+        interval = f"{'(' if open_low else '['}{low:g}, {high:g}]"
+        raise ApiError(400, f"'{name}' must be in {interval}, got {value}", name)
+    return float(value)
+
+
+def _boolean(body: dict, name: str) -> bool:
+    value = _get(body, name, False)
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{name}' must be true or false, got {json.dumps(value)[:50]}", name)
+    return value
+
+
+def _token_prompt(ids: list, vocab: int) -> tuple[int, ...]:
+    if not ids:
+        raise ApiError(400, "'prompt' must not be empty", "prompt")
+    for t in ids:
+        if not _is_int(t) or not 0 <= t < vocab:
+            raise ApiError(400, f"'prompt' token ids must be integers in [0, {vocab}), got {json.dumps(t)[:50]}",
+                           "prompt")
+    return tuple(ids)
+
+
+def _text_prompt(text: str, tokenizer: Any) -> tuple[int, ...]:
+    if not text:
+        raise ApiError(400, "'prompt' must not be empty", "prompt")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate escape such as "\ud800" is valid JSON but not text
+        raise ApiError(400, "'prompt' must be valid Unicode text", "prompt") from None
+    return tuple(tokenizer.encode(text))
+
+
+def parse_prompts(prompt: Any, tokenizer: Any, vocab: int) -> tuple[tuple[int, ...], ...]:
+    """Token prompts from a string, a list of strings, a list of token ids or a list of lists of token ids."""
+    kinds = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+    if isinstance(prompt, str):
+        return (_text_prompt(prompt, tokenizer),)
+    if not isinstance(prompt, list):
+        raise ApiError(400, f"'prompt' must be {kinds}", "prompt")
+    if not prompt:
+        raise ApiError(400, "'prompt' must not be empty", "prompt")
+    if len(prompt) > MAX_PROMPTS and not all(_is_int(p) for p in prompt):
+        raise ApiError(400, f"'prompt' may hold at most {MAX_PROMPTS} prompts, got {len(prompt)}", "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return tuple(_text_prompt(p, tokenizer) for p in prompt)
+    if all(isinstance(p, list) for p in prompt):
+        return tuple(_token_prompt(p, vocab) for p in prompt)
+    if all(_is_int(p) for p in prompt):
+        return (_token_prompt(prompt, vocab),)
+    raise ApiError(400, f"'prompt' must be {kinds}", "prompt")
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = _get(body, "stop", ())
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or len(stops) > MAX_STOP or not all(
+            isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise ApiError(400, f"'stop' must be a string or a list of at most {MAX_STOP} strings, each of 1 to "
+                            f"{MAX_STOP_CHARS} characters", "stop")
+    return tuple(stops)
+
+
+def _check_context(prompts: Sequence[Sequence[int]], max_tokens: int, context: int) -> None:
+    longest = max(map(len, prompts))
+    if longest >= context:
+        raise ApiError(400, f"This model's maximum context length is {context} tokens; the prompt has {longest} "
+                            f"tokens and leaves no room for a completion. Please shorten the prompt.", "prompt")
+    if longest + max_tokens > context:
+        raise ApiError(400, f"This model's maximum context length is {context} tokens, however you requested "
+                            f"{longest + max_tokens} tokens ({longest} in your prompt; {max_tokens} for the "
+                            f"completion). Please reduce your prompt or completion length.", "max_tokens")
+
+
+# Known OpenAI fields that this server accepts only at their defaults: (is it the default?, what to say).
+_DEFAULT_ONLY = {
+    "echo": (lambda v: v is None or v is False, "only false is supported"),
+    "presence_penalty": (lambda v: v is None or (_is_number(v) and v == 0), "only 0 is supported"),
+    "frequency_penalty": (lambda v: v is None or (_is_number(v) and v == 0), "only 0 is supported"),
+    "best_of": (lambda v: v is None or (_is_int(v) and v == 1), "only 1 (or null) is supported"),
+    "logit_bias": (lambda v: v is None or v == {}, "only null or {} is supported"),
+    "suffix": (lambda v: v is None or v == "", "only null is supported"),
+    "user": (lambda v: v is None or isinstance(v, str), "it must be a string"),
+}
+_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop",
+           "seed", "logprobs", *_DEFAULT_ONLY}
+
+
+def parse_completion(body: dict, tokenizer: Any, limits: Limits) -> CompletionParams:
+    """A validated /v1/completions request; raises ApiError(400) naming the first bad field."""
+    for name in body:
+        if name not in _FIELDS:
+            raise ApiError(400, f"Unrecognized request argument supplied: {name}", name)
+    for name, (is_default, meaning) in _DEFAULT_ONLY.items():
+        if name in body and not is_default(body[name]):
+            raise ApiError(400, f"'{name}' is not supported with value {json.dumps(body[name])[:50]}: {meaning}",
+                           name)
+    if "model" in body and not isinstance(body["model"], str):
+        raise ApiError(400, "'model' must be a string", "model")
+    if "prompt" not in body:
+        raise ApiError(400, "'prompt' is required", "prompt")
+    n = _integer(body, "n", 1, 1, MAX_N)
+    prompts = parse_prompts(body["prompt"], tokenizer, limits.vocab)
+    if len(prompts) * n > limits.max_choices:
+        raise ApiError(400, f"{len(prompts)} prompts x n={n} is {len(prompts) * n} completions; at most "
+                            f"{limits.max_choices} fit in one request", "n")
+    max_tokens = _integer(body, "max_tokens", DEFAULT_MAX_TOKENS, 1, limits.context)
+    stream = _boolean(body, "stream")
+    options = _get(body, "stream_options", {})
+    if not isinstance(options, dict) or set(options) - {"include_usage"} or not isinstance(
+            options.get("include_usage", False), bool):
+        raise ApiError(400, "'stream_options' must be null or {\"include_usage\": true|false}", "stream_options")
+    seed = _integer(body, "seed", None, -MAX_SEED, MAX_SEED)
+    params = CompletionParams(
+        prompts=prompts, max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True), top_k=_integer(body, "top_k", 0, 0, limits.vocab),
+        n=n, stream=stream, stop=_stop(body), seed=secrets.randbits(32) if seed is None else seed,
+        logprobs=_integer(body, "logprobs", None, 0, MAX_LOGPROBS), include_usage=options.get("include_usage", False))
+    _check_context(prompts, max_tokens, limits.context)
+    return params
+
+
+def parse_complete(body: dict, tokenizer: Any, limits: Limits) -> CompletionParams:
+    """A validated request of the original API: {"context": str, "top_p": float, "temp": float, "length": int}."""
+    for name in body:
+        if name not in ("context", "top_p", "temp", "length"):
+            raise ApiError(400, f"Unrecognized request argument supplied: {name}", name)
+    context = body.get("context")
+    if not isinstance(context, str) or not context:
+        raise ApiError(400, "'context' must be a non-empty string", "context")
+    prompt = tuple(tokenizer.encode(context))
+    length = _integer(body, "length", None, 1, limits.context)
+    length = min(COMPLETE_DEFAULT_LENGTH, max(1, limits.context - len(prompt))) if length is None else length
+    _check_context([prompt], length, limits.context)
+    return CompletionParams(prompts=(prompt,), max_tokens=length, temperature=_number(body, "temp", 1.0, 0.0, 2.0),
+                            top_p=_number(body, "top_p", 0.9, 0.0, 1.0, open_low=True), seed=secrets.randbits(32))
+
+
+# ------------------------------------------------------------------------------------------------------- responses
+def logprobs_object(tokenizer: Any, tokens: Sequence[int], logprobs: Sequence[float], text_offset: int,
+                    top: bool) -> dict:
+    """The legacy completions `logprobs`: chosen tokens as text, their log-probs, and where each starts.
+
+    Offsets count from the start of the completion; top_logprobs lists only the chosen token (or is null).
+    """
+    pieces = [tokenizer.decode([t]) for t in tokens]
+    offsets = []
+    for piece in pieces:
+        offsets.append(text_offset)
+        text_offset += len(piece)
+    return {"tokens": pieces, "token_logprobs": list(logprobs),
+            "top_logprobs": [{p: lp} for p, lp in zip(pieces, logprobs)] if top else None, "text_offset": offsets}
+
+
+def choice(index: int, event: Event, tokenizer: Any, want_logprobs: int | None, text_offset: int = 0) -> dict:
+    """One entry of `choices` (a whole completion, or one streamed piece of it)."""
+    logprobs = None
+    if want_logprobs is not None:
+        logprobs = logprobs_object(tokenizer, event.tokens, event.logprobs, text_offset, want_logprobs > 0)
+    return {"text": event.text, "index": index, "logprobs": logprobs, "finish_reason": event.finish_reason}
+
+
+def completion(id: str, created: int, model: str, choices: list[dict], usage: dict | None = None) -> dict:
+    """A text_completion object (a whole response, or a stream chunk when usage is None)."""
+    body = {"id": id, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,254 @@
+"""The HTTP front of the serving engine (FastAPI + uvicorn): OpenAI-compatible /v1/completions (streamed as server-sent
+events too) and /v1/models, the original /complete, and /health. Handlers only validate, enqueue and stream; the
+engine's thread owns the device, and its events reach the event loop through call_soon_threadsafe.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Any
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mesh_transformer.serve import api
+from mesh_transformer.serve.api import ApiError, CompletionParams
+from mesh_transformer.serve.engine import Engine, EngineStopped, Event, GenerationRequest, QueueFull
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 1 << 20
+RETRY_AFTER_S = 1
+_ERROR_TYPES = {401: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+                413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+
+
+class _Job:
+    """The engine requests behind one HTTP request (prompts x n); their events arrive on the event loop's queue."""
+
+    def __init__(self, engine: Engine, params: CompletionParams, loop: asyncio.AbstractEventLoop):
+        self.engine, self.events_queue = engine, asyncio.Queue()
+        self.requests = [
+            GenerationRequest(list(prompt), params.max_tokens, partial(self._deliver, loop, index),
+                              temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                              seed=params.seed + index, stop=params.stop, stream=params.stream,
+                              logprobs=params.logprobs is not None)
+            for index, prompt in enumerate(p for p in params.prompts for _ in range(params.n))]
+
+    def _deliver(self, loop: asyncio.AbstractEventLoop, index: int, event: Event) -> None:
+        loop.call_soon_threadsafe(self.events_queue.put_nowait, (index, event))
+
+    def submit(self) -> None:
+        try:
+            self.engine.submit(self.requests)
+        except QueueFull as e:
+            raise ApiError(429, f"{e}; please retry shortly", type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineStopped as e:
+            raise ApiError(503, str(e), type="server_error") from None
+
+    async def events(self) -> AsyncIterator[tuple[int, Event]]:
+        """(choice index, event) until every choice has finished; an engine error ends them all."""
+        running = len(self.requests)
+        while running:
+            index, event = await self.events_queue.get()
+            yield index, event
+            if event.error:
+                return
+            running -= event.finish_reason is not None
+
+    def cancel(self) -> None:
+        self.engine.cancel(self.requests)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 past `limit` bytes (by Content-Length, then by the bytes actually read)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and not declared.isdigit():
+        raise ApiError(400, "Content-Length must be a number of bytes")
+    if declared is not None and int(declared) > limit:
+        raise ApiError(413, f"The request body is {declared} bytes; at most {limit} are accepted")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"The request body is over {limit} bytes; at most {limit} are accepted")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(data: Any) -> str:
+    return f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n"
+
+
+def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The HTTP app over a running engine. With `api_key`, every route but /health needs `Authorization: Bearer`."""
+    app = FastAPI(title="mesh-transformer serving", docs_url=None, redoc_url=None, openapi_url=None)
+    created = int(time.time())
+    vocab = min(len(tokenizer), engine.cfg.n_vocab)
+    limits = api.Limits(context=engine.cfg.seq, vocab=vocab, max_choices=min(api.MAX_PROMPTS, engine.max_queue))
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            raise ApiError(401, "You didn't provide an API key: send 'Authorization: Bearer YOUR_KEY'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+            raise ApiError(401, "Incorrect API key provided", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    authorized = [Depends(check_key)]
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = _ERROR_TYPES.get(e.status_code, "invalid_request_error" if e.status_code < 500 else "server_error")
+        return JSONResponse(api.error_body(str(e.detail), kind), e.status_code, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def server_error(_: Request, e: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return JSONResponse(api.error_body("The server had an error while processing your request", "server_error"),
+                            500)
+
+    async def run(request: Request, params: CompletionParams) -> tuple[list[Event], float] | None:
+        """Every choice's whole completion (one merged Event each), or None when the client went away first."""
+        job = _Job(engine, params, asyncio.get_running_loop())
+        job.submit()
+        start_s = time.perf_counter()
+
+        async def collect() -> list[Event]:
+            pieces: list[list[Event]] = [[] for _ in job.requests]
+            async for index, event in job.events():
+                if event.error:
+                    raise ApiError(503, event.error, type="server_error")
+                pieces[index].append(event)
+            return [Event("".join(e.text for e in p), sum((e.tokens for e in p), ()), sum((e.logprobs for e in p), ()),
+                          p[-1].finish_reason) for p in pieces]
+
+        collecting, watching = asyncio.ensure_future(collect()), asyncio.ensure_future(_until_disconnected(request))
+        try:
+            await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+            return (collecting.result(), time.perf_counter() - start_s) if collecting.done() else None
+        finally:
+            for task in (collecting, watching):
+                task.cancel()
+            job.cancel()  # frees the slots of a client that went away; a no-op once finished
+
+    @app.post("/v1/completions", dependencies=authorized)
+    async def completions(request: Request) -> Response:
+        params = api.parse_completion(api.parse_json_object(await _read_body(request, max_body_bytes)), tokenizer,
+                                      limits)
+        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
+        prompt_tokens = sum(map(len, params.prompts))
+        if params.stream:
+            job = _Job(engine, params, asyncio.get_running_loop())
+            job.submit()
+            return StreamingResponse(stream(job, params, meta, prompt_tokens), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        done = await run(request, params)
+        if done is None:
+            return Response(status_code=499)  # nobody is listening
+        events, _ = done
+        choices = [api.choice(i, event, tokenizer, params.logprobs) for i, event in enumerate(events)]
+        usage = api.usage(prompt_tokens, sum(len(e.tokens) for e in events))
+        return JSONResponse(api.completion(**meta, choices=choices, usage=usage))
+
+    async def stream(job: _Job, params: CompletionParams, meta: dict, prompt_tokens: int) -> AsyncIterator[str]:
+        offsets, completion_tokens = [0] * len(job.requests), 0
+        try:
+            async for index, event in job.events():
+                if event.error:
+                    yield _sse(api.error_body(event.error, "server_error"))
+                    return
+                chunk = api.choice(index, event, tokenizer, params.logprobs, offsets[index])
+                offsets[index] += len(event.text)
+                completion_tokens += len(event.tokens)
+                yield _sse(api.completion(**meta, choices=[chunk]))
+            if params.include_usage:
+                yield _sse(api.completion(**meta, choices=[], usage=api.usage(prompt_tokens, completion_tokens)))
+            yield _sse("[DONE]")
+        finally:
+            job.cancel()  # the client went away (or all is done): free the slots at the next step
+
+    @app.post("/complete", dependencies=authorized)
+    async def complete(request: Request) -> Response:
+        """The original mesh-transformer-jax API: {"context", "top_p", "temp"[, "length"]} -> {"completion"}."""
+        params = api.parse_complete(api.parse_json_object(await _read_body(request, max_body_bytes)), tokenizer,
+                                    limits)
+        done = await run(request, params)
+        if done is None:
+            return Response(status_code=499)
+        events, compute_s = done
+        return JSONResponse({"completion": events[0].text, "compute_time": compute_s})
+
+    @app.get("/v1/models", dependencies=authorized)
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "mesh-transformer-jax"}]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        stats = engine.stats()
+        status = "error" if engine.error else "ok"
+        return JSONResponse({"status": status, **stats, **({"error": engine.error} if engine.error else {})},
+                            200 if status == "ok" else 503)
+
+    return app
+
+
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 5000) -> None:
+    """Serve until interrupted."""
+    uvicorn.run(app, host=host, port=port, log_level="info")
+
+
+class BackgroundServer:
+    """uvicorn serving an app from a background thread on a port of its own (tests, benchmarks, notebooks)."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+        # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on such sockets (else ~40 ms per response).
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))  # bound here, so the port is known and cannot be taken meanwhile
+        self.host, self.port = host, self._socket.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]}, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server on {self.url} did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self._thread.join(10)
+        self._socket.close()

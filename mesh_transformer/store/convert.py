@@ -1,0 +1,358 @@
+"""Checkpoint interchange: read the params of any checkpoint one array at a time, place them on a mesh, or write them
+as our checkpoint (for any cores_per_replica, slim or not) or as an HF GPT-J directory.
+
+Sources: our checkpoints (a root holding step_N, or one step directory), original mesh-transformer-jax checkpoints
+(mtj_v1.py) and HF GPT-J directories with safetensors weights (pytorch_model.bin is pickle and is never loaded).
+Readers give one param, or one layer of a stacked param, at a time and writers take them as they come, so a
+conversion holds about one layer in host memory, never the model.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from tqdm import tqdm
+
+from mesh_transformer.store import checkpoint, hf, mtj_v1, safetensors_io, storage
+from mesh_transformer import config
+from mesh_transformer.model import gptj as model
+from mesh_transformer.store.checkpoint_stream import LeafReader, StreamingWriter
+from mesh_transformer.config import Config, ConfigError
+from mesh_transformer.parallel.mesh import DP, MP
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT, MTJ_V1, HF = "checkpoint", "mtj_v1", "hf"
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_SHAPE_KEYS = ("layers", "d_model", "n_heads", "n_vocab", "pe_rotary_dims")
+_PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+Path = tuple[str, ...]
+
+
+def parse_dtype(name: Any) -> np.dtype:
+    """A numpy dtype from 'bf16' / 'fp16' / 'fp32', a full name such as 'bfloat16', or a dtype."""
+    if not isinstance(name, str):
+        return np.dtype(name)
+    full = DTYPE_NAMES.get(name, name)
+    if full not in model.DTYPES:
+        raise ConfigError(f"dtype {name!r} must be one of {', '.join([*DTYPE_NAMES, *model.DTYPES])}")
+    return np.dtype(model.DTYPES[full])
+
+
+def param_paths(cfg: Config) -> list[tuple[Path, jax.ShapeDtypeStruct]]:
+    """(path, global shape) of every param, in the param tree's flattening order."""
+    flat = jax.tree_util.tree_flatten_with_path(model.param_shapes(cfg))[0]
+    return [(tuple(key.key for key in keypath), shape) for keypath, shape in flat]
+
+
+def _get(tree: Mapping, path: Path) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path: Path, value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _check_config(saved: Mapping, cfg: Config, where: str) -> None:
+    differ = [f"{key}={saved[key]} (the config says {getattr(cfg, key)})" for key in _SHAPE_KEYS
+              if key in saved and saved[key] != getattr(cfg, key)]
+    if differ:
+        raise ConfigError(f"{where} holds a model with {', '.join(differ)}: the config does not match the checkpoint")
+
+
+# ----------------------------------------------------------------------------------------------------------- sources
+def detect_format(path: str) -> str:
+    """Which kind of checkpoint `path` holds: CHECKPOINT (ours), MTJ_V1 (original) or HF (a GPT-J directory)."""
+    path = path.rstrip("/")
+    with contextlib.suppress(FileNotFoundError):
+        checkpoint.find_step(path)
+        return CHECKPOINT
+    if mtj_v1.is_mtj_v1(path):
+        return MTJ_V1
+    names = set(storage.listdir(path))
+    weights = {safetensors_io.SINGLE_FILE, safetensors_io.INDEX_FILE, *_PICKLE_WEIGHTS}
+    if "config.json" in names and (names & weights or any(n.endswith(".safetensors") for n in names)):
+        return HF
+    raise FileNotFoundError(f"no checkpoint at {path}: expected one of ours (step_N/COMMITTED), an original "
+                            f"mesh-transformer-jax one (step_N/shard_0/0.npz) or an HF GPT-J directory "
+                            f"(config.json and safetensors weights)")
+
+
+def _hf_config(path: str) -> dict:
+    try:
+        return json.loads(storage.read_bytes(storage.join(path, "config.json")))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"HF directory {path} has no config.json") from None
+
+
+def _config_of_hf_dir(path: str, **overrides: Any) -> Config:
+    try:
+        return hf.config_from_hf(_hf_config(path), **overrides)
+    except ConfigError:
+        raise
+    except ValueError as e:  # a config.json of another model type
+        raise ConfigError(f"{storage.join(path, 'config.json')}: {e}") from None
+
+
+def source_config(path: str, **overrides: Any) -> Config | None:
+    """The config a checkpoint carries (ours: its metadata; HF: config.json), with `overrides`; None for MTJ v1."""
+    fmt = detect_format(path)
+    if fmt == CHECKPOINT:
+        saved = checkpoint.read_metadata(*checkpoint.find_step(path)).get("config")
+        return config.from_dict({**saved, **overrides}) if saved else None
+    return _config_of_hf_dir(path.rstrip("/"), **overrides) if fmt == HF else None
+
+
+class CheckpointReader:
+    """Our checkpoint as a param source; also reads its other leaves (optimizer state) for full rewrites."""
+
+    def __init__(self, path: str, cfg: Config):
+        root, self.step = checkpoint.find_step(path)
+        self._leaves = LeafReader(root, self.step)
+        where = checkpoint.step_dir(root, self.step)
+        _check_config(self._leaves.metadata.get("config") or {}, cfg, f"checkpoint {where}")
+        for param, like in param_paths(cfg):
+            key = "params/" + "/".join(param)
+            if key not in self._leaves.leaves:
+                raise ConfigError(f"checkpoint {where} has no leaf '{key}'; it does not hold this config's params")
+            if self._leaves.shape(key) != like.shape:
+                raise ConfigError(f"checkpoint {where} leaf '{key}' has shape {self._leaves.shape(key)}, the config "
+                                  f"needs {like.shape}")
+
+    @property
+    def metadata(self) -> dict:
+        return self._leaves.metadata
+
+    def read(self, path: Path, layer: int | None = None) -> np.ndarray:
+        return self.read_leaf("params/" + "/".join(path), layer)
+
+    def other_leaves(self) -> list[str]:
+        """Every saved leaf besides the params and the step (the optimizer state, for one)."""
+        return [leaf for leaf in self._leaves.leaves if not leaf.startswith("params/") and leaf != "step"]
+
+    def leaf_shape(self, leaf: str) -> tuple[int, ...] | None:
+        entry = self._leaves.leaves[leaf]
+        return None if "value" in entry else tuple(entry["shape"])
+
+    def read_leaf(self, leaf: str, layer: int | None = None) -> Any:
+        if layer is None:
+            return self._leaves.read(leaf)
+        return self._leaves.read(leaf, (slice(layer, layer + 1),))[0]
+
+    def close(self) -> None:
+        pass
+
+
+class HFReader:
+    """An HF GPT-J directory (safetensors, one file or sharded with an index) as a param source."""
+
+    def __init__(self, path: str, cfg: Config):
+        self.path, self.cfg, self.step = path, cfg, 0
+        names = set(storage.listdir(path))
+        pickled = sorted(names & set(_PICKLE_WEIGHTS))
+        if pickled and not names & {safetensors_io.SINGLE_FILE, safetensors_io.INDEX_FILE}:
+            raise FileNotFoundError(
+                f"HF directory {path} has only PyTorch pickle weights ({', '.join(pickled)}), which are never "
+                f"unpickled here (pickle runs code): re-save them as safetensors, e.g. "
+                f"model.save_pretrained(dir, safe_serialization=True)")
+        _check_config(_config_of_hf_dir(path, cores_per_replica=1).to_dict(), cfg, f"HF directory {path}")
+        self._files = safetensors_io.DirReader(path)
+        self._names = {(p, layer): (name, transpose) for p, layer, name, transpose in hf.hf_layout(cfg.layers)}
+        self._shapes = dict(param_paths(cfg))
+        for (param, layer), (name, transpose) in self._names.items():
+            if name not in self._files:
+                raise checkpoint.CorruptCheckpointError(f"HF checkpoint {path} lacks weight '{name}'")
+            want = _hf_shape(self._shapes[param].shape, layer, transpose)
+            if self._files.shape(name) != want:
+                raise ConfigError(f"HF weight {name} in {path} has shape {self._files.shape(name)}, the config needs "
+                                  f"{want}")
+
+    def read(self, path: Path, layer: int | None = None) -> np.ndarray:
+        if path[0] == "layers" and layer is None:
+            return mtj_v1.stack_layers(lambda i: self.read(path, i), self._shapes[path].shape)
+        name, transpose = self._names[path, layer]
+        array = self._files.read(name)
+        return array.T if transpose else array
+
+    def close(self) -> None:
+        self._files.close()
+
+
+def _hf_shape(shape: tuple[int, ...], layer: int | None, transpose: bool) -> tuple[int, ...]:
+    shape = tuple(shape[1:] if layer is not None else shape)
+    return shape[::-1] if transpose else shape
+
+
+@contextlib.contextmanager
+def open_params(path: str, cfg: Config, fmt: str | None = None) -> Iterator[Any]:
+    """An open param source of any format: `.read(path, layer=None)` gives one param (or one layer) as numpy."""
+    fmt = fmt or detect_format(path)
+    reader = {CHECKPOINT: CheckpointReader, MTJ_V1: mtj_v1.Reader, HF: HFReader}[fmt](path.rstrip("/"), cfg)
+    log.info("reading %s checkpoint %s (step %d)", fmt, path, reader.step)
+    try:
+        yield reader
+    finally:
+        reader.close()
+
+
+def _layer_chunks(read: Any, path: Any, shape: tuple[int, ...], layered: bool, dtype: np.dtype | None):
+    """A leaf as consecutive slices along its first axis: one per layer for stacked leaves, else the whole leaf."""
+    parts = (read(path, i)[None] for i in range(shape[0])) if layered else iter([read(path)])
+    return (part if dtype is None else part.astype(dtype, copy=False) for part in parts)
+
+
+def read_array(reader: Any, path: Path, shape: tuple[int, ...], dtype: np.dtype | None = None) -> np.ndarray:
+    """One whole param as a global numpy array, stacked leaves assembled layer by layer in `dtype`."""
+    if path[0] == "layers":
+        return mtj_v1.stack_layers(lambda i: reader.read(path, i), shape, dtype)
+    array = reader.read(path)
+    return array if dtype is None else array.astype(dtype, copy=False)
+
+
+def iter_params(path: str, cfg: Config, dtype: Any = None) -> Iterator[tuple[Path, np.ndarray]]:
+    """(our param path, global numpy array) for every param of a checkpoint of any format, one array at a time."""
+    dtype = None if dtype is None else parse_dtype(dtype)
+    with open_params(path, cfg) as reader:
+        for param, like in param_paths(cfg):
+            yield param, read_array(reader, param, like.shape, dtype)
+
+
+def load_params(cfg: Config, mesh: Mesh, source: str, dtype: Any = None) -> dict:
+    """The params of a checkpoint of any format, placed on `mesh` as the model shards them, in `dtype`.
+
+    `dtype` defaults to the config's compute dtype. Our checkpoints are read slice by slice onto the devices; other
+    formats are read one global array at a time on the host.
+    """
+    dtype = parse_dtype(dtype if dtype is not None else cfg.compute_dtype)
+    fmt = detect_format(source)
+    if fmt == CHECKPOINT:
+        root, step = checkpoint.find_step(source)
+        _check_config(checkpoint.read_metadata(root, step).get("config") or {}, cfg,
+                      f"checkpoint {checkpoint.step_dir(root, step)}")
+        try:
+            params, _ = checkpoint.restore(root, step, model.abstract_params(cfg, mesh, dtype), paths_prefix="params")
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"checkpoint {checkpoint.step_dir(root, step)} does not match the config: "
+                              f"{e.args[0]}") from e
+        return params
+    shardings = model.param_shardings(cfg, mesh)
+    params: dict = {}
+    with open_params(source, cfg, fmt) as reader:
+        for path, like in tqdm(param_paths(cfg), desc="loading params", unit="array", leave=False):
+            array = read_array(reader, path, like.shape, dtype)
+            _set(params, path, jax.make_array_from_callback(like.shape, _get(shardings, path),
+                                                            lambda index, a=array: a[index]))
+    return params
+
+
+# ----------------------------------------------------------------------------------------------------------- writers
+def _leaf_specs(cfg: Config) -> dict[str, tuple[Any, tuple[int, ...]]]:
+    specs = model.param_specs(cfg)
+    return {"/".join(path): (_get(specs, path), like.shape) for path, like in param_paths(cfg)}
+
+
+def _spec_for(leaf: str, shape: tuple[int, ...], by_param: Mapping[str, tuple[Any, tuple[int, ...]]]) -> Any:
+    """An optimizer leaf is split like the param it mirrors (same path suffix and shape); anything else is whole."""
+    for name, (spec, param_shape) in by_param.items():
+        if leaf.endswith("/" + name) and shape == param_shape:
+            return spec
+    return None
+
+
+def write_checkpoint(source: str, cfg: Config, output: str, *, cores_per_replica: int | None = None,
+                     dtype: Any = None, slim: bool = False) -> str:
+    """Rewrites a checkpoint of any format as ours under root `output`, laid out for `cores_per_replica`.
+
+    Params are cast to `dtype` when given. Unless `slim`, the other leaves of one of our checkpoints (optimizer
+    state) and its metadata come along; other formats give params only. Returns the written step directory.
+    """
+    out_cfg = config.from_dict({**cfg.to_dict(), "cores_per_replica": cores_per_replica or cfg.cores_per_replica})
+    dtype = None if dtype is None else parse_dtype(dtype)
+    fmt = detect_format(source)
+    with open_params(source, cfg, fmt) as reader:
+        metadata = {"config": out_cfg.to_dict(),
+                    "converted_from": {"path": source, "format": fmt, "step": reader.step}}
+        extra: list[str] = []
+        if not slim and fmt == CHECKPOINT:
+            metadata = {**reader.metadata, **metadata}
+            extra = reader.other_leaves()
+        elif not slim:
+            log.warning("%s is a %s checkpoint: only its params are converted, no optimizer state", source, fmt)
+        writer = StreamingWriter(output, reader.step, metadata, {DP: 1, MP: out_cfg.cores_per_replica})
+        by_param = _leaf_specs(out_cfg)
+        params = param_paths(cfg)
+        with tqdm(total=len(params) + len(extra), desc=f"writing {writer.directory}", unit="array") as bar:
+            for path, like in params:
+                chunks = _layer_chunks(reader.read, path, like.shape, path[0] == "layers", dtype)
+                first = next(chunks)
+                name = "/".join(path)
+                writer.add_chunks("params/" + name, like.shape, first.dtype, itertools.chain([first], chunks),
+                                  by_param[name][0])
+                bar.update()
+            for leaf in extra:
+                shape = reader.leaf_shape(leaf)
+                if shape is None:
+                    writer.add(leaf, reader.read_leaf(leaf))
+                else:
+                    layered = bool(shape) and "layers" in leaf.split("/")
+                    chunks = _layer_chunks(reader.read_leaf, leaf, shape, layered, None)
+                    first = next(chunks)
+                    writer.add_chunks(leaf, shape, first.dtype, itertools.chain([first], chunks),
+                                      _spec_for(leaf, shape, by_param))
+                bar.update()
+        writer.add("step", np.asarray(reader.step, np.int32))
+        writer.commit()
+    log.info("wrote checkpoint %s for cores_per_replica %d", writer.directory, out_cfg.cores_per_replica)
+    return writer.directory
+
+
+def write_hf(source: str, cfg: Config, output: str, *, dtype: Any = "fp16", max_shard_bytes: int = 5 * 10**9,
+             tokenizer: str | None = None) -> list[str]:
+    """Writes a checkpoint of any format as an HF GPT-J directory (safetensors, config.json, tokenizer files).
+
+    Weights larger in total than `max_shard_bytes` are split over several files with an index. config.json comes
+    last, so a directory from an interrupted export does not load. Returns the names of the files written.
+    """
+    dtype = parse_dtype(dtype)
+    layout = hf.hf_layout(cfg.layers)
+    shapes = dict(param_paths(cfg))
+    entries = [(name, _hf_shape(shapes[path].shape, layer, transpose), dtype)
+               for path, layer, name, transpose in layout]
+    with open_params(source, cfg) as reader:
+        def arrays() -> Iterator[tuple[str, np.ndarray]]:
+            for path, layer, name, transpose in tqdm(layout, desc=f"writing {output}", unit="tensor"):
+                array = reader.read(path, layer)
+                yield name, np.ascontiguousarray(array.T if transpose else array, dtype=dtype)
+
+        files = safetensors_io.write_dir(output, entries, arrays(), max_shard_bytes)
+    files += _write_tokenizer(output, tokenizer or cfg.tokenizer)
+    hf_config = {**hf.hf_config(cfg), "torch_dtype": dtype.name}
+    storage.write_bytes_atomic(storage.join(output, "config.json"), json.dumps(hf_config, indent=2).encode())
+    log.info("wrote HF GPT-J directory %s (%d weight files)", output, len(files))
+    return [*files, "config.json"]
+
+
+def _write_tokenizer(output: str, name: str) -> list[str]:
+    """The tokenizer's files (saved by transformers) copied into `output`, local or gs://."""
+    from mesh_transformer.tokenizer import load_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        load_tokenizer(name).save_pretrained(tmp)
+        names = sorted(os.listdir(tmp))
+        for file_name in names:
+            with open(os.path.join(tmp, file_name), "rb") as f:
+                storage.write_bytes_atomic(storage.join(output, file_name), f.read())
+    return names

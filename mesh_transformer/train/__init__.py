@@ -1,0 +1,1 @@
+"""Training: the train state and step, the optimizer, the loop, metrics and the token data."""

@@ -1,0 +1,203 @@
+"""The training loop: resume or init, step, validate, checkpoint, log; stops cleanly on SIGTERM / Ctrl-C."""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from mesh_transformer.store import checkpoint, storage
+from mesh_transformer.train import data, optim
+from mesh_transformer.model import gptj as model
+from mesh_transformer.parallel import layout as partitioning
+from mesh_transformer.parallel import mesh as mesh_lib
+from mesh_transformer.config import Config, ConfigError
+from mesh_transformer.train.metrics import MetricsWriter
+
+log = logging.getLogger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (for example a non-finite loss); the last good checkpoint is kept."""
+
+
+def _check_inputs(cfg: Config) -> None:
+    if not cfg.train_set:
+        raise ConfigError("config key 'train_set' is missing: give an index file or a list of [index, weight]")
+    root = cfg.model_path
+    if not storage.is_gcs(root):
+        try:
+            storage.makedirs(root)
+            probe = storage.join(root, f".write-probe-{jax.process_index()}")
+            storage.write_bytes_atomic(probe, b"")
+            os.remove(probe)
+        except OSError as e:
+            raise ConfigError(f"model_dir {root} is not writable: {e.strerror or e}") from None
+
+
+def _train_sources(cfg: Config):
+    if isinstance(cfg.train_set, str):
+        return cfg.train_set
+    try:
+        return [(str(index), float(weight)) for index, weight in cfg.train_set]
+    except (TypeError, ValueError):
+        raise ConfigError("config key 'train_set' must be an index path or a list of [index, weight] pairs") from None
+
+
+class StopFlag:
+    """Set by SIGTERM or SIGINT; the loop checks it between steps, saves and exits."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopFlag:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, lambda *_: self.event.set())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class Trainer:
+    """Owns the mesh, the compiled steps, the train state and the data iterator of one run."""
+
+    def __init__(self, cfg: Config, *, tune_model_path: str | None = None, fresh_opt: bool = False):
+        _check_inputs(cfg)
+        self.cfg = cfg
+        self.root = cfg.model_path
+        # Both paths offer the same state and step functions: model (shard_map) or partitioning (GSPMD).
+        if cfg.parallelism == "shard_map":
+            self.path, self.mesh = model, mesh_lib.make(cfg)
+            self.global_batch = cfg.per_replica_batch * self.mesh.shape[mesh_lib.DP]
+        else:
+            self.path, self.mesh = partitioning, partitioning.mesh_for(cfg)
+            self.global_batch = partitioning.global_batch(cfg, self.mesh)
+        self.optimizer = optim.make_optimizer(cfg)
+        self.schedule = optim.lr_schedule(cfg)
+        self.train_step = self.path.make_train_step(cfg, self.mesh, self.optimizer, self.schedule)
+        self.eval_step = self.path.make_eval_step(cfg, self.mesh)
+        self.state, data_state = self._start_state(tune_model_path, fresh_opt)
+        self.step = int(self.state["step"])
+        self.dataset = data.TokenDataset(
+            _train_sources(cfg), cfg.seq, self.global_batch, seed=cfg.seed, state=data_state,
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            process_index=jax.process_index(), process_count=jax.process_count())
+        self.metrics = MetricsWriter(self.root, enabled=jax.process_index() == 0, wandb_project=cfg.wandb_project,
+                                     run_name=cfg.name, config=cfg.to_dict())
+        self.last_saved_step: int | None = self.step if data_state is not None else None
+
+    def _start_state(self, tune_model_path: str | None, fresh_opt: bool) -> tuple[dict, dict | None]:
+        """Resume from the latest valid checkpoint of model_dir, else start from tune_model_path or random init."""
+        abstract = self.path.abstract_train_state(self.cfg, self.mesh, self.optimizer)
+        found = checkpoint.restore_latest_valid(self.root, abstract)
+        if found is not None:
+            step, state, metadata = found
+            log.info("resuming from %s at step %d", self.root, step)
+            if fresh_opt:
+                state["opt_state"] = self.path.init_opt_state(state["params"], self.cfg, self.mesh, self.optimizer)
+            return state, metadata.get("data_state")
+        state = self.path.init_train_state(self.cfg, self.mesh, self.optimizer, jax.random.PRNGKey(self.cfg.seed))
+        if tune_model_path:
+            tune_step = checkpoint.latest_step(tune_model_path)
+            if tune_step is None:
+                raise ConfigError(f"--tune-model-path {tune_model_path} holds no complete checkpoint")
+            params, _ = checkpoint.restore(tune_model_path, tune_step, abstract["params"], paths_prefix="params")
+            log.info("fine-tuning from %s step %d with a fresh schedule", tune_model_path, tune_step)
+            state["params"] = params
+        return state, None
+
+    def _global_batch(self, local_GxBxT1: np.ndarray) -> jax.Array:
+        return jax.make_array_from_process_local_data(self.path.batch_sharding(self.mesh), local_GxBxT1)
+
+    def save(self, blocking: bool = False) -> None:
+        if self.last_saved_step == self.step:
+            return
+        metadata = {"config": self.cfg.to_dict(), "data_state": self.dataset.state()}
+        checkpoint.save(self.root, self.step, self.state, metadata, keep_last=self.cfg.keep_last,
+                        keep_every=self.cfg.keep_every, blocking=blocking)
+        self.last_saved_step = self.step
+
+    def validate(self) -> dict[str, float]:
+        """Mean loss and perplexity on each val_set over val_batches batches."""
+        results = {}
+        for name, index in self.cfg.val_set.items():
+            losses = [float(self.eval_step(self.state["params"], self._val_batch(b))) for b in data.val_batches(
+                index, self.cfg.seq, self.global_batch, self.cfg.val_batches,
+                process_index=jax.process_index(), process_count=jax.process_count())]
+            if losses:
+                loss = float(np.mean(losses))
+                results[f"val/{name}/loss"] = loss
+                results[f"val/{name}/ppl"] = math.exp(min(loss, 50.0))
+        return results
+
+    def _val_batch(self, local_BxT1: np.ndarray) -> jax.Array:
+        return jax.make_array_from_process_local_data(self.path.batch_sharding(self.mesh, accumulated=False),
+                                                      local_BxT1)
+
+    def _log(self, step: int, metrics: dict, seconds: float) -> dict[str, float]:
+        """Read a step's metrics (one step behind the device) and stop on a non-finite loss."""
+        scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if not math.isfinite(scalars["loss"]):
+            raise TrainingError(f"loss became {scalars['loss']} at step {step}; stopping, the last good checkpoint "
+                                f"(step {self.last_saved_step}) is kept")
+        tokens = self.cfg.gradient_accumulation_steps * self.global_batch * self.cfg.seq
+        scalars["tokens_per_s"] = tokens / max(seconds, 1e-9)
+        self.metrics.write(step, scalars)
+        return scalars
+
+    def batches(self) -> Iterator[jax.Array]:
+        for local in self.dataset:
+            yield self._global_batch(local)
+
+    def run(self, stop: threading.Event | None = None) -> int:
+        """Train to total_steps or until `stop` is set; returns the last step. Always leaves a checkpoint."""
+        cfg = self.cfg
+        stop = stop or threading.Event()
+        pending: tuple[int, dict, float] | None = None
+        bar = tqdm(total=cfg.total_steps, initial=self.step, disable=jax.process_index() != 0, dynamic_ncols=True)
+        batches = self.batches()
+        last_time = time.perf_counter()
+        try:
+            while self.step < cfg.total_steps and not stop.is_set():
+                self.state, metrics = self.train_step(self.state, next(batches))
+                self.step += 1
+                now = time.perf_counter()
+                if pending is not None:
+                    shown = self._log(*pending)
+                    bar.set_postfix(loss=f"{shown['loss']:.3f}", tok_s=f"{shown['tokens_per_s']:.0f}")
+                pending, last_time = (self.step, metrics, now - last_time), now
+                bar.update(1)
+                due_val = cfg.val_every and self.step % cfg.val_every == 0 and cfg.val_set
+                due_ckpt = self.step % cfg.ckpt_every == 0 or self.step == cfg.total_steps
+                if due_val or due_ckpt:
+                    self._log(*pending)  # never save or validate past an unchecked loss
+                    pending = None
+                if due_val:
+                    val = self.validate()
+                    self.metrics.write(self.step, val)
+                    log.info("step %d validation: %s", self.step, val)
+                if due_ckpt:
+                    self.save()
+            if pending is not None:
+                self._log(*pending)
+            if stop.is_set():
+                log.info("stop requested: writing a checkpoint at step %d", self.step)
+            self.save(blocking=True)
+        finally:
+            checkpoint.wait_for_saves()  # a save already under way completes even when training fails
+            bar.close()
+            self.metrics.close()
+            self.dataset.close()
+        return self.step

@@ -1,0 +1,255 @@
+import dataclasses
+import io
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import device_sample
+from mesh_transformer.store import checkpoint, hf
+from mesh_transformer import config
+from mesh_transformer.model import gptj as model
+from mesh_transformer.infer import sampler as sampling
+from mesh_transformer.parallel.mesh import make_dp_mp
+from mesh_transformer.tokenizer import load_tokenizer
+from tests.store.test_hf import random_hf_model, state_dict_numpy
+
+CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "remat=false"])  # seq 32, vocab 256
+PROMPTS = [[5, 17, 42], [100, 3, 7, 9, 250, 11, 2], list(range(20, 32))]  # lengths 3, 7, 12: one bucket (16)
+MIXED = {"temperature": [0.0, 0.8, 1.0], "top_k": [0, 0, 20], "top_p": [1.0, 0.9, 1.0], "seed": [0, 1, 2]}
+# GPT-2's vocabulary (padded to divide 8 shards), so that text round-trips through the real tokenizer.
+BIG = config.from_dict({"layers": 1, "d_model": 32, "n_heads": 4, "n_vocab": 50304, "pe_rotary_dims": 4, "seq": 64,
+                        "cores_per_replica": 1})
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return random_hf_model(CFG)
+
+
+@pytest.fixture(scope="module")
+def params(hf_model):
+    return hf.hf_to_params(state_dict_numpy(hf_model), CFG)
+
+
+@pytest.fixture(scope="module")
+def sampler(params):
+    return sampling.Sampler(CFG, make_dp_mp(1, 1), params)
+
+
+@pytest.fixture(scope="module")
+def greedy(sampler):
+    return sampler.generate(PROMPTS, 10, temperature=0.0, return_logprobs=True)
+
+
+def left_pad(prompts):
+    length = max(map(len, prompts))
+    ids = np.zeros((len(prompts), length), np.int64)
+    mask = np.zeros((len(prompts), length), np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, length - len(prompt):], mask[row, length - len(prompt):] = prompt, 1
+    return ids, mask
+
+
+def right_pad(rows):
+    return np.array([row + [0] * (max(map(len, rows)) - len(row)) for row in rows])
+
+
+def test_greedy_equals_hf_generate_with_left_padding(hf_model, greedy):
+    ids, mask = left_pad(PROMPTS)
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=10,
+                                do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    hf_tokens = out.sequences[:, ids.shape[1]:].numpy()
+    hf_logprobs = torch.log_softmax(torch.stack(out.logits, 1), -1).numpy()
+    for row, result in enumerate(greedy):
+        assert result.tokens == hf_tokens[row].tolist() and result.finish_reason == "length"
+        np.testing.assert_allclose(result.logprobs, hf_logprobs[row, np.arange(10), hf_tokens[row]], atol=1e-4)
+
+
+def test_kv_cache_logits_equal_full_forward_at_every_step(params):
+    prompts, fed = [[7, 8, 9], [1, 2, 3, 4, 5, 6]], np.array([[11, 12, 13], [21, 22, 23]])
+    ids, mask = left_pad(prompts)
+    length, n_new = ids.shape[1], 4
+    key_ok = jnp.concatenate([jnp.asarray(mask, bool), jnp.ones((2, n_new), bool)], 1)
+    cache = tuple([jnp.zeros((2, CFG.n_heads, CFG.head_dim, length + n_new))] * CFG.layers for _ in range(2))
+    step = jax.jit(lambda p, i, pos, at, c: sampling.forward_cached(model.unstack_layers(p), i, pos, key_ok, at, c,
+                                                                    CFG))
+    # Right-padded rows in one causal forward: padding after a position does not change its logits.
+    rows = [p + f.tolist() for p, f in zip(prompts, fed)]
+    full = np.asarray(jax.jit(lambda p, x: model.forward(p, x, CFG))(params, right_pad(rows)))
+    expected = [full[row, len(p) - 1:] for row, p in enumerate(prompts)]
+
+    logits, cache = step(params, ids, np.maximum(mask.cumsum(1) - 1, 0), 0, cache)
+    real_len = mask.sum(1)
+    for i in range(fed.shape[1] + 1):
+        for row in range(2):
+            np.testing.assert_allclose(logits[row], expected[row][i], atol=1e-5)
+        if i < fed.shape[1]:
+            logits, cache = step(params, fed[:, i:i + 1], (real_len + i)[:, None], length + i, cache)
+
+
+@pytest.mark.parametrize("dp, mp", [(2, 4), (1, 8)], ids=["dp2-mp4", "dp1-mp8"])
+def test_sharded_results_equal_single_device(params, sampler, greedy, dp, mp):
+    kwargs = {**MIXED, "return_logprobs": True, "stop_token_ids": [greedy[0].tokens[3]]}  # row 0 ends early
+    expected = sampler.generate(PROMPTS, 10, **kwargs)
+    assert expected[0].finish_reason == "stop"
+    sharded = sampling.Sampler(dataclasses.replace(CFG, cores_per_replica=mp), make_dp_mp(dp, mp), params)
+    fused_in = sharded.params["layers"][0]["fused"]["in"]  # each device: its heads' q, k, v and its fc_in columns
+    assert fused_in.addressable_shards[0].data.shape == (1, (3 * CFG.d_model + CFG.d_ff) // mp, CFG.d_model)
+    for ours, ref in zip(sharded.generate(PROMPTS, 10, **kwargs), expected):
+        assert ours.tokens == ref.tokens and ours.finish_reason == ref.finish_reason
+        np.testing.assert_allclose(ours.logprobs, ref.logprobs, atol=1e-5)
+
+
+def test_top_k_1_equals_greedy(sampler, greedy):
+    results = sampler.generate(PROMPTS, 10, temperature=1.0, top_k=1, seed=[3, 4, 5])
+    assert [r.tokens for r in results] == [r.tokens for r in greedy]
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    probs = np.array([0.1, 0.5, 0.05, 0.3, 0.05])
+    logits = jnp.log(jnp.asarray(np.tile(probs, (5, 1)), jnp.float32))
+    top_p = jnp.array([0.45, 0.55, 0.85, 1.0, 1.0])
+    top_k = jnp.array([0, 0, 0, 0, 2])
+    kept = np.isfinite(np.asarray(jax.jit(sampling.filter_logits)(logits, top_k, top_p)))
+    assert [set(np.flatnonzero(row)) for row in kept] == [{1}, {1, 3}, {0, 1, 3}, {0, 1, 2, 3, 4}, {1, 3}]
+    keys = jax.random.split(jax.random.PRNGKey(0), 256)
+    drawn = jax.jit(sampling.sample)(jnp.tile(logits[:1], (256, 1)), jnp.ones(256), jnp.zeros(256, jnp.int32),
+                            jnp.full(256, 0.55), keys)
+    assert set(np.asarray(drawn).tolist()) == {1, 3}
+
+
+def test_same_seed_same_tokens_other_seed_others(sampler):
+    prompt = PROMPTS[1]
+    first = sampler.generate([prompt, prompt, prompt], 10, temperature=1.0, seed=[7, 7, 8])
+    assert first[0].tokens == first[1].tokens != first[2].tokens
+    again = sampler.generate([PROMPTS[0], prompt, prompt], 10, temperature=1.0, seed=[1, 7, 9])
+    assert again[1].tokens == first[0].tokens  # a row's draw depends on its seed, not on its place in the batch
+
+
+def test_stop_token_ends_row_on_device(sampler, greedy):
+    stop = greedy[0].tokens[3]
+    for result, full in zip(sampler.generate(PROMPTS, 10, temperature=0.0, stop_token_ids=[stop]), greedy):
+        cut = full.tokens.index(stop) if stop in full.tokens else None
+        assert result.tokens == full.tokens[:cut]
+        assert result.finish_reason == ("length" if cut is None else "stop")
+
+
+def test_new_lengths_inside_the_buckets_do_not_compile_again(sampler, greedy):
+    compiled = sampler.compile_count
+    assert compiled >= 1
+    results = sampler.generate([[1, 2], list(range(40, 56)), [9] * 5], 13, temperature=0.0, return_logprobs=True)
+    assert [len(r.tokens) for r in results] == [13, 13, 13]
+    assert sampler.compile_count == compiled
+
+
+def test_without_logprobs_the_tokens_are_the_same(sampler, greedy):
+    plain = sampler.generate(PROMPTS, 10, temperature=0.0)  # a program that skips the log-softmax
+    assert [r.tokens for r in plain] == [r.tokens for r in greedy] and all(r.logprobs is None for r in plain)
+
+
+def test_truncate_left_cuts_the_prompt_from_the_left(sampler):
+    long = list(range(30, 60))  # 30 tokens + 16 new > seq 32
+    with pytest.raises(ValueError, match="beyond the context of 32 tokens"):
+        sampler.generate([long, *PROMPTS[:2]], 16, temperature=0.0)
+    cut = sampler.generate([long, *PROMPTS[:2]], 16, temperature=0.0, truncate_left=True)
+    assert cut == sampler.generate([long[-16:], *PROMPTS[:2]], 16, temperature=0.0)
+
+
+@pytest.mark.parametrize("prompts, kwargs, match", [
+    ([[1, 2], []], {}, "prompt 1 is empty"),
+    ([], {}, "no prompts"),
+    ([[1, 300]], {}, "token id 300 outside the vocabulary"),
+    ([list(range(30))], {}, "beyond the context"),
+    ([[1]], {"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ([[1]], {"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+    ([[1]], {"temperature": -0.5}, "temperature must be at least 0"),
+    ([[1]], {"top_k": -1}, "top_k must be at least 0"),
+    ([[1]], {"max_new_tokens": 0}, "max_new_tokens must be an integer of at least 1"),
+    ([[1], [2]], {"seed": [1, 2, 3]}, "seed has 3 values for 2 prompts"),
+], ids=["empty-prompt", "no-prompts", "bad-token", "too-long", "top-p-0", "top-p-1.5", "negative-temperature",
+        "negative-top-k", "max-new-0", "seed-count"])
+def test_bad_inputs_are_clear_errors(sampler, prompts, kwargs, match):
+    kwargs = {"max_new_tokens": 8, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        sampler.generate(prompts, **kwargs)
+
+
+def test_load_params_reads_params_only_and_rejects_a_mismatched_config(tmp_path, params):
+    state = {"step": np.int32(5), "params": params, "opt_state": {"mu": np.zeros(3, np.float32)}}
+    checkpoint.save(str(tmp_path), 5, state, blocking=True)
+    mesh = make_dp_mp(1, 1)
+    for path in (str(tmp_path), str(tmp_path / "step_5")):
+        loaded = sampling.load_params(CFG, mesh, path)
+        jax.tree.map(np.testing.assert_array_equal, loaded, params)
+    with pytest.raises(ValueError, match="does not match the config: checkpoint leaf 'params/embed/wte' has shape"):
+        sampling.load_params(dataclasses.replace(CFG, n_vocab=128), mesh, str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        sampling.load_params(CFG, mesh, str(tmp_path / "nothing"))
+
+
+def test_cut_at_stop_cuts_before_the_earliest_stop_string():
+    assert sampling.cut_at_stop("Hello world. Bye.\n", ["\n", ". B"]) == ("Hello world", True)
+    assert sampling.cut_at_stop("Hello", ["x", "yz"]) == ("Hello", False)
+    assert sampling.cut_at_stop("stop at once", ["stop"]) == ("", True)
+
+
+@pytest.fixture(scope="module")
+def big_params():
+    return model.init_unsharded(BIG, jax.random.PRNGKey(0))
+
+
+@pytest.fixture(scope="module")
+def big_text(big_params):
+    big_sampler = sampling.Sampler(BIG, make_dp_mp(1, 1), big_params)
+    full = big_sampler.generate_text(load_tokenizer(), ["Hello world"], 12, temperature=0.0)[0]
+    assert len(full.text) >= 6
+    stop = full.text[len(full.text) // 2:][:3]
+    cut = big_sampler.generate_text(load_tokenizer(), ["Hello world"], 12, temperature=0.0, stop=[stop])[0]
+    return full, stop, cut
+
+
+def test_stop_strings_cut_the_text_exactly(big_text):
+    full, stop, cut = big_text
+    assert cut.text == full.text[:full.text.find(stop)] and cut.finish_reason == "stop"
+    assert len(cut.tokens) < len(full.tokens) and cut.tokens == full.tokens[:len(cut.tokens)]
+    assert cut.text.startswith(load_tokenizer().decode(cut.tokens))
+
+
+@pytest.fixture
+def saved_big(tmp_path, big_params):
+    checkpoint.save(str(tmp_path / "ckpt"), 1, {"step": np.int32(1), "params": big_params}, blocking=True)
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps({**{k: getattr(BIG, k) for k in ("layers", "d_model", "n_heads", "n_vocab",
+                                                                  "pe_rotary_dims", "seq")},
+                                "cores_per_replica": 1, "model_dir": str(tmp_path / "ckpt")}))
+    return str(path)
+
+
+def test_cli_prints_the_completion(saved_big, big_text, capsys, monkeypatch):
+    full, stop, cut = big_text
+    argv = ["--config", saved_big, "--prompt", "Hello world", "--max-new-tokens", "12", "--temperature", "0",
+            "--stop", stop, "--set", "cores_per_replica=2"]
+    assert device_sample.main(argv) == 0
+    assert capsys.readouterr().out == cut.text + "\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello world\n\nHello world\n"))
+    assert device_sample.main(argv[:2] + argv[4:]) == 0
+    assert capsys.readouterr().out == (cut.text + "\n") * 2
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--temperature", "hot"], "invalid float value: 'hot'"),
+    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--set", "n_heads=3"], "config key 'd_model' (32) must be divisible by n_heads (3)"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--prompt", " x" * 100, "--max-new-tokens", "8"], "beyond the context of 64 tokens"),
+])
+def test_cli_bad_input_is_a_one_line_error(saved_big, capsys, extra, match):
+    assert device_sample.main(["--config", saved_big, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and match in err and "Traceback" not in err, err

@@ -1,0 +1,128 @@
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mesh_transformer import config
+from mesh_transformer.model import layers, gptj as model
+from mesh_transformer.parallel.mesh import make_dp_mp
+
+CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "remat=false"])
+MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return model.init_unsharded(CFG, jax.random.PRNGKey(0))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return jax.random.randint(jax.random.PRNGKey(1), (8, CFG.seq + 1), 0, CFG.n_vocab)
+
+
+def max_diff(a, b):
+    return max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.mark.parametrize("dp, mp", MESHES, ids=[f"dp{d}-mp{m}" for d, m in MESHES])
+def test_sharded_forward_loss_and_grads_match_single_device(params, tokens, dp, mp):
+    cfg = dataclasses.replace(CFG, cores_per_replica=mp)
+    mesh = make_dp_mp(dp, mp)
+    sharded = model.init(cfg, mesh, jax.random.PRNGKey(0))
+    assert max_diff(sharded, params) == 0.0  # same key, same numbers, whatever the layout
+    assert sharded["layers"]["attn"]["q"].addressable_shards[0].data.shape[-1] == CFG.d_model // mp
+
+    logits = model.sharded_logits_fn(cfg, mesh)(sharded, tokens[:, :-1])
+    ref_logits = jax.jit(lambda p, x: model.forward(p, x, CFG))(params, tokens[:, :-1])
+    np.testing.assert_allclose(logits, ref_logits, atol=1e-5)
+
+    loss, grads = jax.jit(model.sharded_loss_and_grad_fn(cfg, mesh))(sharded, tokens)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p, x: model.loss_fn(p, x, CFG)))(params, tokens)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    np.testing.assert_allclose(model.sharded_loss_fn(cfg, mesh)(sharded, tokens), ref_loss, rtol=1e-6)
+    assert max_diff(grads, ref_grads) < 1e-6
+
+
+@pytest.mark.parametrize("mp", [1, 4])
+def test_vocab_sharded_cross_entropy_equals_dense(mp):
+    logits = jax.random.normal(jax.random.PRNGKey(2), (2, 5, 64)) * 4
+    targets = jax.random.randint(jax.random.PRNGKey(3), (2, 5), 0, 64)
+    dense = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+    mesh = make_dp_mp(1, mp)
+    P = jax.sharding.PartitionSpec
+    fn = jax.shard_map(lambda lg, t: layers.cross_entropy(lg, t, "mp"), mesh=mesh,
+                       in_specs=(P(None, None, "mp"), P()), out_specs=P())
+    np.testing.assert_allclose(fn(logits, targets), dense, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(layers.cross_entropy(logits, targets), dense, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mp", [1, 4])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_head_cross_entropy_gradients_equal_autodiff(mp, dtype):
+    """The hand-written backward through LN, LM head and CE equals autodiff of cross_entropy(head(h)), also for
+    uneven per-token cotangents and with the vocab sharded over 'mp'."""
+    B, T, D, V = 2, 6, 16, 64
+    k = jax.random.split(jax.random.PRNGKey(4), 6)
+    h = jax.random.normal(k[0], (B, T, D)).astype(dtype)
+    ln_f = {"scale": 1 + 0.1 * jax.random.normal(k[1], (D,)), "bias": 0.1 * jax.random.normal(k[2], (D,))}
+    lm_head = {"kernel": jax.random.normal(k[3], (D, V)).astype(dtype), "bias": jax.random.normal(k[4], (V,))}
+    targets = jax.random.randint(k[5], (B, T), 0, V)
+    weights = jnp.arange(B * T, dtype=jnp.float32).reshape(B, T)
+
+    def reference(h, ln_f, lm_head):
+        return (layers.cross_entropy(layers.head(h, ln_f, lm_head), targets) * weights).sum()
+
+    P = jax.sharding.PartitionSpec
+    specs = (P(), P(), {"kernel": P(None, "mp"), "bias": P("mp")})
+    fused = jax.shard_map(lambda h, ln, head: (layers.head_cross_entropy(h, ln, head, targets, "mp") * weights).sum(),
+                          mesh=make_dp_mp(1, mp), in_specs=specs, out_specs=P())
+    ref_loss, ref_grads = jax.value_and_grad(reference, (0, 1, 2))(h, ln_f, lm_head)
+    loss, grads = jax.jit(jax.value_and_grad(fused, (0, 1, 2)))(h, ln_f, lm_head)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(loss, ref_loss, rtol=tol)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        assert got.dtype == want.dtype
+        scale = float(jnp.abs(want.astype(jnp.float32)).max())
+        assert float(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max()) <= tol * scale
+
+
+def test_changing_a_token_changes_no_earlier_logit(params, tokens):
+    ids = tokens[:2, :-1]
+    t = 10
+    changed = ids.at[:, t].set((ids[:, t] + 1) % CFG.n_vocab)
+    fwd = jax.jit(lambda p, x: model.forward(p, x, CFG))
+    a, b = fwd(params, ids), fwd(params, changed)
+    np.testing.assert_array_equal(a[:, :t], b[:, :t])
+    assert float(jnp.abs(a[:, t:] - b[:, t:]).max()) > 1e-3
+
+
+def test_remat_gives_equal_gradients(params, tokens):
+    def grads(remat):
+        cfg = dataclasses.replace(CFG, remat=remat)
+        return jax.jit(jax.grad(lambda p, x: model.loss_fn(p, x, cfg)))(params, tokens)
+
+    assert max_diff(grads(True), grads(False)) < 1e-6
+
+
+def test_bf16_compute_stays_close_to_f32(params, tokens):
+    f32 = jax.jit(lambda p, x: model.forward(p, x, CFG))(params, tokens[:, :-1])
+    bf16_cfg = dataclasses.replace(CFG, compute_dtype="bfloat16")
+    bf16 = jax.jit(lambda p, x: model.forward(p, x, bf16_cfg))(params, tokens[:, :-1])
+    assert bf16.dtype == jnp.float32  # logits stay f32
+    assert float(jnp.abs(bf16 - f32).max()) < 0.05 * float(jnp.abs(f32).max())
+    loss32 = model.loss_fn(params, tokens, CFG)
+    loss16 = model.loss_fn(params, tokens, bf16_cfg)
+    assert abs(float(loss16) - float(loss32)) < 0.01 * float(loss32)
+
+
+def test_init_follows_the_original_scales(params):
+    D, V, L = CFG.d_model, CFG.n_vocab, CFG.layers
+    assert float(params["embed"]["wte"].std()) == pytest.approx(0.88 / V ** 0.5, rel=0.1)
+    assert float(params["layers"]["attn"]["q"].std()) == pytest.approx(0.88 / D ** 0.5, rel=0.1)
+    assert float(params["layers"]["mlp"]["fc_out"]["kernel"].std()) == pytest.approx(0.88 * 2 / L / D ** 0.5, rel=0.1)
+    assert float(jnp.abs(params["layers"]["attn"]["q"]).max()) <= 2 / D ** 0.5
+    np.testing.assert_array_equal(params["layers"]["ln_1"]["scale"], 1.0)
+    np.testing.assert_array_equal(params["lm_head"]["bias"], 0.0)

@@ -1,0 +1,422 @@
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import jax
+import numpy as np
+import openai
+import pytest
+
+from mesh_transformer import config
+from mesh_transformer.model import gptj as model
+from mesh_transformer.infer import sampler as sampling
+from mesh_transformer.serve import engine as serving, server
+from mesh_transformer.parallel.mesh import make_dp_mp
+from mesh_transformer.tokenizer import EOS_ID, load_tokenizer
+
+# GPT-2's vocabulary (padded to divide the shards), so text round-trips through the real tokenizer.
+CFG = config.from_dict({"layers": 2, "d_model": 32, "n_heads": 4, "n_vocab": 50304, "pe_rotary_dims": 4, "seq": 64,
+                        "cores_per_replica": 4, "remat": False})
+KEY = "test-key"
+MAX_QUEUE, NEW = 64, 12
+# At most 16 tokens each: one prompt bucket, so the tests compile few programs.
+PROMPTS = [f"{i}: " + " ".join(["the quick fox", "Grüße Köln", "日本語 🙂", "a"][i % 4] for _ in range(1 + i % 2))
+           for i in range(64)]
+
+
+def mesh():
+    return make_dp_mp(2, 4)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def params():
+    """Random weights made with numpy (nothing to compile); EOS made impossible, so lengths are known."""
+    rng = np.random.default_rng(0)
+
+    def leaf(path, shape):
+        name = jax.tree_util.keystr(path)
+        if "scale" in name:
+            return np.ones(shape.shape, np.float32)
+        return (rng.standard_normal(shape.shape) * (0.0 if "bias" in name else 0.2)).astype(np.float32)
+
+    params = jax.tree_util.tree_map_with_path(leaf, model.param_shapes(CFG))
+    params["lm_head"]["bias"][EOS_ID] = -1e4
+    return params
+
+
+@pytest.fixture(scope="module")
+def engine(params, tokenizer):
+    engine = serving.Engine(CFG, mesh(), params, tokenizer, max_batch=4, max_queue=MAX_QUEUE)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def url(engine, tokenizer):
+    app = server.create_app(engine, tokenizer, model_name="tiny-gptj", api_key=KEY)
+    with server.BackgroundServer(app) as running:
+        yield running.url
+
+
+@pytest.fixture(scope="module")
+def http(url):
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
+                      limits=httpx.Limits(max_connections=100)) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def offline(params, tokenizer):
+    """What the offline sampler makes of PROMPTS, greedy, NEW tokens each."""
+    sampler = sampling.Sampler(CFG, mesh(), params)
+    return sampler.generate_text(tokenizer, PROMPTS, NEW, temperature=0.0, return_logprobs=True)
+
+
+def stream_text(client, body):
+    """(text, chunks) of a streamed completion read with httpx."""
+    chunks = []
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line:
+                assert line.startswith("data: ")
+                chunks.append(line[6:])
+    assert chunks[-1] == "[DONE]"
+    chunks = [json.loads(c) for c in chunks[:-1]]
+    return "".join(c["choices"][0]["text"] for c in chunks), chunks
+
+
+def health(client):
+    response = client.get("/health")
+    assert response.status_code == 200 and response.json()["status"] == "ok"
+    return response.json()
+
+
+def wait_for(client, predicate, timeout_s=60):
+    deadline = time.monotonic() + timeout_s
+    while not predicate(state := health(client)):
+        assert time.monotonic() < deadline, f"server state never got there: {state}"
+        time.sleep(0.02)
+    return state
+
+
+def test_openai_client_completes_streams_and_stops(url, offline):
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    expected = offline[0]
+    done = client.completions.create(model="tiny-gptj", prompt=PROMPTS[0], max_tokens=NEW, temperature=0, logprobs=1)
+    choice = done.choices[0]
+    assert done.object == "text_completion" and done.id.startswith("cmpl-") and done.model == "tiny-gptj"
+    assert choice.text == expected.text and choice.finish_reason == "length"
+    assert done.usage.completion_tokens == NEW and done.usage.total_tokens == done.usage.prompt_tokens + NEW
+    np.testing.assert_allclose(choice.logprobs.token_logprobs, expected.logprobs, atol=1e-4)
+
+    chunks = list(client.completions.create(model="tiny-gptj", prompt=PROMPTS[0], max_tokens=NEW, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "length" and len(chunks) > 2
+
+    stop = expected.text[len(expected.text) // 2:][:3]
+    cut = expected.text[:expected.text.index(stop)]
+    stopped = client.completions.create(model="tiny-gptj", prompt=PROMPTS[0], max_tokens=NEW, temperature=0,
+                                        stop=[stop, "never there"])
+    assert stopped.choices[0].text == cut and stopped.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model="tiny-gptj", prompt=PROMPTS[0], max_tokens=NEW, temperature=0,
+                                            stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == cut and chunks[-1].choices[0].finish_reason == "stop"
+    assert [m.id for m in client.models.list().data] == ["tiny-gptj"]
+
+
+def test_64_concurrent_clients_get_the_offline_greedy_completions(http, offline):
+    answers = [None] * len(PROMPTS)
+
+    def ask(i):
+        body = {"model": "tiny-gptj", "prompt": PROMPTS[i], "max_tokens": NEW, "temperature": 0}
+        if i % 2:
+            answers[i] = stream_text(http, body)[0]
+        else:
+            response = http.post("/v1/completions", json=body)
+            answers[i] = response.json()["choices"][0]["text"]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert answers == [r.text for r in offline]
+
+
+def test_a_sampled_choice_depends_on_its_seed_not_on_its_batch(http):
+    body = {"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 1.0, "top_p": 0.9, "top_k": 40, "seed": 7}
+    alone = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    batch = http.post("/v1/completions", json={**body, "prompt": [PROMPTS[1]] * 3}).json()["choices"]  # seeds 7-9
+    assert batch[0]["text"] == alone and len({c["text"] for c in batch}) == 3
+
+
+def test_request_arriving_mid_generation_finishes_before_the_running_one(http):
+    events, first_chunk = [], threading.Event()
+
+    def long_stream():
+        body = {"prompt": "Once", "max_tokens": CFG.seq - 8, "temperature": 0, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {") and not first_chunk.is_set():
+                    events.append("long first chunk")
+                    first_chunk.set()
+        events.append("long done")
+
+    thread = threading.Thread(target=long_stream)
+    thread.start()
+    assert first_chunk.wait(60)
+    short = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0})
+    events.append("short done")
+    thread.join()
+    assert short.status_code == 200 and short.json()["choices"][0]["finish_reason"] == "length"
+    assert events == ["long first chunk", "short done", "long done"]
+
+
+WRONG_TYPES = [{}, [], "x", {"a": 1}, [1]]
+BAD_VALUES = {
+    "model": [1, True, [], {}, None],
+    "prompt": ["", [], [""], ["a", ""], ["", "ü"], [[]], [1, "a"], [[1], "a"], [-1], [50257], [10 ** 12], [1.5],
+               [True], {}, 3, None, [[1, -2]], ["a"] * 65, "word " * 200, [7] * 200, [[7] * 200], "\ud800"],
+    "max_tokens": [0, -1, 10 ** 30, 1.5, "16", True, CFG.seq + 1, 1e400, CFG.seq, *WRONG_TYPES],
+    "temperature": [-0.1, 2.5, "1", True, 1e400, -1e400, 1e308, *WRONG_TYPES],
+    "top_p": [0, -0.5, 1.01, "0.9", False, 1e400, *WRONG_TYPES],
+    "top_k": [-1, 1.5, "5", True, 10 ** 20, *WRONG_TYPES],
+    "n": [0, -1, 17, 10 ** 9, 1.0, "2", True, *WRONG_TYPES],
+    "stream": [1, "true", 0, *WRONG_TYPES],
+    "stop": [1, "", ["a", ""], ["a", "b", "c", "d", "e"], [1], {"a": 1}, "x" * 300, [None], True],
+    "seed": [1.5, "7", True, 2 ** 64, -(2 ** 64), *WRONG_TYPES],
+    "logprobs": [-1, 6, 1.5, True, "1", 10 ** 10, *WRONG_TYPES],
+    "echo": [True, 1, "no", *WRONG_TYPES],
+    "presence_penalty": [0.5, -1, "0", True, *WRONG_TYPES],
+    "frequency_penalty": [1, -0.5, "0", *WRONG_TYPES],
+    "best_of": [2, 0, "1", 1.5, *WRONG_TYPES],
+    "logit_bias": [{"50256": -100}, [], "x", 1],
+    "suffix": ["tail", 1, []],
+    "user": [1, [], {}, True],
+    "stream_options": ["yes", {"include_usage": 1}, {"other": True}, [], True],
+    "funky_field": [1, None, "x"],
+    "prömpt": ["ü"],
+    "messages": [[{"role": "user", "content": "hi"}]],
+}
+RAW_BODIES = [b"", b"{", b"not json", b"[]", b"[1, 2]", b'"prompt"', b"null", b"123", b"true", b"{}",
+              b'{"prompt": "a", "max_tokens": NaN}', b'{"prompt": "a", "temperature": Infinity}',
+              b'{"prompt": "a", "temperature": -Infinity}', b'{"prompt": "a",}', b"\xff\xfe\x00garbage",
+              b'{"prompt": "a"' + b" " * 10, b"[" * 100000 + b"]" * 100000, b'{"prompt": "a"}x',
+              b'{"prompt": "a", "max_tokens": 1' + b"0" * 5000 + b"}", b'{"max_tokens": 4}', b"{'prompt': 'a'}",
+              "{\"prompt\": \"Grüße\"".encode()]
+
+
+def malformed_cases():
+    cases = []
+    for field, values in BAD_VALUES.items():
+        for value in values:
+            body = {"prompt": "Hello", "max_tokens": 4, field: value}
+            if field == "prompt" and value is None:
+                body = {"max_tokens": 4, "prompt": None}
+            cases.append(("json", body, field))
+    cases += [("raw", raw, None) for raw in RAW_BODIES]
+    return cases
+
+
+def check_error(response, status=None, param=None):
+    assert 400 <= response.status_code < 500, (response.status_code, response.text)
+    assert status is None or response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and isinstance(error["message"], str)
+    assert error["type"] in ("invalid_request_error", "rate_limit_error")
+    assert param is None or error["param"] == param, (param, error)
+
+
+def test_malformed_requests_get_openai_errors_and_the_server_carries_on(http, url):
+    cases = malformed_cases()
+    for kind, body, field in cases:
+        if kind == "json":
+            # Python's json writes inf as Infinity (not JSON); 1e400 is JSON that overflows to inf.
+            content = json.dumps(body).replace("Infinity", "1e400")
+            check_error(http.post("/v1/completions", content=content), 400, field)
+        else:
+            check_error(http.post("/v1/completions", content=body))
+    # Oversized bodies, by Content-Length and by the bytes actually sent (chunked, no length).
+    big = json.dumps({"prompt": "x" * (2 << 20)}).encode()
+    check_error(http.post("/v1/completions", content=big), 413)
+    check_error(http.post("/v1/completions", content=iter([big[i:i + 65536] for i in range(0, len(big), 65536)])),
+                413)
+    check_error(http.post("/complete", content=big), 413)
+    # The original API, other routes and methods.
+    for body, param in [({"context": ""}, "context"), ({"context": 5}, "context"), ({}, "context"),
+                        ({"context": "a", "temp": -1}, "temp"), ({"context": "a", "top_p": 2}, "top_p"),
+                        ({"context": "a", "length": 0}, "length"), ({"context": "a", "x": 1}, "x")]:
+        check_error(http.post("/complete", json=body), 400, param)
+    check_error(http.get("/nothing"), 404)
+    check_error(http.post("/v1/chat/completions", json={}), 404)
+    check_error(http.get("/v1/completions"), 405)
+    check_error(http.delete("/v1/models"), 405)
+    check_error(http.post("/health"), 405)
+    assert len(cases) + 16 >= 200
+    # Valid though unusual: non-ASCII text, token prompts, defaults given as null.
+    for body in [{"prompt": "Grüße, 日本語 🙂"}, {"prompt": [15496, 995]}, {"prompt": [[15496], [995, 11]]},
+                 {"prompt": ["ä", "b"], "n": 2, "max_tokens": None, "temperature": None, "stop": None, "seed": None,
+                  "user": "me", "echo": False, "best_of": 1, "logit_bias": {}, "presence_penalty": 0}]:
+        response = http.post("/v1/completions", json={"temperature": 0, **body, "max_tokens": 3})
+        assert response.status_code == 200, response.text
+    assert health(http)["slots"]["busy"] == 0
+    normal = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 5, "temperature": 0})
+    assert normal.status_code == 200 and normal.json()["usage"]["completion_tokens"] == 5
+
+
+def test_api_key_is_required_except_for_health(url):
+    body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic x"}):
+        response = httpx.post(f"{url}/v1/completions", json=body, headers=headers)
+        check_error(response, 401)
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    check_error(httpx.get(f"{url}/v1/models"), 401)
+    check_error(httpx.post(f"{url}/complete", json={"context": "a"}), 401)
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
+def test_original_complete_api(http, offline):
+    response = http.post("/complete", json={"context": PROMPTS[0], "top_p": 0.9, "temp": 0, "length": NEW})
+    assert response.status_code == 200 and response.json()["completion"] == offline[0].text
+
+
+def test_full_queue_answers_429_and_accepted_requests_are_answered(engine, http, tokenizer):
+    entered, release = threading.Event(), threading.Event()
+
+    def hold(_event):  # runs on the engine thread: while it waits, the engine takes no step
+        entered.set()
+        release.wait(60)
+
+    engine.submit([serving.GenerationRequest(tokenizer.encode("hold"), 2, hold, temperature=0.0, stream=True)])
+    assert entered.wait(60)
+    answers = []
+    # Each request fills half of the queue; greedy, as sampling sorts the whole vocabulary (slow on these CPUs).
+    body = {"prompt": PROMPTS[:4], "n": MAX_QUEUE // 8, "max_tokens": 2, "temperature": 0}
+    threads = [threading.Thread(target=lambda: answers.append(http.post("/v1/completions", json=body)))
+               for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_for(http, lambda s: s["queue"]["waiting"] == MAX_QUEUE)
+        refused = http.post("/v1/completions", json={"prompt": "one more", "max_tokens": 2})
+        check_error(refused, 429)
+        assert int(refused.headers["Retry-After"]) >= 1
+    finally:
+        release.set()
+    for thread in threads:
+        thread.join()
+    assert [r.status_code for r in answers] == [200, 200]
+    assert all(len(r.json()["choices"]) == MAX_QUEUE // 2 for r in answers)
+
+
+def test_client_disconnecting_mid_stream_frees_its_slot(http):
+    cancelled = health(http)["requests"]["cancelled"]
+    body = {"prompt": "Once", "max_tokens": CFG.seq - 8, "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        next(line for line in response.iter_lines() if line.startswith("data: {"))
+    wait_for(http, lambda s: s["slots"]["busy"] == 0 and s["requests"]["cancelled"] == cancelled + 1)
+
+
+def test_eos_ends_a_completion_with_finish_reason_stop(params, tokenizer, engine, offline):
+    first = offline[0].tokens[0]  # treat the first greedy token as the end of text: nothing is generated
+    eos_engine = serving.Engine(CFG, mesh(), params, tokenizer, max_batch=4, stop_token_ids=[first])
+    events = []
+    done = threading.Event()
+    request = serving.GenerationRequest(tokenizer.encode(PROMPTS[0]), NEW, lambda e: (events.append(e), done.set()),
+                                        temperature=0.0)
+    eos_engine.submit([request])
+    assert done.wait(60)
+    eos_engine.close()
+    assert events == [serving.Event("", (), (), "stop")]
+
+
+def test_requests_ending_early_on_a_stop_token_free_their_slots_for_the_next(params, tokenizer, offline):
+    """The engine reads a step's tokens after dispatching the next one: a request that ends on a stop token has one
+    more token in flight, which must be dropped, and its slot must serve the next request correctly."""
+    stop = offline[0].tokens[5]
+    engine = serving.Engine(CFG, mesh(), params, tokenizer, max_batch=4, max_queue=len(PROMPTS), stop_token_ids=[stop])
+    events = {}
+    done = threading.Semaphore(0)
+
+    def collect(i):
+        def on_event(event):
+            events.setdefault(i, []).append(event)
+            if event.finish_reason or event.error:
+                done.release()
+        return on_event
+
+    engine.submit([serving.GenerationRequest(tokenizer.encode(p), NEW, collect(i), temperature=0.0, logprobs=False)
+                   for i, p in enumerate(PROMPTS)])
+    for _ in PROMPTS:
+        assert done.acquire(timeout=120)
+    engine.close()
+    stopped = 0
+    for i, result in enumerate(offline):
+        expected = result.tokens[:result.tokens.index(stop)] if stop in result.tokens else result.tokens
+        assert [t for e in events[i] for t in e.tokens] == expected
+        assert events[i][-1].finish_reason == ("stop" if stop in result.tokens else "length")
+        stopped += stop in result.tokens
+    assert stopped >= 1
+
+
+@pytest.mark.parametrize("prompt, max_tokens", [([], 4), ([1] * CFG.seq, 1), ([1], CFG.seq), ([CFG.n_vocab], 1),
+                                                ([1], 0)], ids=["empty", "no-room", "too-many", "bad-id", "zero"])
+def test_engine_refuses_requests_that_cannot_run(engine, prompt, max_tokens):
+    with pytest.raises(ValueError):
+        engine.submit([serving.GenerationRequest(prompt, max_tokens, lambda _event: None)])
+    assert engine.error is None
+
+
+def test_streamable_length_holds_back_stop_prefixes_and_partial_characters():
+    assert serving.streamable_length("Hello wor", ["world"]) == 6
+    assert serving.streamable_length("Hello", ["xyz"]) == 5
+    assert serving.streamable_length("ab\ufffd", []) == 2
+    assert serving.streamable_length("a\n\n", ["\n\n\n", "b"]) == 1
+    assert serving.streamable_length("", ["a"]) == 0
+
+
+def test_device_serve_bad_flag_is_a_one_line_error():
+    result = subprocess.run([sys.executable, "device_serve.py", "--config", "configs/bench.json", "--bogus"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "--bogus" in result.stderr
+
+
+def test_slots_at_different_positions_across_uneven_cache_blocks_match_offline(params, tokenizer):
+    """Blocks of 24, 24 and 16 positions: two requests of different lengths cross block edges at different steps,
+    side by side, and still make the offline sampler's greedy tokens."""
+    engine = serving.Engine(CFG, mesh(), params, tokenizer, max_batch=4, min_span=24)
+    assert engine._block_sizes == [24, 24, 16]
+    prompts = [tokenizer.encode(PROMPTS[0])[:3], tokenizer.encode(PROMPTS[5])[:16]]
+    n_new = CFG.seq - 16
+    got, logprobs, done = {}, {}, threading.Semaphore(0)
+
+    def collect(i):
+        def on_event(event):
+            got.setdefault(i, []).extend(event.tokens)
+            logprobs.setdefault(i, []).extend(event.logprobs)
+            if event.finish_reason or event.error:
+                done.release()
+        return on_event
+
+    engine.submit([serving.GenerationRequest(p, n_new, collect(i), temperature=0.0, logprobs=i == 1)
+                   for i, p in enumerate(prompts)])
+    for _ in prompts:
+        assert done.acquire(timeout=120)
+    engine.close()
+    expected = sampling.Sampler(CFG, mesh(), params).generate(prompts, n_new, temperature=0.0, stop_token_ids=[],
+                                                              return_logprobs=True)
+    assert [got[0], got[1]] == [r.tokens for r in expected]
+    assert logprobs[0] == [] and len(logprobs[1]) == n_new  # only the request that asked gets them
+    np.testing.assert_allclose(logprobs[1], expected[1].logprobs, atol=1e-4)

@@ -1,0 +1,217 @@
+"""Original mesh-transformer-jax checkpoints: built here from the layout facts, read as the equivalent HF model."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from transformers import GPTJConfig, GPTJForCausalLM
+
+import resharding_example
+from mesh_transformer.store import checkpoint, convert, hf, mtj_v1, storage
+from mesh_transformer import config
+from mesh_transformer.parallel import mesh
+from mesh_transformer.model import gptj as model
+from tests.gcs_emulator import create_bucket, gcs_emulator
+
+CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1"])  # 2 layers, D 64, 8 heads, V 256
+ROOT = "causal_transformer_shard/~/"
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _split(x: np.ndarray, n: int, axis: int) -> list[np.ndarray]:
+    return np.split(x, n, axis=axis)
+
+
+def original_shards(params: dict, cfg: config.Config, n_shards: int,
+                    rng: np.random.Generator) -> list[dict[str, np.ndarray]]:
+    """Per-shard haiku leaves of our global params: heads/MLP/vocab split, per-shard biases that sum to ours."""
+    shards: list[dict[str, np.ndarray]] = [{} for _ in range(n_shards)]
+
+    def put(name, pieces):
+        for shard, piece in zip(shards, pieces):
+            shard[ROOT + name] = np.ascontiguousarray(piece)
+
+    def summing_parts(total):  # random per-shard parts whose sum is `total`, as the original's per-shard biases
+        parts = [rng.normal(size=total.shape).astype(np.float32) * 0.1 for _ in range(n_shards - 1)]
+        return [*parts, total - sum(parts)]
+
+    put("embedding_shard/~/linear/w", _split(params["embed"]["wte"], n_shards, 0))
+    put("embedding_shard/~/linear/b", summing_parts(rng.normal(size=cfg.d_model).astype(np.float32)))
+    put("projection_shard/~/linear/w", _split(params["lm_head"]["kernel"], n_shards, 1))
+    put("projection_shard/~/linear/b", _split(params["lm_head"]["bias"], n_shards, 0))
+    put("projection_shard/~/replicated_layer_norm/scale", [params["ln_f"]["scale"]] * n_shards)
+    put("projection_shard/~/replicated_layer_norm/offset", [params["ln_f"]["bias"]] * n_shards)
+    layers = params["layers"]
+    for i in range(cfg.layers):
+        for module, array, axis in [("linear", layers["attn"]["q"], 1), ("linear_1", layers["attn"]["v"], 1),
+                                    ("linear_2", layers["attn"]["k"], 1), ("linear_3", layers["attn"]["out"], 0),
+                                    ("linear_4", layers["mlp"]["fc_in"]["kernel"], 1),
+                                    ("linear_5", layers["mlp"]["fc_out"]["kernel"], 0)]:
+            put(f"layer_{i}/~/{module}/w", _split(array[i], n_shards, axis))
+        put(f"layer_{i}/~/linear_4/b", _split(layers["mlp"]["fc_in"]["bias"][i], n_shards, 0))
+        put(f"layer_{i}/~/linear_5/b", summing_parts(layers["mlp"]["fc_out"]["bias"][i]))
+        put(f"layer_{i}/~/replicated_layer_norm/scale", [layers["ln_1"]["scale"][i]] * n_shards)
+        put(f"layer_{i}/~/replicated_layer_norm/offset", [layers["ln_1"]["bias"][i]] * n_shards)
+    return shards
+
+
+def write_mtj_v1(step_dir: str, shards: list[dict[str, np.ndarray]], step: int, full: bool) -> None:
+    """The original's files: sorted leaves (+ optimizer leaves first when full, + step last) in 16 npz chunks."""
+    for i, leaves in enumerate(shards):
+        params = [leaves[name] for name in sorted(leaves, key=lambda n: tuple(n.rsplit("/", 1)))]
+        if full:  # optax chain state: adam count, mu and nu per param, schedule count
+            opt = [np.int32(step), *[np.ones_like(p) for p in params], *[np.full_like(p, 2) for p in params],
+                   np.int32(step)]
+        flat = (opt if full else []) + params + [np.int32(step)]
+        flat = [a.view("V2") if a.dtype == BF16 else a for a in flat]  # how numpy saved jax's bfloat16
+        os.makedirs(f"{step_dir}/shard_{i}", exist_ok=True)
+        k, m = divmod(len(flat), mtj_v1.N_FILES)
+        for f in range(mtj_v1.N_FILES):
+            with open(f"{step_dir}/shard_{i}/{f}.npz", "wb") as out:
+                np.savez(out, *flat[f * k + min(f, m):(f + 1) * k + min(f + 1, m)])
+
+
+def random_params(cfg: config.Config, seed: int) -> dict:
+    """Random f32 params with every leaf nonzero (LayerNorms and biases too), so each one counts."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: (rng.normal(size=s.shape) * 0.2).astype(np.float32), model.param_shapes(cfg))
+
+
+def expected_params(params: dict, shards: list[dict], dtype: np.dtype) -> dict:
+    """What the reader must give: the embedding bias folded into wte and fc_out biases summed (f32, then `dtype`)."""
+    def total(name):
+        return sum(s[ROOT + name].astype(np.float32) for s in shards)
+
+    out = jax.tree.map(lambda x: x.astype(dtype).astype(np.float32), params)
+    wte = params["embed"]["wte"].astype(dtype).astype(np.float32) + total("embedding_shard/~/linear/b")
+    out["embed"]["wte"] = wte.astype(dtype).astype(np.float32)
+    out["layers"]["mlp"]["fc_out"]["bias"] = np.stack(
+        [total(f"layer_{i}/~/linear_5/b").astype(dtype).astype(np.float32) for i in range(CFG.layers)])
+    return out
+
+
+def hf_logits(params: dict, ids: np.ndarray) -> np.ndarray:
+    hf_config = GPTJConfig(**hf.hf_config(CFG))
+    hf_config._attn_implementation = "eager"
+    hf_model = GPTJForCausalLM(hf_config).eval()
+    state = {k: torch.from_numpy(v.copy()) for k, v in hf.params_to_hf(params, CFG.layers).items()}
+    hf_model.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        return hf_model(torch.tensor(ids)).logits.numpy()
+
+
+def our_logits(params: dict, cfg: config.Config, ids: np.ndarray) -> np.ndarray:
+    return np.asarray(model.sharded_logits_fn(cfg, mesh.make_dp_mp(1, cfg.cores_per_replica))(params, ids))
+
+
+IDS = np.random.default_rng(1).integers(0, CFG.n_vocab, (1, CFG.seq))
+
+
+def make_checkpoint(tmp_path, n_shards: int, dtype: np.dtype, full: bool, step: int = 383500) -> tuple[str, dict]:
+    """An original-layout checkpoint under tmp_path/model/step_{step}; returns (step dir, expected params)."""
+    params = random_params(CFG, seed=n_shards)
+    shards = original_shards(params, CFG, n_shards, np.random.default_rng(0))
+    shards = [{k: v.astype(dtype) for k, v in s.items()} for s in shards]
+    step_dir = str(tmp_path / "model" / f"step_{step}")
+    write_mtj_v1(step_dir, shards, step, full)
+    return step_dir, expected_params(params, shards, dtype)
+
+
+def test_leaf_order_is_sorted_haiku_names():
+    names = mtj_v1.param_leaf_names(11)
+    assert names.index(ROOT + "layer_10/~/linear/w") < names.index(ROOT + "layer_2/~/linear/w")
+    assert names[:2] == [ROOT + "embedding_shard/~/linear/b", ROOT + "embedding_shard/~/linear/w"]
+    assert names[-1] == ROOT + "projection_shard/~/replicated_layer_norm/scale" and len(names) == 6 + 10 * 11
+
+
+def test_slim_bf16_8_shards_resharded_to_1_gives_hf_logits(tmp_path, capsys):
+    step_dir, expected = make_checkpoint(tmp_path, 8, BF16, full=False)
+    assert mtj_v1.is_mtj_v1(str(tmp_path / "model")) and convert.detect_format(step_dir) == convert.MTJ_V1
+    out = str(tmp_path / "mp1")
+    code = resharding_example.main(["--input-ckpt", step_dir, "--config", "configs/tiny_rot_partial.json",
+                                    "--set", "cores_per_replica=8", "--output-ckpt", out, "--cores-per-replica", "1"])
+    assert code == 0 and "wrote" in capsys.readouterr().out
+    assert checkpoint.list_steps(out) == [383500]
+    assert config.load(os.path.join(out, "config.json")).cores_per_replica == 1
+    leaves = checkpoint.read_metadata(out, 383500)
+    assert leaves["converted_from"]["format"] == "mtj_v1"
+    params = convert.load_params(CFG, mesh.make_dp_mp(1, 1), out, "fp32")
+    assert params["embed"]["wte"].dtype == np.float32
+    np.testing.assert_allclose(our_logits(params, CFG, IDS), hf_logits(expected, IDS), atol=1e-4, rtol=0)
+    stored = dict(convert.iter_params(out, CFG))
+    assert stored[("embed", "wte")].dtype == BF16  # the stored dtype is kept unless --dtype says otherwise
+
+
+def test_full_checkpoint_with_optimizer_state_loads_onto_mesh(tmp_path):
+    step_dir, expected = make_checkpoint(tmp_path, 4, np.dtype(np.float32), full=True)
+    cfg4 = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=4"])
+    params = convert.load_params(cfg4, mesh.make_dp_mp(1, 4), str(tmp_path / "model"))  # model dir: latest step
+    assert params["layers"]["attn"]["q"].sharding.spec == model.param_specs(cfg4)["layers"]["attn"]["q"]
+    np.testing.assert_allclose(our_logits(params, cfg4, IDS), hf_logits(expected, IDS), atol=1e-4, rtol=0)
+    with mtj_v1.Reader(step_dir, CFG) as reader:
+        assert reader.n_shards == 4 and reader.step == 383500
+
+
+@pytest.fixture(scope="module")
+def slim4(tmp_path_factory) -> str:
+    return make_checkpoint(tmp_path_factory.mktemp("slim4"), 4, np.dtype(np.float32), full=False, step=7)[0]
+
+
+def _copy(step_dir: str, tmp_path) -> str:
+    copy = str(tmp_path / "step_7")
+    shutil.copytree(step_dir, copy)
+    return copy
+
+
+def test_missing_shard_file_is_named(slim4, tmp_path):
+    step_dir = _copy(slim4, tmp_path)
+    os.remove(f"{step_dir}/shard_2/9.npz")
+    with pytest.raises(FileNotFoundError, match="shard_2/9.npz is missing"):
+        list(mtj_v1.iter_params(step_dir, CFG))
+
+
+def test_missing_shard_directory_is_named(slim4, tmp_path):
+    step_dir = _copy(slim4, tmp_path)
+    shutil.rmtree(f"{step_dir}/shard_1")
+    with pytest.raises(FileNotFoundError, match="shard_1 is missing"):
+        mtj_v1.Reader(step_dir, CFG)
+
+
+def test_wrong_shard_count_is_clear(slim4, tmp_path):
+    step_dir = _copy(slim4, tmp_path)
+    for i in (2, 3):  # only the first half of the shards was copied
+        shutil.rmtree(f"{step_dir}/shard_{i}")
+    with pytest.raises(config.ConfigError, match="written with 4 shards .* but 2 shard directories were found"):
+        mtj_v1.Reader(step_dir, CFG)
+    with pytest.raises(config.ConfigError, match="has 4 shards .*expected 8"):
+        mtj_v1.Reader(slim4, CFG, shards=8)
+
+
+@pytest.mark.parametrize("override", ["layers=3", "d_model=32", "n_vocab=512"])
+def test_config_not_matching_checkpoint_is_clear(slim4, override, capsys):
+    cfg = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", override])
+    with pytest.raises(config.ConfigError, match="does not match the checkpoint"):
+        mtj_v1.Reader(slim4, cfg)
+    code = resharding_example.main(["--input-ckpt", slim4, "--config", "configs/tiny_rot_partial.json", "--set",
+                                    override, "--output-ckpt", "/nonexistent/out"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_reads_from_gcs(slim4):
+    local = dict(mtj_v1.iter_params(slim4, CFG))
+    with gcs_emulator() as url:
+        create_bucket(url, "old")
+        for path in storage.walk_files(slim4):
+            with open(path, "rb") as f:
+                storage.write_bytes_atomic("gs://old/model/step_7/" + os.path.relpath(path, slim4), f.read())
+        assert mtj_v1.resolve_step_dir("gs://old/model") == "gs://old/model/step_7"
+        remote = dict(mtj_v1.iter_params("gs://old/model", CFG))
+    assert remote.keys() == local.keys()
+    for key in local:
+        np.testing.assert_array_equal(remote[key], local[key])

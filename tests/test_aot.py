@@ -1,0 +1,33 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mesh_transformer import aot, config
+from mesh_transformer.config import ConfigError
+
+CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "remat=false", "warmup_steps=0"])
+
+
+def test_aot_check_reports_memory_and_whether_it_fits():
+    records = aot.run(CFG, "fsdp_tp", "fsdp=4,tensor=2", 8, "1KiB")
+    train, decode, fit = json.loads(json.dumps(records))  # what the CLI prints
+    assert train["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2} and train["tokens"] == [1, 4, CFG.seq + 1]
+    assert train["params_bytes"] == pytest.approx(4 * train["params"] / 8, rel=0.05)  # f32, split 8 ways
+    assert 0 < train["temp_bytes"] < 2 ** 30 and decode["kv_cache_bytes"] > 0
+    assert not fit["fits"] and "does NOT fit in 1.00 KiB" in aot.human_line(records)
+    assert aot.verdict([train, decode], aot.parse_bytes("1GiB"))["fits"]
+
+
+def test_aot_check_rejects_a_gspmd_mesh_for_the_shard_map_path():
+    with pytest.raises(ConfigError, match="--mesh is for the GSPMD modes"):
+        aot.run(CFG, "shard_map", "fsdp=8", 8, "16GiB")
+
+
+def test_aot_check_cli_reports_bad_input_on_one_line():
+    result = subprocess.run([sys.executable, "aot_check.py", "--config", "configs/tiny_rot_partial.json", "--mode",
+                             "shard_map", "--mesh", "fsdp=8"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["error: --mesh is for the GSPMD modes; the shard_map path takes mp "
+                                                  "from cores_per_replica"]
