@@ -23,20 +23,22 @@ from mesh_transformer.cli import keep_host_memory
 from mesh_transformer import config
 from mesh_transformer.store import hf
 from mesh_transformer.model import gptj as model
+from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.train import optim
+from mesh_transformer.train import state as state_lib
 from mesh_transformer.parallel.mesh import make_dp_mp
 
 
 def ours(cfg, ids_BxT1, repeats):
     """Seconds per forward+backward and per full train step, on one device."""
-    mesh = make_dp_mp(1, 1)
+    layout = make_layout(cfg, mesh=make_dp_mp(1, 1))
     opt = optim.make_optimizer(cfg)
-    state = model.init_train_state(cfg, mesh, opt, jax.random.PRNGKey(0))
+    state = state_lib.init_train_state(layout, opt, jax.random.PRNGKey(0))
     hf_state = hf.params_to_hf(jax.tree.map(np.asarray, state["params"]), cfg.layers)
     grad_fn = jax.jit(jax.value_and_grad(lambda p, x: model.loss_fn(p, x, cfg)))
     fwd_bwd_s = best_time_s(lambda: jax.block_until_ready(grad_fn(state["params"], ids_BxT1)), repeats)
-    train_step = model.make_train_step(cfg, mesh, opt, optim.lr_schedule(cfg))
-    batch = jax.device_put(ids_BxT1[None], model.batch_sharding(mesh))
+    train_step = state_lib.make_train_step(layout, opt, optim.lr_schedule(cfg))
+    batch = jax.device_put(ids_BxT1[None], layout.batch_sharding())
     box = [state]
 
     def step():

@@ -14,15 +14,14 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mesh_transformer.model import gptj as model
-from mesh_transformer.train import optim
-from mesh_transformer.parallel import layout as partitioning
-from mesh_transformer.infer import sampler as sampling
-from mesh_transformer.parallel import mesh as mesh_lib
 from mesh_transformer.config import Config, ConfigError
+from mesh_transformer.infer import sampler as sampling
+from mesh_transformer.model import gptj
+from mesh_transformer.parallel.layout import ACTIVATION_AXES, SHARD_MAP, Layout, make_layout
+from mesh_transformer.train import optim, state
 
 _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12, "kib": 2 ** 10,
           "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
@@ -68,8 +67,8 @@ def shard_bytes(tree) -> int:
     return sum(leaf_bytes(s) for s in jax.tree.leaves(tree))
 
 
-def _abstract(shape, dtype, mesh: Mesh, spec: P) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+def _abstract(shape, dtype, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
 def _compile(fn, *args) -> tuple[object, float]:
@@ -93,79 +92,65 @@ def _unstacked(abstract_params: dict) -> dict:
         one = NamedSharding(s.sharding.mesh, P(*s.sharding.spec[1:]))
         return [jax.ShapeDtypeStruct(s.shape[1:], s.dtype, sharding=one)] * s.shape[0]
 
-    return model.unstack_layers(abstract_params, split)
+    return gptj.unstack_layers(abstract_params, split)
 
 
-def _decode_inputs(cfg: Config, mesh: Mesh, batch: int, batch_spec, heads_spec, params) -> tuple:
-    """Abstract (params, ids, positions, key_ok, index, cache) of one decode token against a full-length cache."""
-    cache_shape = (batch, cfg.n_heads, cfg.head_dim, cfg.seq)
-    cache_spec = P(batch_spec, heads_spec, None, None)
-    cache = tuple([_abstract(cache_shape, model.DTYPES[cfg.compute_dtype], mesh, cache_spec)] * cfg.layers
-                  for _ in range(2))
-    rows = P(batch_spec, None)
-    return (params, _abstract((batch, 1), jnp.int32, mesh, rows), _abstract((batch, 1), jnp.int32, mesh, rows),
-            _abstract((batch, cfg.seq), jnp.bool_, mesh, rows), _abstract((), jnp.int32, mesh, P()), cache)
+def _decode_program(layout: Layout, batch: int) -> tuple:
+    """One decode token against a full-length cache: the jitted function and its abstract arguments."""
+    cfg, mesh = layout.cfg, layout.mesh
+    dtype = gptj.DTYPES[cfg.compute_dtype]
+    params = _unstacked(layout.abstract_params(dtype))
+    cache_sharding = layout.sharding(ACTIVATION_AXES["kv_cache"])
+    cache = tuple([jax.ShapeDtypeStruct((batch, cfg.n_heads, cfg.head_dim, cfg.seq), dtype,
+                                        sharding=cache_sharding)] * cfg.layers for _ in range(2))
+    rows = layout.sharding(("batch", "length"))
+    args = (params, _abstract((batch, 1), jnp.int32, rows), _abstract((batch, 1), jnp.int32, rows),
+            _abstract((batch, cfg.seq), jnp.bool_, rows), _abstract((), jnp.int32, layout.replicated), cache)
+    shardings = jax.tree.map(lambda a: a.sharding, args)
+    logits = layout.sharding(("batch", "vocab_gathered"))  # forward_cached returns the whole vocab
+    fn = partial(sampling.forward_cached, cfg=cfg, tp_axis=layout.tp_axis)
+    if layout.tp_axis is not None:
+        specs = jax.tree.map(lambda s: s.spec, shardings)
+        fn = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=(logits.spec, specs[-1]), check_vma=True)
+    return jax.jit(fn, in_shardings=shardings, out_shardings=(logits, shardings[-1]), donate_argnums=5), args
 
 
-def shard_map_programs(cfg: Config, devices: list) -> dict:
-    """Mesh, abstract train state, batch and the two step functions of the shard_map ('dp', 'mp') path."""
-    mesh = mesh_lib.make(cfg, devices)
+def programs(cfg: Config, mode: str, devices: list, sizes: dict) -> dict:
+    """The Layout of `mode` on the devices, the abstract train state and batch, and the train and decode steps."""
+    cfg = dataclasses.replace(cfg, parallelism=mode)
+    if mode != SHARD_MAP:
+        cfg = dataclasses.replace(cfg, mesh_fsdp=sizes["fsdp"], mesh_tensor=sizes["tensor"])
+        if sizes["data"] is not None:
+            needed = sizes["data"] * sizes["fsdp"] * sizes["tensor"]
+            if needed > len(devices):
+                raise ConfigError(f"mesh data={sizes['data']}, fsdp={sizes['fsdp']}, tensor={sizes['tensor']} "
+                                  f"needs {needed} devices; {len(devices)} are available")
+            devices = devices[:needed]
+    layout = make_layout(cfg, devices)
     optimizer = optim.make_optimizer(cfg)
-    state = model.abstract_train_state(cfg, mesh, optimizer)
-    batch = cfg.per_replica_batch * mesh.shape[mesh_lib.DP]
-    tokens = jax.ShapeDtypeStruct((cfg.gradient_accumulation_steps, batch, cfg.seq + 1), jnp.int32,
-                                  sharding=model.batch_sharding(mesh))
-    decode_params = _unstacked(model.abstract_params(cfg, mesh, model.DTYPES[cfg.compute_dtype]))
-    decode_args = _decode_inputs(cfg, mesh, batch, mesh_lib.DP, mesh_lib.MP, decode_params)
-    cache_spec = [decode_args[-1][0][0].sharding.spec] * cfg.layers
-    decode = jax.jit(jax.shard_map(
-        partial(sampling.forward_cached, cfg=cfg, tp_axis=mesh_lib.MP), mesh=mesh,
-        in_specs=(model.unstacked_specs(model.param_specs(cfg), cfg.layers), P(mesh_lib.DP, None),
-                  P(mesh_lib.DP, None), P(mesh_lib.DP, None), P(), (cache_spec, cache_spec)),
-        out_specs=(P(mesh_lib.DP, None), (cache_spec, cache_spec)), check_vma=True), donate_argnums=5)
-    return {"mesh": dict(mesh.shape), "state": state, "tokens": tokens,
-            "train": model.make_train_step(cfg, mesh, optimizer, optim.lr_schedule(cfg)),
-            "decode": decode, "decode_args": decode_args}
-
-
-def gspmd_programs(cfg: Config, devices: list, sizes: dict) -> dict:
-    """Mesh, abstract train state, batch and the two step functions of a GSPMD mode."""
-    mesh = partitioning.make_mesh(sizes["data"], sizes["fsdp"], sizes["tensor"], devices)
-    optimizer = optim.make_optimizer(cfg)
-    state = partitioning.abstract_train_state(cfg, mesh, optimizer)
-    batch = partitioning.global_batch(cfg, mesh)
-    tokens = jax.ShapeDtypeStruct((cfg.gradient_accumulation_steps, batch, cfg.seq + 1), jnp.int32,
-                                  sharding=partitioning.batch_sharding(mesh))
-    decode_params = _unstacked(partitioning.abstract_params(cfg, mesh, model.DTYPES[cfg.compute_dtype]))
-    spec = partitioning.logical_sharding(cfg, mesh, partitioning.ACTIVATION_AXES["kv_cache"]).spec
-    decode_args = _decode_inputs(cfg, mesh, batch, spec[0], spec[1], decode_params)
-    logits = partitioning.logical_sharding(cfg, mesh, ("batch", "vocab"))
-    decode = jax.jit(partial(sampling.forward_cached, cfg=cfg), in_shardings=jax.tree.map(
-        lambda s: s.sharding, decode_args), out_shardings=(logits, jax.tree.map(lambda a: a.sharding, decode_args[-1])),
-        donate_argnums=5)
-    return {"mesh": dict(mesh.shape), "state": state, "tokens": tokens,
-            "train": partitioning.make_train_step(cfg, mesh, optimizer, optim.lr_schedule(cfg)),
+    tokens = jax.ShapeDtypeStruct((cfg.gradient_accumulation_steps, layout.global_batch, cfg.seq + 1), jnp.int32,
+                                  sharding=layout.batch_sharding())
+    decode, decode_args = _decode_program(layout, layout.global_batch)
+    return {"mesh": dict(layout.mesh.shape), "state": state.abstract_train_state(layout, optimizer),
+            "tokens": tokens, "train": state.make_train_step(layout, optimizer, optim.lr_schedule(cfg)),
             "decode": decode, "decode_args": decode_args}
 
 
 def measure(cfg: Config, mode: str, devices: list, sizes: dict) -> list[dict]:
     """Compile the train and decode steps of `mode` and measure their per-device memory: two JSON records."""
-    if mode == "shard_map":
-        programs = shard_map_programs(dataclasses.replace(cfg, parallelism=mode), devices)
-    else:
-        programs = gspmd_programs(dataclasses.replace(cfg, parallelism=mode), devices, sizes)
-    state = programs["state"]
-    common = {"mode": mode, "mesh": programs["mesh"], "devices": len(devices)}
-    train, train_s = _compile(programs["train"], state, programs["tokens"])
-    decode, decode_s = _compile(programs["decode"], *programs["decode_args"])
+    compiled = programs(cfg, mode, devices, sizes)
+    train_state = compiled["state"]
+    common = {"mode": mode, "mesh": compiled["mesh"], "devices": len(devices)}
+    train, train_s = _compile(compiled["train"], train_state, compiled["tokens"])
+    decode, decode_s = _compile(compiled["decode"], *compiled["decode_args"])
     return [
-        {"check": "train_step", **common, "params": sum(x.size for x in jax.tree.leaves(state["params"])),
-         "tokens": list(programs["tokens"].shape), "compile_s": round(train_s, 1),
-         "params_bytes": shard_bytes(state["params"]), "opt_state_bytes": shard_bytes(state["opt_state"]),
+        {"check": "train_step", **common, "params": sum(x.size for x in jax.tree.leaves(train_state["params"])),
+         "tokens": list(compiled["tokens"].shape), "compile_s": round(train_s, 1),
+         "params_bytes": shard_bytes(train_state["params"]), "opt_state_bytes": shard_bytes(train_state["opt_state"]),
          **_memory(train)},
-        {"check": "decode_step", **common, "batch": programs["decode_args"][1].shape[0], "cache_length": cfg.seq,
-         "compile_s": round(decode_s, 1), "params_bytes": shard_bytes(programs["decode_args"][0]),
-         "kv_cache_bytes": shard_bytes(programs["decode_args"][-1]), **_memory(decode)},
+        {"check": "decode_step", **common, "batch": compiled["decode_args"][1].shape[0], "cache_length": cfg.seq,
+         "compile_s": round(decode_s, 1), "params_bytes": shard_bytes(compiled["decode_args"][0]),
+         "kv_cache_bytes": shard_bytes(compiled["decode_args"][-1]), **_memory(decode)},
     ]
 
 

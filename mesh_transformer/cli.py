@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import sys
@@ -47,17 +48,17 @@ def load_config(args: argparse.Namespace) -> config.Config:
 def load_for_inference(args: argparse.Namespace, source: str | None) -> tuple:
     """(config, mesh, tokenizer, params) for the sampling and serving tools; `source` is any checkpoint format,
     None meaning the config's model_dir."""
+    from mesh_transformer.parallel.layout import SHARD_MAP, make_layout
     from mesh_transformer.store import convert
-    from mesh_transformer.parallel import mesh
     from mesh_transformer.tokenizer import load_tokenizer
 
     cfg = load_config(args)
-    device_mesh = mesh.make(cfg)
+    layout = make_layout(dataclasses.replace(cfg, parallelism=SHARD_MAP))  # inference runs the Megatron programs
     try:
         tokenizer = load_tokenizer(cfg.tokenizer)
     except ValueError as e:
         raise config.ConfigError(str(e)) from None
-    return cfg, device_mesh, tokenizer, convert.load_params(cfg, device_mesh, source or cfg.model_path)
+    return cfg, layout.mesh, tokenizer, convert.load_params(layout, source or cfg.model_path)
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

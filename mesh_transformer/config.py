@@ -128,7 +128,7 @@ def _check_values(cfg: Config) -> None:
             raise ConfigError(f"config key '{key}' must be at least 1, got {getattr(cfg, key)}")
     if cfg.d_model % cfg.n_heads:
         raise ConfigError(f"config key 'd_model' ({cfg.d_model}) must be divisible by n_heads ({cfg.n_heads})")
-    for key in ("n_heads", "n_vocab") if cfg.parallelism == "shard_map" else ():  # GSPMD: partitioning.check
+    for key in ("n_heads", "n_vocab") if cfg.parallelism == "shard_map" else ():  # GSPMD: parallel.layout checks
         if getattr(cfg, key) % cfg.cores_per_replica:
             raise ConfigError(f"config key '{key}' ({getattr(cfg, key)}) must be divisible by "
                               f"cores_per_replica ({cfg.cores_per_replica})")

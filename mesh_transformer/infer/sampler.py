@@ -23,7 +23,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mesh_transformer.store import convert
-from mesh_transformer.model import layers, gptj as model
+from mesh_transformer.model import gptj, layers
+from mesh_transformer.parallel.layout import MEGATRON_RULES, SHARD_MAP, make_layout, unstacked
+from mesh_transformer.parallel.layout import param_specs as layout_param_specs
 from mesh_transformer.config import Config
 from mesh_transformer.parallel.mesh import DP, MP
 from mesh_transformer.tokenizer import EOS_ID
@@ -105,7 +107,7 @@ def forward_cached(params: dict, ids_BxT: jax.Array, positions_BxT: jax.Array, k
                    tp_axis: str | None = None) -> tuple[jax.Array, tuple[list, list]]:
     """Logits [B, V] after the last of T new tokens written at buffer `index`, and the updated (k, v) caches.
 
-    `params` has its layers unstacked (`model.unstack_layers`) and the loop over them is unrolled: a scan over
+    `params` has its layers unstacked (`gptj.unstack_layers`) and the loop over them is unrolled: a scan over
     the stacked layers would copy every layer's weights out of the stack at every token, doubling what a decode
     step reads. The caches are lists of L arrays [B, H, K, S] (one per layer, as a slice of a stacked cache would
     be copied before every read), positions last, the layout XLA's CPU dot wants for one-token attention; handing
@@ -252,8 +254,8 @@ def place_params(params: dict, cfg: Config, mesh: Mesh) -> dict:
     A stacked leaf is placed and split before the next one is touched, and a layer is joined before the next, so
     the device holds little besides the result.
     """
-    dtype = model.DTYPES[cfg.compute_dtype]
-    shardings = model.param_shardings(cfg, mesh)
+    dtype = gptj.DTYPES[cfg.compute_dtype]
+    shardings = make_layout(dataclasses.replace(cfg, parallelism=SHARD_MAP), mesh=mesh).param_shardings()
     placed = jax.tree.map(partial(_placed, dtype=dtype), {k: v for k, v in params.items() if k != "layers"},
                           {k: v for k, v in shardings.items() if k != "layers"})
     layer_shardings = iter(jax.tree.leaves(shardings["layers"]))
@@ -264,7 +266,7 @@ def place_params(params: dict, cfg: Config, mesh: Mesh) -> dict:
         return jax.jit(lambda s: [s[i] for i in range(cfg.layers)], out_shardings=[one] * cfg.layers)(
             _placed(x, sharding, dtype))
 
-    unstacked = model.unstack_layers({**placed, "layers": params["layers"]}, split)
+    unstacked = gptj.unstack_layers({**placed, "layers": params["layers"]}, split)
     fuse = jax.jit(partial(layers.fuse_layer, tp_size=mesh.shape[MP]),
                    out_shardings=jax.tree.map(partial(NamedSharding, mesh), param_specs(cfg)["layers"][0],
                                               is_leaf=lambda x: isinstance(x, P)))
@@ -274,7 +276,7 @@ def place_params(params: dict, cfg: Config, mesh: Mesh) -> dict:
 
 def param_specs(cfg: Config) -> dict:
     """shard_map in_specs of `place_params`' tree."""
-    specs = model.unstacked_specs(model.param_specs(cfg), cfg.layers)
+    specs = unstacked(layout_param_specs(MEGATRON_RULES), cfg.layers)
     fused = {"ln_1": specs["layers"][0]["ln_1"],
              "fused": {"in": P(MP, None, None), "in_bias": P(MP, None), "out": P(MP, None, None), "out_bias": P()}}
     return {**specs, "layers": [fused] * cfg.layers}
@@ -423,4 +425,5 @@ def load_params(cfg: Config, mesh: Mesh, ckpt_path: str | None = None) -> dict:
     original mesh-transformer-jax checkpoint or an HF GPT-J directory; None means cfg.model_path. A checkpoint
     whose shapes differ from the config is a ConfigError (a ValueError); no checkpoint there, FileNotFoundError.
     """
-    return convert.load_params(cfg, mesh, ckpt_path or cfg.model_path)
+    layout = make_layout(dataclasses.replace(cfg, parallelism=SHARD_MAP), mesh=mesh)
+    return convert.load_params(layout, ckpt_path or cfg.model_path)

@@ -1,78 +1,62 @@
-"""The GSPMD path: logical axes, one rule table per parallelism mode, shardings, and jitted train/eval steps.
+"""Layout: what a parallelism mode decides, and nothing else: the mesh, where every param / optimizer leaf / batch /
+activation lives, and the loss, loss-and-grad and logits functions that run there.
 
-The model names logical axes only; a mode's rule table maps them to the mesh axes ('data', 'fsdp', 'tensor'),
-t5x style. For each dim of an array the first rule naming its logical axis whose mesh axes are still free in that
-array wins; a logical axis with no usable rule is replicated. So ("embed", "fsdp") shards the params' embed dim
-(ZeRO-3: params and optimizer state split over fsdp), while an activation [batch, length, embed] keeps embed whole
-because its batch dim has already taken 'fsdp': pinned so inside the layer scan, XLA gathers one layer's weights per
-iteration and keeps the batch split. Params stay global arrays of their logical shapes; only their placement
-changes with the mode.
+Both kinds place arrays by one rule table each, t5x style: the model names logical axes only (model/gptj.py), and
+for each dim of an array the first rule naming its logical axis whose mesh axes are still free in that array wins;
+a logical axis with no usable rule is replicated.
 
-The steps jit the plain global `model.loss_fn` (tp_axis=None) with in/out shardings from the table, so every
-mode computes the single-device result. The parallelism mode is `cfg.parallelism`.
+- shard_map kind (the original's Megatron scheme) over ('dp', 'mp'): vocab, heads and MLP columns on 'mp', tokens
+  on 'dp'. The layer functions run per device under `jax.shard_map(..., check_vma=True)` with tp_axis='mp', doing
+  one psum per block; check_vma gives the matching backward collectives.
+- GSPMD kind over ('data', 'fsdp', 'tensor'): the plain global layer functions under `jax.jit`, with shardings from
+  the mode's table and activations pinned through a `constrain` hook. ("embed", "fsdp") shards the params' embed dim
+  (ZeRO-3), while an activation [batch, length, embed] keeps embed whole because its batch dim has already taken
+  'fsdp': pinned so inside the layer scan, XLA gathers one layer's weights per iteration and keeps the batch split.
+
+Everything above this (train state, steps, AOT, converters, inference placement) takes a Layout and never asks
+which kind it is.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from functools import partial
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mesh_transformer.model import gptj as model
-from mesh_transformer.config import Config, ConfigError
-
-DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
-MESH_AXES = (DATA, FSDP, TENSOR)
+from mesh_transformer.config import Config, ConfigError, check_devices
+from mesh_transformer.model import gptj
+from mesh_transformer.parallel.mesh import DATA, DP, FSDP, MP, TENSOR, make_mesh
 
 Rules = list[tuple[str, str | tuple[str, ...] | None]]
 
+SHARD_MAP = "shard_map"
+MEGATRON_RULES: Rules = [("batch", DP), ("vocab", MP), ("heads", MP), ("mlp", MP)]
 BATCH_RULES: Rules = [("batch", (DATA, FSDP))]  # fsdp is data parallel for compute, so the batch splits over it too
 ZERO3_RULES: Rules = [("embed", FSDP)]  # taken by params; activations find 'fsdp' used by their batch dim
 TENSOR_RULES: Rules = [("vocab", TENSOR), ("heads", TENSOR), ("mlp", TENSOR)]
-RULES: dict[str, Rules] = {
+GSPMD_RULES: dict[str, Rules] = {
     "dp": BATCH_RULES,
     "fsdp": BATCH_RULES + ZERO3_RULES,
     "tp": BATCH_RULES + TENSOR_RULES,
     "fsdp_tp": BATCH_RULES + ZERO3_RULES + TENSOR_RULES,
 }
-MODES = tuple(RULES)
+MODES = tuple(GSPMD_RULES)
 
-# Logical axes of activations and caches, for constraints (K head dim and length are never split).
+# Logical axes of activations and caches (K head dim and length are never split).
 ACTIVATION_AXES = {
     "tokens": ("batch", "length"),
     "hidden": ("batch", "length", "embed"),
     "heads": ("batch", "length", "heads", "head_dim"),
     "mlp": ("batch", "length", "mlp"),
     "logits": ("batch", "length", "vocab"),
-    "kv_cache": ("batch", "heads", "head_dim", "length"),  # one layer's
+    "kv_cache": ("batch", "heads", "head_dim", "length"),  # one block of one layer's
 }
-
-
-def param_logical_axes() -> dict:
-    """Logical axis names of every param, in the tree of `model.param_shapes` (layers stacked on 'layers')."""
-    qkv, stacked = ("layers", "embed", "heads"), ("layers", "embed")
-    return {
-        "embed": {"wte": ("vocab", "embed")},
-        "layers": {
-            "ln_1": {"scale": stacked, "bias": stacked},
-            "attn": {"q": qkv, "k": qkv, "v": qkv, "out": ("layers", "heads", "embed")},
-            "mlp": {"fc_in": {"kernel": ("layers", "embed", "mlp"), "bias": ("layers", "mlp")},
-                    "fc_out": {"kernel": ("layers", "mlp", "embed"), "bias": stacked}},
-        },
-        "ln_f": {"scale": ("embed",), "bias": ("embed",)},
-        "lm_head": {"kernel": ("embed", "vocab"), "bias": ("vocab",)},
-    }
-
-
-def is_logical_axes(x) -> bool:
-    """True for a leaf of `param_logical_axes` (a tuple of names, which jax.tree would otherwise walk into)."""
-    return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
 
 
 def _mesh_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
@@ -94,54 +78,139 @@ def logical_to_spec(logical_axes: Sequence[str], rules: Rules) -> P:
     return P(*spec)
 
 
-def rules_for(cfg: Config) -> Rules:
-    """The rule table of cfg.parallelism."""
-    if cfg.parallelism not in RULES:
-        raise ConfigError(f"config key 'parallelism' must be one of {', '.join(MODES)} for the GSPMD path, "
-                          f"got {cfg.parallelism!r}")
-    return RULES[cfg.parallelism]
+def param_specs(rules: Rules) -> dict:
+    """PartitionSpecs of the param tree under a rule table (no mesh needed: converters write pieces by them)."""
+    return jax.tree.map(lambda axes: logical_to_spec(axes, rules), gptj.PARAM_AXES, is_leaf=gptj.is_axes)
 
 
-def make_mesh(data: int | None = None, fsdp: int = 1, tensor: int = 1,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ('data', 'fsdp', 'tensor') mesh of Auto axes; data=None takes the devices fsdp x tensor leaves."""
-    devices = list(jax.devices() if devices is None else devices)
-    if data is None:
-        if len(devices) % (fsdp * tensor):
-            raise ConfigError(f"fsdp x tensor ({fsdp} x {tensor}) must divide the device count ({len(devices)})")
-        data = len(devices) // (fsdp * tensor)
-    if min(data, fsdp, tensor) < 1 or data * fsdp * tensor > len(devices):
-        raise ConfigError(f"mesh data={data}, fsdp={fsdp}, tensor={tensor} needs {data * fsdp * tensor} devices; "
-                          f"{len(devices)} are available")
-    # jax.make_mesh orders devices by physical topology (tensor and fsdp on the fastest links, data across hosts);
-    # Auto axes: shardings are placed by us and propagated by XLA, where make_mesh would default to Explicit.
-    return jax.make_mesh((data, fsdp, tensor), MESH_AXES, axis_types=(AxisType.Auto,) * 3,
-                         devices=devices[: data * fsdp * tensor])
+def unstacked(tree: dict, n_layers: int) -> dict:
+    """A param-shaped tree of specs or shardings with "layers" as a list of per-layer trees (the leading L dropped),
+    as `gptj.unstack_layers` makes of the params."""
+    def drop_layer_axis(x):
+        return NamedSharding(x.mesh, P(*x.spec[1:])) if isinstance(x, NamedSharding) else P(*x[1:])
+
+    layer = jax.tree.map(drop_layer_axis, tree["layers"], is_leaf=lambda x: isinstance(x, (P, NamedSharding)))
+    return {**tree, "layers": [layer] * n_layers}
 
 
-def mesh_for(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The ('data', 'fsdp', 'tensor') mesh of a GSPMD config: data takes the devices fsdp x tensor leave."""
-    from mesh_transformer.config import check_devices
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layout:
+    """One parallelism mode on one mesh. Build it with `make_layout`."""
+    cfg: Config
+    mesh: Mesh
+    rules: Rules
+    tp_axis: str | None  # the tensor-parallel axis the layers reduce over (shard_map kind), else None
+    dp_axis: str | None  # the batch axis a per-device loss is averaged over (shard_map kind), else None
 
-    check_devices(cfg, len(jax.devices() if devices is None else devices))
-    return make_mesh(None, cfg.mesh_fsdp, cfg.mesh_tensor, devices)
+    # ----------------------------------------------------------------------------------------------- placement
+    def spec(self, logical_axes: Sequence[str]) -> P:
+        return logical_to_spec(logical_axes, self.rules)
+
+    def sharding(self, logical_axes: Sequence[str]) -> NamedSharding:
+        """Where an array with these logical axes lives (activations, caches, per-row values)."""
+        return NamedSharding(self.mesh, self.spec(logical_axes))
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def param_specs(self) -> dict:
+        return param_specs(self.rules)
+
+    def param_shardings(self) -> dict:
+        return jax.tree.map(partial(NamedSharding, self.mesh), self.param_specs())
+
+    def abstract_params(self, dtype=jnp.float32) -> dict:
+        """Shapes, dtypes and shardings of the params, allocating nothing."""
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            gptj.param_shapes(self.cfg, dtype), self.param_shardings())
+
+    def init_params(self, key: jax.Array) -> dict:
+        """Random params made directly in their shards (no device holds the whole model); the same numbers as
+        `gptj.init_unsharded` with the same key."""
+        return jax.jit(partial(gptj.init_params, self.cfg), out_shardings=self.param_shardings())(key)
+
+    def follow_params(self, abstract_tree, abstract_params: dict):
+        """Shardings of a tree of optimizer leaves: a leaf at a param's path and of its shape (an Adam moment) sits
+        like that param; the rest (counters) is replicated."""
+        flat = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+        by_path = {tuple(k.key for k in path): s for path, s in flat}
+
+        def place(path, leaf):
+            param = by_path.get(tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)))
+            return param.sharding if param is not None and param.shape == leaf.shape else self.replicated
+
+        return jax.tree_util.tree_map_with_path(place, abstract_tree)
+
+    @property
+    def batch_shards(self) -> int:
+        """How many ways a batch is split."""
+        return math.prod(self.mesh.shape[a] for a in _mesh_axes(self.spec(("batch",))[0]))
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per micro-batch: per_replica_batch for each batch shard."""
+        return self.cfg.per_replica_batch * self.batch_shards
+
+    def batch_sharding(self, accumulated: bool = True) -> NamedSharding:
+        """Token batches [G, B, T+1] (or [B, T+1]) split on the batch axis."""
+        return self.sharding(("accumulation",) * accumulated + ACTIVATION_AXES["tokens"])
+
+    # ------------------------------------------------------------------------------------------------ functions
+    def _per_device(self, fn: Callable, in_specs, out_specs) -> Callable:
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
+
+    def _constrain(self, x: jax.Array, logical_axes: Sequence[str]) -> jax.Array:
+        return lax.with_sharding_constraint(x, self.sharding(logical_axes))
+
+    def loss_fn(self) -> Callable:
+        """(params, tokens [B, T+1]) -> mean loss (not jitted)."""
+        cfg = self.cfg
+        if self.tp_axis is not None:
+            fn = partial(gptj.loss_fn, cfg=cfg, tp_axis=self.tp_axis, dp_axis=self.dp_axis)
+            return self._per_device(fn, (self.param_specs(), self.spec(ACTIVATION_AXES["tokens"])), P())
+
+        def loss(params, tokens_BxT1):
+            tokens_BxT1 = self._constrain(tokens_BxT1, ACTIVATION_AXES["tokens"])
+            return gptj.loss_fn(params, tokens_BxT1, cfg, constrain=self._constrain)
+
+        return loss
+
+    def loss_and_grad_fn(self) -> Callable:
+        """(params, tokens [B, T+1]) -> (loss, grads), grads placed like their params (FSDP reduce-scatters them)."""
+        if self.tp_axis is not None:
+            specs = self.param_specs()
+            fn = jax.value_and_grad(partial(gptj.loss_fn, cfg=self.cfg, tp_axis=self.tp_axis, dp_axis=self.dp_axis))
+            return self._per_device(fn, (specs, self.spec(ACTIVATION_AXES["tokens"])), (P(), specs))
+        value_and_grad = jax.value_and_grad(self.loss_fn())
+        shardings = self.param_shardings()
+
+        def fn(params, tokens_BxT1):
+            loss, grads = value_and_grad(params, tokens_BxT1)
+            return loss, lax.with_sharding_constraint(grads, shardings)
+
+        return fn
+
+    def logits_fn(self) -> Callable:
+        """Jitted (params, ids [B, T]) -> logits [B, T, V] in f32, placed by the rules (batch and vocab split)."""
+        cfg, logits_spec = self.cfg, self.spec(ACTIVATION_AXES["logits"])
+        if self.tp_axis is not None:
+            fn = partial(gptj.forward, cfg=cfg, tp_axis=self.tp_axis)
+            return jax.jit(self._per_device(fn, (self.param_specs(), self.spec(ACTIVATION_AXES["tokens"])),
+                                            logits_spec))
+
+        def logits(params, ids_BxT):
+            return gptj.forward(params, self._constrain(ids_BxT, ACTIVATION_AXES["tokens"]), cfg,
+                                constrain=self._constrain)
+
+        return jax.jit(logits, in_shardings=(self.param_shardings(), self.sharding(ACTIVATION_AXES["tokens"])),
+                       out_shardings=NamedSharding(self.mesh, logits_spec))
 
 
-def batch_shards(mesh: Mesh) -> int:
-    """How many ways the batch is split: data x fsdp."""
-    return mesh.shape[DATA] * mesh.shape[FSDP]
-
-
-def global_batch(cfg: Config, mesh: Mesh) -> int:
-    """Sequences per micro-batch: per_replica_batch for each batch shard."""
-    return cfg.per_replica_batch * batch_shards(mesh)
-
-
-def check(cfg: Config, mesh: Mesh) -> None:
+def _check_gspmd(cfg: Config, mesh: Mesh, rules: Rules) -> None:
     """The mode must use every split mesh axis, and each split model dim must divide over its mesh axes."""
-    rules = rules_for(cfg)
     ruled = {a for _, entry in rules for a in _mesh_axes(entry)}
-    for axis in MESH_AXES:
+    for axis in (DATA, FSDP, TENSOR):
         if mesh.shape[axis] > 1 and axis not in ruled:
             raise ConfigError(f"parallelism {cfg.parallelism!r} does not use mesh axis '{axis}' of size "
                               f"{mesh.shape[axis]}; choose a mode that does ({', '.join(MODES)}) or size it 1")
@@ -156,98 +225,41 @@ def check(cfg: Config, mesh: Mesh) -> None:
                                   f"({split}) under parallelism {cfg.parallelism!r}")
 
 
-def logical_sharding(cfg: Config, mesh: Mesh, logical_axes: Sequence[str]) -> NamedSharding:
-    """The NamedSharding of one array with these logical axes under cfg.parallelism."""
-    return NamedSharding(mesh, logical_to_spec(logical_axes, rules_for(cfg)))
+def _check_axes(cfg: Config, mesh: Mesh) -> None:
+    """The mesh must have the axes of the config's parallelism kind."""
+    names = tuple(mesh.axis_names)
+    if cfg.parallelism == SHARD_MAP and names != (DP, MP):
+        raise ConfigError(f"config key 'parallelism' must be one of {', '.join(MODES)} for a {names} mesh, "
+                          f"got {cfg.parallelism!r}")
+    if cfg.parallelism != SHARD_MAP and names != (DATA, FSDP, TENSOR):
+        raise ConfigError(f"config key 'parallelism' must be {SHARD_MAP!r} for a {names} mesh, got "
+                          f"{cfg.parallelism!r}")
 
 
-def param_specs(cfg: Config) -> dict:
-    """PartitionSpecs of the param tree under cfg.parallelism."""
-    rules = rules_for(cfg)
-    return jax.tree.map(lambda axes: logical_to_spec(axes, rules), param_logical_axes(), is_leaf=is_logical_axes)
+def gspmd_rules(cfg: Config) -> Rules:
+    """The rule table of a GSPMD cfg.parallelism."""
+    if cfg.parallelism not in GSPMD_RULES:
+        raise ConfigError(f"config key 'parallelism' must be one of {', '.join(MODES)} for the GSPMD path, "
+                          f"got {cfg.parallelism!r}")
+    return GSPMD_RULES[cfg.parallelism]
 
 
-def param_shardings(cfg: Config, mesh: Mesh) -> dict:
-    check(cfg, mesh)
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs(cfg))
-
-
-def abstract_params(cfg: Config, mesh: Mesh, dtype=jnp.float32) -> dict:
-    """Shapes, dtypes and shardings of the params, allocating nothing."""
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        model.param_shapes(cfg, dtype), param_shardings(cfg, mesh))
-
-
-def batch_sharding(mesh: Mesh, accumulated: bool = True) -> NamedSharding:
-    """Token batches [G, B, T+1] (or [B, T+1]) split on the batch axis (the same rule in every mode)."""
-    return NamedSharding(mesh, logical_to_spec(("accumulation",) * accumulated + ACTIVATION_AXES["tokens"],
-                                               BATCH_RULES))
-
-
-def _shardings(abstract):
-    return jax.tree.map(lambda s: s.sharding, abstract)
-
-
-def abstract_train_state(cfg: Config, mesh: Mesh, optimizer: optax.GradientTransformation) -> dict:
-    """Shapes, dtypes and shardings of {"step", "params", "opt_state"}, allocating nothing (restore, AOT)."""
-    return model.train_state_of(abstract_params(cfg, mesh), optimizer, mesh)
-
-
-def init(cfg: Config, mesh: Mesh, key: jax.Array) -> dict:
-    """Random params made directly in their shards; the same numbers as `model.init` with the same key."""
-    return jax.jit(partial(model.init_params, cfg), out_shardings=param_shardings(cfg, mesh))(key)
-
-
-def init_opt_state(params: dict, cfg: Config, mesh: Mesh, optimizer: optax.GradientTransformation):
-    """Fresh optimizer state for `params`, made in place on the mesh."""
-    shardings = _shardings(abstract_train_state(cfg, mesh, optimizer)["opt_state"])
-    return jax.jit(optimizer.init, out_shardings=shardings)(params)
-
-
-def init_train_state(cfg: Config, mesh: Mesh, optimizer: optax.GradientTransformation, key: jax.Array) -> dict:
-    """{"step": 0, "params", "opt_state"} on the mesh; the same numbers as `model.init_train_state`."""
-    params = init(cfg, mesh, key)
-    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
-    return {"step": step, "params": params, "opt_state": init_opt_state(params, cfg, mesh, optimizer)}
-
-
-def constrain_fn(cfg: Config, mesh: Mesh) -> Callable[[jax.Array, Sequence[str]], jax.Array]:
-    """(x, logical_axes) -> x pinned to the rule table's placement: the hook for activations inside the model."""
-    return lambda x, logical_axes: lax.with_sharding_constraint(x, logical_sharding(cfg, mesh, logical_axes))
-
-
-def loss_fn(cfg: Config, mesh: Mesh) -> Callable:
-    """(params, tokens [B, T+1]) -> mean loss: the global `model.loss_fn` with the batch split and, once the model
-    takes it, the activation hook that makes FSDP gather each layer's weights inside the scan."""
-    check(cfg, mesh)
-    constrain = constrain_fn(cfg, mesh)
-
-    def loss(params, tokens_BxT1):
-        return model.loss_fn(params, constrain(tokens_BxT1, ACTIVATION_AXES["tokens"]), cfg, constrain=constrain)
-
-    return loss
-
-
-def loss_and_grad_fn(cfg: Config, mesh: Mesh) -> Callable:
-    """(params, tokens [B, T+1]) -> (loss, grads), grads kept where their params are (FSDP reduce-scatters them)."""
-    grad_shardings = param_shardings(cfg, mesh)
-    value_and_grad = jax.value_and_grad(loss_fn(cfg, mesh))
-
-    def fn(params, tokens_BxT1):
-        loss, grads = value_and_grad(params, tokens_BxT1)
-        return loss, lax.with_sharding_constraint(grads, grad_shardings)
-
-    return fn
-
-
-def make_train_step(cfg: Config, mesh: Mesh, optimizer: optax.GradientTransformation,
-                    schedule: Callable) -> Callable:
-    """Jitted (state, tokens [G, B, T+1]) -> (state, metrics) over the GSPMD layout, state donated."""
-    step = model.accumulated_train_step(loss_and_grad_fn(cfg, mesh), optimizer, schedule)
-    return model.jit_train_step(step, abstract_train_state(cfg, mesh, optimizer), batch_sharding(mesh))
-
-
-def make_eval_step(cfg: Config, mesh: Mesh) -> Callable:
-    """Jitted (params, tokens [B, T+1]) -> mean loss."""
-    return jax.jit(loss_fn(cfg, mesh), in_shardings=(param_shardings(cfg, mesh), batch_sharding(mesh, False)),
-                   out_shardings=NamedSharding(mesh, P()))
+def make_layout(cfg: Config, devices: Sequence[jax.Device] | None = None, mesh: Mesh | None = None) -> Layout:
+    """The Layout of cfg.parallelism: on `mesh` when given, else on a mesh built from the devices (by default all)
+    by the config: shard_map mp = cores_per_replica, GSPMD fsdp = mesh_fsdp and tensor = mesh_tensor, the remaining
+    devices data parallel."""
+    if mesh is None:
+        devices = list(jax.devices() if devices is None else devices)
+        check_devices(cfg, len(devices))
+        if cfg.parallelism == SHARD_MAP:
+            shape = {DP: len(devices) // cfg.cores_per_replica, MP: cfg.cores_per_replica}
+        else:
+            group = cfg.mesh_fsdp * cfg.mesh_tensor
+            shape = {DATA: len(devices) // group, FSDP: cfg.mesh_fsdp, TENSOR: cfg.mesh_tensor}
+        mesh = make_mesh(shape, devices)
+    _check_axes(cfg, mesh)
+    if cfg.parallelism == SHARD_MAP:
+        return Layout(cfg, mesh, MEGATRON_RULES, tp_axis=MP, dp_axis=DP)
+    rules = gspmd_rules(cfg)
+    _check_gspmd(cfg, mesh, rules)
+    return Layout(cfg, mesh, rules, tp_axis=None, dp_axis=None)

@@ -1,29 +1,35 @@
-"""Device meshes for the shard_map path: ('dp', 'mp') from the config and the devices."""
+"""Device meshes, one builder for both axis vocabularies (('dp', 'mp') and ('data', 'fsdp', 'tensor')), and the
+multi-process start-up through jax.distributed."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from mesh_transformer.config import Config, check_devices
+from mesh_transformer.config import ConfigError
 
-DP, MP = "dp", "mp"
+DP, MP = "dp", "mp"  # the shard_map (Megatron) kind
+DATA, FSDP, TENSOR = "data", "fsdp", "tensor"  # the GSPMD kind
 
 
-def make(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The ('dp', 'mp') mesh: mp = cores_per_replica, dp = the rest of the devices."""
+def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh of Auto axes {name: size} over the first prod(sizes) devices, in jax.make_mesh's topology-aware order
+    (the last axes on the fastest links)."""
     devices = list(jax.devices() if devices is None else devices)
-    check_devices(cfg, len(devices))
-    return make_dp_mp(len(devices) // cfg.cores_per_replica, cfg.cores_per_replica, devices)
+    needed = math.prod(shape.values())
+    if min(shape.values()) < 1 or needed > len(devices):
+        sizes = ", ".join(f"{name}={size}" for name, size in shape.items())
+        raise ConfigError(f"mesh {sizes} needs {needed} devices; {len(devices)} are available")
+    # Auto axes: shardings are ours to place and XLA propagates them; jax.make_mesh would default to Explicit.
+    return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(AxisType.Auto,) * len(shape),
+                         devices=devices[:needed])
 
 
 def make_dp_mp(dp: int, mp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ('dp', 'mp') mesh of Auto axes over the first dp * mp devices."""
-    devices = list(jax.devices() if devices is None else devices)[: dp * mp]
-    # Auto axes: shardings are ours to place; jax.make_mesh would default to Explicit.
-    return Mesh(np.array(devices).reshape(dp, mp), (DP, MP), axis_types=(AxisType.Auto, AxisType.Auto))
+    """The ('dp', 'mp') mesh of the shard_map kind."""
+    return make_mesh({DP: dp, MP: mp}, devices)
 
 
 def init_distributed(coordinator: str | None = None, num_processes: int | None = None,

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from mesh_transformer.model import gptj as model
+from mesh_transformer.model import gptj
 from mesh_transformer.infer import decode as slot_decoding
 from mesh_transformer.config import Config
 from mesh_transformer.parallel.mesh import DP
@@ -162,7 +162,7 @@ class Engine:
         dp = mesh.shape[DP]
         self.n_slots = -(-max_batch // dp) * dp
         self._n_local = self.n_slots // dp
-        dtype = model.DTYPES[cfg.compute_dtype]
+        dtype = gptj.DTYPES[cfg.compute_dtype]
         self._params = place_params(params, cfg, mesh)
         self._programs = slot_decoding.programs(cfg, mesh)
         self._block_sizes = slot_decoding.block_sizes(cfg.seq, min(self.min_span, cfg.seq))

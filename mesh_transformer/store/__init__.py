@@ -1,1 +1,2 @@
-"""Bytes on disk: local and gs:// storage, TFRecords, safetensors, our checkpoints, HF and original readers, conversion."""
+"""Bytes on disk: local and gs:// storage, TFRecords, safetensors, our checkpoints, the HF and original readers, and
+conversion between them."""

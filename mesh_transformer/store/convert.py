@@ -19,12 +19,12 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 from tqdm import tqdm
 
 from mesh_transformer.store import checkpoint, hf, mtj_v1, safetensors_io, storage
 from mesh_transformer import config
 from mesh_transformer.model import gptj as model
+from mesh_transformer.parallel.layout import MEGATRON_RULES, Layout, param_specs
 from mesh_transformer.store.checkpoint_stream import LeafReader, StreamingWriter
 from mesh_transformer.config import Config, ConfigError
 from mesh_transformer.parallel.mesh import DP, MP
@@ -230,12 +230,13 @@ def iter_params(path: str, cfg: Config, dtype: Any = None) -> Iterator[tuple[Pat
             yield param, read_array(reader, param, like.shape, dtype)
 
 
-def load_params(cfg: Config, mesh: Mesh, source: str, dtype: Any = None) -> dict:
-    """The params of a checkpoint of any format, placed on `mesh` as the model shards them, in `dtype`.
+def load_params(layout: Layout, source: str, dtype: Any = None) -> dict:
+    """The params of a checkpoint of any format, placed as the Layout places them, in `dtype`.
 
     `dtype` defaults to the config's compute dtype. Our checkpoints are read slice by slice onto the devices; other
     formats are read one global array at a time on the host.
     """
+    cfg = layout.cfg
     dtype = parse_dtype(dtype if dtype is not None else cfg.compute_dtype)
     fmt = detect_format(source)
     if fmt == CHECKPOINT:
@@ -243,12 +244,12 @@ def load_params(cfg: Config, mesh: Mesh, source: str, dtype: Any = None) -> dict
         _check_config(checkpoint.read_metadata(root, step).get("config") or {}, cfg,
                       f"checkpoint {checkpoint.step_dir(root, step)}")
         try:
-            params, _ = checkpoint.restore(root, step, model.abstract_params(cfg, mesh, dtype), paths_prefix="params")
+            params, _ = checkpoint.restore(root, step, layout.abstract_params(dtype), paths_prefix="params")
         except (KeyError, ValueError) as e:
             raise ConfigError(f"checkpoint {checkpoint.step_dir(root, step)} does not match the config: "
                               f"{e.args[0]}") from e
         return params
-    shardings = model.param_shardings(cfg, mesh)
+    shardings = layout.param_shardings()
     params: dict = {}
     with open_params(source, cfg, fmt) as reader:
         for path, like in tqdm(param_paths(cfg), desc="loading params", unit="array", leave=False):
@@ -260,7 +261,7 @@ def load_params(cfg: Config, mesh: Mesh, source: str, dtype: Any = None) -> dict
 
 # ----------------------------------------------------------------------------------------------------------- writers
 def _leaf_specs(cfg: Config) -> dict[str, tuple[Any, tuple[int, ...]]]:
-    specs = model.param_specs(cfg)
+    specs = param_specs(MEGATRON_RULES)
     return {"/".join(path): (_get(specs, path), like.shape) for path, like in param_paths(cfg)}
 
 

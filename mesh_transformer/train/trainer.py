@@ -14,11 +14,9 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.store import checkpoint, storage
-from mesh_transformer.train import data, optim
-from mesh_transformer.model import gptj as model
-from mesh_transformer.parallel import layout as partitioning
-from mesh_transformer.parallel import mesh as mesh_lib
+from mesh_transformer.train import data, optim, state
 from mesh_transformer.config import Config, ConfigError
 from mesh_transformer.train.metrics import MetricsWriter
 
@@ -71,23 +69,18 @@ class StopFlag:
 
 
 class Trainer:
-    """Owns the mesh, the compiled steps, the train state and the data iterator of one run."""
+    """Owns the Layout, the compiled steps, the train state and the data iterator of one run."""
 
     def __init__(self, cfg: Config, *, tune_model_path: str | None = None, fresh_opt: bool = False):
         _check_inputs(cfg)
         self.cfg = cfg
         self.root = cfg.model_path
-        # Both paths offer the same state and step functions: model (shard_map) or partitioning (GSPMD).
-        if cfg.parallelism == "shard_map":
-            self.path, self.mesh = model, mesh_lib.make(cfg)
-            self.global_batch = cfg.per_replica_batch * self.mesh.shape[mesh_lib.DP]
-        else:
-            self.path, self.mesh = partitioning, partitioning.mesh_for(cfg)
-            self.global_batch = partitioning.global_batch(cfg, self.mesh)
+        self.layout = make_layout(cfg)
+        self.mesh, self.global_batch = self.layout.mesh, self.layout.global_batch
         self.optimizer = optim.make_optimizer(cfg)
         self.schedule = optim.lr_schedule(cfg)
-        self.train_step = self.path.make_train_step(cfg, self.mesh, self.optimizer, self.schedule)
-        self.eval_step = self.path.make_eval_step(cfg, self.mesh)
+        self.train_step = state.make_train_step(self.layout, self.optimizer, self.schedule)
+        self.eval_step = state.make_eval_step(self.layout)
         self.state, data_state = self._start_state(tune_model_path, fresh_opt)
         self.step = int(self.state["step"])
         self.dataset = data.TokenDataset(
@@ -100,26 +93,26 @@ class Trainer:
 
     def _start_state(self, tune_model_path: str | None, fresh_opt: bool) -> tuple[dict, dict | None]:
         """Resume from the latest valid checkpoint of model_dir, else start from tune_model_path or random init."""
-        abstract = self.path.abstract_train_state(self.cfg, self.mesh, self.optimizer)
+        abstract = state.abstract_train_state(self.layout, self.optimizer)
         found = checkpoint.restore_latest_valid(self.root, abstract)
         if found is not None:
-            step, state, metadata = found
+            step, train_state, metadata = found
             log.info("resuming from %s at step %d", self.root, step)
             if fresh_opt:
-                state["opt_state"] = self.path.init_opt_state(state["params"], self.cfg, self.mesh, self.optimizer)
-            return state, metadata.get("data_state")
-        state = self.path.init_train_state(self.cfg, self.mesh, self.optimizer, jax.random.PRNGKey(self.cfg.seed))
+                train_state["opt_state"] = state.init_opt_state(self.layout, train_state["params"], self.optimizer)
+            return train_state, metadata.get("data_state")
+        train_state = state.init_train_state(self.layout, self.optimizer, jax.random.PRNGKey(self.cfg.seed))
         if tune_model_path:
             tune_step = checkpoint.latest_step(tune_model_path)
             if tune_step is None:
                 raise ConfigError(f"--tune-model-path {tune_model_path} holds no complete checkpoint")
             params, _ = checkpoint.restore(tune_model_path, tune_step, abstract["params"], paths_prefix="params")
             log.info("fine-tuning from %s step %d with a fresh schedule", tune_model_path, tune_step)
-            state["params"] = params
-        return state, None
+            train_state["params"] = params
+        return train_state, None
 
     def _global_batch(self, local_GxBxT1: np.ndarray) -> jax.Array:
-        return jax.make_array_from_process_local_data(self.path.batch_sharding(self.mesh), local_GxBxT1)
+        return jax.make_array_from_process_local_data(self.layout.batch_sharding(), local_GxBxT1)
 
     def save(self, blocking: bool = False) -> None:
         if self.last_saved_step == self.step:
@@ -143,7 +136,7 @@ class Trainer:
         return results
 
     def _val_batch(self, local_BxT1: np.ndarray) -> jax.Array:
-        return jax.make_array_from_process_local_data(self.path.batch_sharding(self.mesh, accumulated=False),
+        return jax.make_array_from_process_local_data(self.layout.batch_sharding(accumulated=False),
                                                       local_BxT1)
 
     def _log(self, step: int, metrics: dict, seconds: float) -> dict[str, float]:

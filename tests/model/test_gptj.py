@@ -8,6 +8,7 @@ import pytest
 from mesh_transformer import config
 from mesh_transformer.model import layers, gptj as model
 from mesh_transformer.parallel.mesh import make_dp_mp
+from mesh_transformer.parallel.layout import make_layout
 
 CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "remat=false"])
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
@@ -31,18 +32,19 @@ def max_diff(a, b):
 def test_sharded_forward_loss_and_grads_match_single_device(params, tokens, dp, mp):
     cfg = dataclasses.replace(CFG, cores_per_replica=mp)
     mesh = make_dp_mp(dp, mp)
-    sharded = model.init(cfg, mesh, jax.random.PRNGKey(0))
+    layout = make_layout(cfg, mesh=mesh)
+    sharded = layout.init_params(jax.random.PRNGKey(0))
     assert max_diff(sharded, params) == 0.0  # same key, same numbers, whatever the layout
     assert sharded["layers"]["attn"]["q"].addressable_shards[0].data.shape[-1] == CFG.d_model // mp
 
-    logits = model.sharded_logits_fn(cfg, mesh)(sharded, tokens[:, :-1])
+    logits = layout.logits_fn()(sharded, tokens[:, :-1])
     ref_logits = jax.jit(lambda p, x: model.forward(p, x, CFG))(params, tokens[:, :-1])
     np.testing.assert_allclose(logits, ref_logits, atol=1e-5)
 
-    loss, grads = jax.jit(model.sharded_loss_and_grad_fn(cfg, mesh))(sharded, tokens)
+    loss, grads = jax.jit(layout.loss_and_grad_fn())(sharded, tokens)
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p, x: model.loss_fn(p, x, CFG)))(params, tokens)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    np.testing.assert_allclose(model.sharded_loss_fn(cfg, mesh)(sharded, tokens), ref_loss, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(layout.loss_fn())(sharded, tokens), ref_loss, rtol=1e-6)
     assert max_diff(grads, ref_grads) < 1e-6
 
 

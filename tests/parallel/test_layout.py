@@ -12,6 +12,9 @@ from mesh_transformer.model import gptj as model
 from mesh_transformer.train import optim
 from mesh_transformer.parallel import layout as partitioning
 from mesh_transformer.config import ConfigError
+from mesh_transformer.parallel.layout import make_layout
+from mesh_transformer.parallel.mesh import make_mesh
+from mesh_transformer.train import state as state_lib
 
 CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "remat=false", "warmup_steps=0"])
 MESHES = [("dp", 8, 1, 1), ("fsdp", 1, 8, 1), ("tp", 2, 1, 4), ("fsdp_tp", 1, 4, 2), ("fsdp_tp", 2, 2, 2)]
@@ -57,23 +60,23 @@ def reference(tokens):
 
 def test_every_param_has_logical_axes_of_its_rank():
     shapes = model.param_shapes(CFG)
-    axes = partitioning.param_logical_axes()
-    assert jax.tree.structure(shapes) == jax.tree.structure(axes, is_leaf=partitioning.is_logical_axes)
-    for s, a in zip(jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=partitioning.is_logical_axes)):
+    axes = model.PARAM_AXES
+    assert jax.tree.structure(shapes) == jax.tree.structure(axes, is_leaf=model.is_axes)
+    for s, a in zip(jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=model.is_axes)):
         assert len(a) == s.ndim
 
 
 def test_fsdp_rule_splits_params_on_embed_but_activations_on_batch():
-    specs = partitioning.param_specs(gspmd("fsdp_tp"))
+    specs = partitioning.param_specs(partitioning.GSPMD_RULES["fsdp_tp"])
     assert specs["layers"]["attn"]["q"] == P(None, "fsdp", "tensor")
     assert specs["layers"]["mlp"]["fc_out"]["kernel"] == P(None, "tensor", "fsdp")
     assert specs["embed"]["wte"] == P("tensor", "fsdp")
-    rules = partitioning.RULES["fsdp_tp"]
+    rules = partitioning.GSPMD_RULES["fsdp_tp"]
     hidden = partitioning.logical_to_spec(partitioning.ACTIVATION_AXES["hidden"], rules)
     assert hidden == P(("data", "fsdp"), None, None)  # embed finds 'fsdp' taken by the batch: gathered weights
     assert partitioning.logical_to_spec(partitioning.ACTIVATION_AXES["logits"], rules) == P(("data", "fsdp"), None,
                                                                                             "tensor")
-    assert partitioning.param_specs(gspmd("dp"))["layers"]["attn"]["q"] == P(None, None, None)
+    assert partitioning.param_specs(partitioning.GSPMD_RULES["dp"])["layers"]["attn"]["q"] == P(None, None, None)
 
 
 @pytest.mark.parametrize("mode, data, fsdp, tensor", MESHES, ids=MESH_IDS)
@@ -83,13 +86,14 @@ def test_train_step_matches_single_device(reference, tokens, mode, data, fsdp, t
     After one Adam step the first moment is 0.1 x the clipped gradient, so with equal gradient norms, equal
     moments are equal gradients.
     """
-    cfg, mesh = gspmd(mode), partitioning.make_mesh(data, fsdp, tensor)
-    abstract = partitioning.abstract_train_state(cfg, mesh, OPTIMIZER)
+    cfg = gspmd(mode)
+    layout = make_layout(cfg, mesh=make_mesh({"data": data, "fsdp": fsdp, "tensor": tensor}))
+    abstract = state_lib.abstract_train_state(layout, OPTIMIZER)
     # From host copies: the step donates its state, and the reference start must survive for the other modes.
     start = jax.tree.map(np.asarray, reference["start"])
     state = jax.device_put(start, jax.tree.map(lambda s: s.sharding, abstract))
-    step = partitioning.make_train_step(cfg, mesh, OPTIMIZER, optim.lr_schedule(cfg))
-    tokens = jax.device_put(tokens, partitioning.batch_sharding(mesh))
+    step = state_lib.make_train_step(layout, OPTIMIZER, optim.lr_schedule(cfg))
+    tokens = jax.device_put(tokens, layout.batch_sharding())
     state, metrics = step.lower(state, tokens).compile(compiler_options=FAST)(state, tokens)
 
     q = state["params"]["layers"]["attn"]["q"]
@@ -103,8 +107,8 @@ def test_train_step_matches_single_device(reference, tokens, mode, data, fsdp, t
 
 @pytest.fixture(scope="module")
 def fsdp8_state():
-    cfg, mesh = gspmd("fsdp"), partitioning.make_mesh(1, 8, 1)
-    return partitioning.init_train_state(cfg, mesh, OPTIMIZER, jax.random.PRNGKey(0))
+    layout = make_layout(gspmd("fsdp"), mesh=make_mesh({"data": 1, "fsdp": 8, "tensor": 1}))
+    return state_lib.init_train_state(layout, OPTIMIZER, jax.random.PRNGKey(0))
 
 
 def test_init_gives_the_same_numbers_as_the_unsharded_init(fsdp8_state, reference):
@@ -126,8 +130,8 @@ def test_fsdp8_keeps_an_eighth_of_params_and_optimizer_state_per_device(fsdp8_st
 
 
 def test_eval_step_matches_single_device(fsdp8_state, reference, tokens):
-    cfg, mesh = gspmd("fsdp"), partitioning.make_mesh(1, 8, 1)
-    loss = partitioning.make_eval_step(cfg, mesh)(fsdp8_state["params"], tokens[0])
+    layout = make_layout(gspmd("fsdp"), mesh=make_mesh({"data": 1, "fsdp": 8, "tensor": 1}))
+    loss = state_lib.make_eval_step(layout)(fsdp8_state["params"], tokens[0])
     np.testing.assert_allclose(loss, model.loss_fn(reference["start"]["params"], tokens[0], CFG), rtol=1e-6)
 
 
@@ -140,4 +144,31 @@ def test_eval_step_matches_single_device(fsdp8_state, reference, tokens):
 def test_layout_mistakes_are_named(mode, sizes, message):
     cfg = dataclasses.replace(gspmd(mode), d_model=60, n_heads=6)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        partitioning.param_shardings(cfg, partitioning.make_mesh(*sizes))
+        make_layout(cfg, mesh=make_mesh(dict(zip(("data", "fsdp", "tensor"), sizes))))
+
+
+def _trimmed(spec: P) -> tuple:
+    """A spec without its trailing Nones (P() and P(None, None) place an array alike)."""
+    entries = tuple(spec)
+    while entries and entries[-1] is None:
+        entries = entries[:-1]
+    return entries
+
+
+def test_megatron_specs_derived_from_the_rules_equal_the_original_hand_written_ones():
+    cols, rows, whole = P(None, None, "mp"), P(None, "mp", None), P()
+    hand_written = {
+        "embed": {"wte": P("mp", None)},
+        "layers": {
+            "ln_1": {"scale": whole, "bias": whole},
+            "attn": {"q": cols, "k": cols, "v": cols, "out": rows},
+            "mlp": {"fc_in": {"kernel": cols, "bias": P(None, "mp")}, "fc_out": {"kernel": rows, "bias": whole}},
+        },
+        "ln_f": {"scale": whole, "bias": whole},
+        "lm_head": {"kernel": P(None, "mp"), "bias": P("mp")},
+    }
+    derived = partitioning.param_specs(partitioning.MEGATRON_RULES)
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    assert jax.tree.structure(derived, is_leaf=is_spec) == jax.tree.structure(hand_written, is_leaf=is_spec)
+    for got, want in zip(jax.tree.leaves(derived, is_leaf=is_spec), jax.tree.leaves(hand_written, is_leaf=is_spec)):
+        assert _trimmed(got) == _trimmed(want)

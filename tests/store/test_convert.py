@@ -20,9 +20,12 @@ import to_hf_weights
 from mesh_transformer.store import checkpoint, convert, storage
 from mesh_transformer import config
 from mesh_transformer.parallel import mesh
+from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.model import gptj as model
 from mesh_transformer.train import optim
 from mesh_transformer.store.checkpoint_stream import StreamingWriter
+from mesh_transformer.parallel.layout import MEGATRON_RULES, param_specs
+from mesh_transformer.train.state import abstract_train_state
 from tests.gcs_emulator import create_bucket, gcs_emulator
 from tests.store.test_mtj_v1 import original_shards, random_params, write_mtj_v1
 
@@ -36,7 +39,7 @@ def _cfg(mp: int) -> config.Config:
 
 
 def _logits(params: dict, mp: int) -> np.ndarray:
-    return np.asarray(model.sharded_logits_fn(_cfg(mp), mesh.make_dp_mp(1, mp))(params, IDS))
+    return np.asarray(make_layout(_cfg(mp), mesh=mesh.make_dp_mp(1, mp)).logits_fn()(params, IDS))
 
 
 def _assert_trees_equal(a, b) -> None:
@@ -47,7 +50,7 @@ def _assert_trees_equal(a, b) -> None:
 def trained(tmp_path_factory) -> tuple[str, dict]:
     """A full train state (params, Adam state, step 3) saved from a dp2 x mp4 mesh; returns (root, host state)."""
     root = str(tmp_path_factory.mktemp("ours") / "run")
-    abstract = model.abstract_train_state(CFG4, mesh.make_dp_mp(2, 4), optim.make_optimizer(CFG4))
+    abstract = abstract_train_state(make_layout(CFG4, mesh=mesh.make_dp_mp(2, 4)), optim.make_optimizer(CFG4))
     rng = np.random.default_rng(0)  # every leaf random (LayerNorms, biases, Adam moments), so each one counts
     host = jax.tree.map(lambda s: (rng.normal(size=s.shape) * 0.2).astype(s.dtype)
                         if jnp.issubdtype(s.dtype, jnp.floating) else np.full(s.shape, 3, s.dtype), abstract)
@@ -72,11 +75,11 @@ def test_reshard_mp4_to_mp1_to_mp8_keeps_params_and_logits(trained, tmp_path):
         assert _pieces(out, "opt_state/1/mu/layers/attn/q") == mp
     # Not slim: the whole train state (optimizer too) and the data position come along, restorable for training.
     cfg1 = _cfg(1)
-    abstract = model.abstract_train_state(cfg1, mesh.make_dp_mp(1, 1), optim.make_optimizer(cfg1))
+    abstract = abstract_train_state(make_layout(cfg1, mesh=mesh.make_dp_mp(1, 1)), optim.make_optimizer(cfg1))
     restored, metadata = checkpoint.restore(mp1, 3, abstract)
     _assert_trees_equal(restored, state)
     assert metadata["data_state"] == {"position": 12} and metadata["config"]["cores_per_replica"] == 1
-    logits = {mp: _logits(convert.load_params(_cfg(mp), mesh.make_dp_mp(1, mp), path), mp)
+    logits = {mp: _logits(convert.load_params(make_layout(_cfg(mp), mesh=mesh.make_dp_mp(1, mp)), path), mp)
               for mp, path in [(4, root), (1, mp1), (8, mp8)]}
     np.testing.assert_allclose(logits[1], logits[4], atol=1e-5, rtol=0)
     np.testing.assert_allclose(logits[8], logits[4], atol=1e-5, rtol=0)
@@ -91,7 +94,7 @@ def test_slim_model_keeps_params_only_cast(trained, tmp_path):
     index = json.loads(storage.read_bytes(os.path.join(checkpoint.step_dir(out, 3), "index_p0.json")))["leaves"]
     assert {p.split("/")[0] for p in index} == {"params", "step"}
     assert {e["dtype"] for p, e in index.items() if p != "step"} == {"bfloat16"}
-    slim = convert.load_params(CFG4, mesh.make_dp_mp(1, 4), out, "bf16")
+    slim = convert.load_params(make_layout(CFG4, mesh=mesh.make_dp_mp(1, 4)), out, "bf16")
     _assert_trees_equal(slim, jax.tree.map(lambda x: x.astype(ml_dtypes.bfloat16), state["params"]))
 
 
@@ -107,7 +110,7 @@ def test_hf_round_trip_is_bit_exact_in_f32(trained, tmp_path):
     cfg = config.load(os.path.join(back, "config.json"))
     assert (cfg.layers, cfg.d_model, cfg.n_heads, cfg.n_vocab, cfg.pe_rotary_dims, cfg.cores_per_replica) == (
         CFG4.layers, CFG4.d_model, CFG4.n_heads, CFG4.n_vocab, CFG4.pe_rotary_dims, 2)
-    params = convert.load_params(cfg, mesh.make_dp_mp(1, 2), back, "fp32")
+    params = convert.load_params(make_layout(cfg, mesh=mesh.make_dp_mp(1, 2)), back, "fp32")
     _assert_trees_equal(params, state["params"])
 
 
@@ -146,7 +149,8 @@ def test_export_and_import_through_gcs(trained):
         assert {"config.json", "model.safetensors.index.json", "tokenizer.json"} <= set(names)
         assert from_hf_weights.main(["--hf-model", "gs://models/hf", "--output-ckpt", "gs://models/ours"]) == 0
         assert convert.detect_format("gs://models/ours") == convert.CHECKPOINT
-        params = convert.load_params(_cfg(1), mesh.make_dp_mp(1, 1), "gs://models/ours/step_0", "fp32")
+        layout = make_layout(_cfg(1), mesh=mesh.make_dp_mp(1, 1))
+        params = convert.load_params(layout, "gs://models/ours/step_0", "fp32")
     _assert_trees_equal(params, state["params"])
 
 
@@ -165,7 +169,7 @@ def test_resharding_memory_stays_near_one_layer(tmp_path, source_format):
         write_mtj_v1(f"{source}/step_1", original_shards(params, cfg, 8, np.random.default_rng(0)), 1, full=False)
     else:
         writer = StreamingWriter(source, 1, {"config": cfg.to_dict()}, {"mp": 4})
-        specs = model.param_specs(cfg)
+        specs = param_specs(MEGATRON_RULES)
         for path, _ in convert.param_paths(cfg):
             writer.add("params/" + "/".join(path), convert._get(params, path), convert._get(specs, path))
         writer.commit()
@@ -203,7 +207,7 @@ def test_config_not_matching_our_checkpoint_is_clear(trained):
     root, _ = trained
     cfg = config.load(CONFIG, ["cores_per_replica=1", "layers=3"])
     with pytest.raises(config.ConfigError, match=r"layers=2 \(the config says 3\)"):
-        convert.load_params(cfg, mesh.make_dp_mp(1, 1), root)
+        convert.load_params(make_layout(cfg, mesh=mesh.make_dp_mp(1, 1)), root)
     with pytest.raises(config.ConfigError, match="layers=2"):
         list(convert.iter_params(root, cfg))
 

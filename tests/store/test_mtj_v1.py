@@ -15,7 +15,9 @@ import resharding_example
 from mesh_transformer.store import checkpoint, convert, hf, mtj_v1, storage
 from mesh_transformer import config
 from mesh_transformer.parallel import mesh
+from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.model import gptj as model
+from mesh_transformer.parallel.layout import MEGATRON_RULES, param_specs
 from tests.gcs_emulator import create_bucket, gcs_emulator
 
 CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1"])  # 2 layers, D 64, 8 heads, V 256
@@ -106,7 +108,7 @@ def hf_logits(params: dict, ids: np.ndarray) -> np.ndarray:
 
 
 def our_logits(params: dict, cfg: config.Config, ids: np.ndarray) -> np.ndarray:
-    return np.asarray(model.sharded_logits_fn(cfg, mesh.make_dp_mp(1, cfg.cores_per_replica))(params, ids))
+    return np.asarray(make_layout(cfg, mesh=mesh.make_dp_mp(1, cfg.cores_per_replica)).logits_fn()(params, ids))
 
 
 IDS = np.random.default_rng(1).integers(0, CFG.n_vocab, (1, CFG.seq))
@@ -140,7 +142,7 @@ def test_slim_bf16_8_shards_resharded_to_1_gives_hf_logits(tmp_path, capsys):
     assert config.load(os.path.join(out, "config.json")).cores_per_replica == 1
     leaves = checkpoint.read_metadata(out, 383500)
     assert leaves["converted_from"]["format"] == "mtj_v1"
-    params = convert.load_params(CFG, mesh.make_dp_mp(1, 1), out, "fp32")
+    params = convert.load_params(make_layout(CFG, mesh=mesh.make_dp_mp(1, 1)), out, "fp32")
     assert params["embed"]["wte"].dtype == np.float32
     np.testing.assert_allclose(our_logits(params, CFG, IDS), hf_logits(expected, IDS), atol=1e-4, rtol=0)
     stored = dict(convert.iter_params(out, CFG))
@@ -150,8 +152,9 @@ def test_slim_bf16_8_shards_resharded_to_1_gives_hf_logits(tmp_path, capsys):
 def test_full_checkpoint_with_optimizer_state_loads_onto_mesh(tmp_path):
     step_dir, expected = make_checkpoint(tmp_path, 4, np.dtype(np.float32), full=True)
     cfg4 = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=4"])
-    params = convert.load_params(cfg4, mesh.make_dp_mp(1, 4), str(tmp_path / "model"))  # model dir: latest step
-    assert params["layers"]["attn"]["q"].sharding.spec == model.param_specs(cfg4)["layers"]["attn"]["q"]
+    layout = make_layout(cfg4, mesh=mesh.make_dp_mp(1, 4))
+    params = convert.load_params(layout, str(tmp_path / "model"))  # the model dir: its latest step
+    assert params["layers"]["attn"]["q"].sharding.spec == param_specs(MEGATRON_RULES)["layers"]["attn"]["q"]
     np.testing.assert_allclose(our_logits(params, cfg4, IDS), hf_logits(expected, IDS), atol=1e-4, rtol=0)
     with mtj_v1.Reader(step_dir, CFG) as reader:
         assert reader.n_shards == 4 and reader.step == 383500

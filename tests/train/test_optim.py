@@ -9,6 +9,8 @@ from mesh_transformer import config
 from mesh_transformer.model import gptj as model
 from mesh_transformer.train import optim
 from mesh_transformer.parallel.mesh import make_dp_mp
+from mesh_transformer.parallel.layout import make_layout
+from mesh_transformer.train import state as state_lib
 
 CFG = config.load("configs/tiny_rot_partial.json", [
     "cores_per_replica=4", "warmup_steps=10", "anneal_steps=100", "lr=0.01", "end_lr=0.001", "remat=false"])
@@ -49,8 +51,9 @@ def test_weight_decay_touches_only_weight_matrices():
 def run_steps(cfg, tokens_GxBxT1, n_steps, dp=2):
     mesh = make_dp_mp(dp, cfg.cores_per_replica)
     opt = optim.make_optimizer(cfg)
-    state = model.init_train_state(cfg, mesh, opt, jax.random.PRNGKey(0))
-    step = model.make_train_step(cfg, mesh, opt, optim.lr_schedule(cfg))
+    layout = make_layout(cfg, mesh=mesh)
+    state = state_lib.init_train_state(layout, opt, jax.random.PRNGKey(0))
+    step = state_lib.make_train_step(layout, opt, optim.lr_schedule(cfg))
     losses = []
     for _ in range(n_steps):
         state, metrics = step(state, tokens_GxBxT1)

@@ -11,11 +11,11 @@ import pytest
 
 from mesh_transformer.store import checkpoint, tfrecord
 from mesh_transformer import config
-from mesh_transformer.model import gptj as model
 from mesh_transformer.config import ConfigError
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.train.metrics import read_metrics
 from mesh_transformer.train.trainer import Trainer, TrainingError
+from mesh_transformer.parallel.layout import make_layout
 
 from tests.gcs_emulator import create_bucket, gcs_emulator
 
@@ -71,8 +71,9 @@ def test_checkpoint_from_dp2_mp4_restores_on_other_meshes_with_equal_logits(tmp_
     for dp, mp in [(2, 4), (8, 1), (1, 8)]:
         c = config.from_dict({**cfg.to_dict(), "cores_per_replica": mp})
         mesh = make_dp_mp(dp, mp)
-        params, _ = checkpoint.restore(cfg.model_dir, 3, model.abstract_params(c, mesh), paths_prefix="params")
-        logits.append(np.asarray(model.sharded_logits_fn(c, mesh)(params, ids)))
+        layout = make_layout(c, mesh=mesh)
+        params, _ = checkpoint.restore(cfg.model_dir, 3, layout.abstract_params(), paths_prefix="params")
+        logits.append(np.asarray(layout.logits_fn()(params, ids)))
     np.testing.assert_allclose(logits[1], logits[0], atol=1e-5)
     np.testing.assert_allclose(logits[2], logits[0], atol=1e-5)
 
