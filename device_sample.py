@@ -72,10 +72,10 @@ def _complete(sampler, tokenizer, prompt: str, args: argparse.Namespace) -> None
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    from mesh_transformer.infer import sampler as sampling
+    from mesh_transformer.infer.sampler import Sampler
 
-    cfg, device_mesh, tokenizer, params = load_for_inference(args, args.ckpt)
-    sampler = sampling.Sampler(cfg, device_mesh, params)
+    layout, tokenizer, params = load_for_inference(args, args.ckpt)
+    sampler = Sampler(layout, params)
     if args.prompt is not None:
         try:
             _complete(sampler, tokenizer, args.prompt, args)

@@ -44,11 +44,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from mesh_transformer.serve import engine as serving, server
+    from mesh_transformer.serve import server
+    from mesh_transformer.serve.engine import Engine
 
-    cfg, device_mesh, tokenizer, params = load_for_inference(args, args.hf or args.ckpt)
-    engine = serving.Engine(cfg, device_mesh, params, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
-                            warm_up=args.warm_up)
+    layout, tokenizer, params = load_for_inference(args, args.hf or args.ckpt)
+    cfg = layout.cfg
+    engine = Engine(layout, params, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
+                    warm_up=args.warm_up)
     app = server.create_app(engine, tokenizer, model_name=args.model_name or cfg.name, api_key=args.api_key)
     logging.info("serving %s with %d slots on http://%s:%d", cfg.name, engine.n_slots, args.host, args.port)
     try:

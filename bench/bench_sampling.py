@@ -26,6 +26,7 @@ from mesh_transformer import config
 from mesh_transformer.store import hf
 from mesh_transformer.model import gptj as model
 from mesh_transformer.infer import sampler as sampling
+from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.parallel.mesh import make_dp_mp
 
 BANDWIDTH_BYTES = 512 * 2 ** 20
@@ -85,7 +86,7 @@ def main() -> None:
          devices=jax.device_count(), platform=jax.devices()[0].platform)
 
     params = jax.tree.map(np.asarray, model.init_unsharded(cfg, jax.random.PRNGKey(0)))
-    sampler = sampling.Sampler(cfg, make_dp_mp(1, 1), params)
+    sampler = sampling.Sampler(make_inference_layout(cfg, mesh=make_dp_mp(1, 1)), params)
     hf_cfg = GPTJConfig(**hf.hf_config(cfg))
     hf_model = GPTJForCausalLM(hf_cfg).eval()
     hf_model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in hf.params_to_hf(params, cfg.layers).items()},

@@ -28,6 +28,7 @@ from mesh_transformer.cli import keep_host_memory
 from mesh_transformer import config
 from mesh_transformer.model import gptj as model
 from mesh_transformer.serve import engine as serving, server
+from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.tokenizer import load_tokenizer
 
@@ -97,8 +98,9 @@ def run_server(config_path: str, slots: int, ready: multiprocessing.Queue, stop:
     params = jax.tree.map(np.asarray, model.init_unsharded(cfg, jax.random.PRNGKey(0)))
     tokenizer = load_tokenizer()
     start_s = time.perf_counter()
-    engine = serving.Engine(cfg, make_dp_mp(1, 1), params, tokenizer, max_batch=slots, max_queue=2 * slots,
-                            stop_token_ids=(), warm_up=True)
+    layout = make_inference_layout(cfg, mesh=make_dp_mp(1, 1))
+    engine = serving.Engine(layout, params, tokenizer, max_batch=slots, max_queue=2 * slots, stop_token_ids=(),
+                            warm_up=True)
     setup = {"slots": engine.n_slots, "warm_up_s": round(time.perf_counter() - start_s, 1), "layers": cfg.layers,
              "d_model": cfg.d_model, "seq": cfg.seq, "devices": jax.device_count(),
              "platform": jax.devices()[0].platform}

@@ -1,4 +1,5 @@
-"""Ahead-of-time fit check: compile the train step and a decode step for faked CPU devices, report per-device memory.
+"""Ahead-of-time fit check: compile the train step and the serving decode step for faked CPU devices, report
+per-device memory.
 
 Nothing is allocated: params, optimizer state, batch and KV cache are ShapeDtypeStructs with shardings. Reports
 params and optimizer bytes from the arrays' shard sizes; arguments, outputs and temporaries from XLA's memory
@@ -18,9 +19,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mesh_transformer.config import Config, ConfigError
-from mesh_transformer.infer import sampler as sampling
-from mesh_transformer.model import gptj
-from mesh_transformer.parallel.layout import ACTIVATION_AXES, SHARD_MAP, Layout, make_layout
+from mesh_transformer.infer.decode import KVCache, Programs, Sampling, Steps, block_sizes, default_block
+from mesh_transformer.infer.params import decode_specs, make_inference_layout
+from mesh_transformer.model import gptj, layers
+from mesh_transformer.parallel.layout import SHARD_MAP, Layout, make_layout
+from mesh_transformer.parallel.mesh import DP, MP, TENSOR
 from mesh_transformer.train import optim, state
 
 _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12, "kib": 2 ** 10,
@@ -71,10 +74,10 @@ def _abstract(shape, dtype, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
-def _compile(fn, *args) -> tuple[object, float]:
+def _compile(fn, *args, **static) -> tuple[object, float]:
     start = time.perf_counter()
     # Only XLA's buffer assignment matters here, which comes before code generation: skip LLVM's optimizations.
-    compiled = fn.lower(*args).compile(compiler_options={"xla_backend_optimization_level": 0})
+    compiled = fn.lower(*args, **static).compile(compiler_options={"xla_backend_optimization_level": 0})
     return compiled, time.perf_counter() - start
 
 
@@ -86,33 +89,36 @@ def _memory(compiled) -> dict[str, float]:
             "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes, "total_bytes": total}
 
 
-def _unstacked(abstract_params: dict) -> dict:
-    """Abstract params with the layers unstacked, as the inference programs take them."""
-    def split(s):
-        one = NamedSharding(s.sharding.mesh, P(*s.sharding.spec[1:]))
-        return [jax.ShapeDtypeStruct(s.shape[1:], s.dtype, sharding=one)] * s.shape[0]
-
-    return gptj.unstack_layers(abstract_params, split)
-
-
-def _decode_program(layout: Layout, batch: int) -> tuple:
-    """One decode token against a full-length cache: the jitted function and its abstract arguments."""
-    cfg, mesh = layout.cfg, layout.mesh
+def _decode_program(train_layout: Layout, n_slots: int) -> tuple:
+    """The serving decode step, every slot busy and the whole context read, on the shard_map Layout that the same
+    devices run inference on (mp = the training tensor width): the program and its abstract arguments."""
+    cfg = train_layout.cfg
+    mp = train_layout.mesh.shape.get(MP, train_layout.mesh.shape.get(TENSOR, 1))
+    layout = make_inference_layout(dataclasses.replace(cfg, cores_per_replica=mp), train_layout.mesh.devices.flat)
+    programs = Programs(layout)
+    n_slots = -(-n_slots // layout.mesh.shape[DP]) * layout.mesh.shape[DP]
     dtype = gptj.DTYPES[cfg.compute_dtype]
-    params = _unstacked(layout.abstract_params(dtype))
-    cache_sharding = layout.sharding(ACTIVATION_AXES["kv_cache"])
-    cache = tuple([jax.ShapeDtypeStruct((batch, cfg.n_heads, cfg.head_dim, cfg.seq), dtype,
-                                        sharding=cache_sharding)] * cfg.layers for _ in range(2))
-    rows = layout.sharding(("batch", "length"))
-    args = (params, _abstract((batch, 1), jnp.int32, rows), _abstract((batch, 1), jnp.int32, rows),
-            _abstract((batch, cfg.seq), jnp.bool_, rows), _abstract((), jnp.int32, layout.replicated), cache)
-    shardings = jax.tree.map(lambda a: a.sharding, args)
-    logits = layout.sharding(("batch", "vocab_gathered"))  # forward_cached returns the whole vocab
-    fn = partial(sampling.forward_cached, cfg=cfg, tp_axis=layout.tp_axis)
-    if layout.tp_axis is not None:
-        specs = jax.tree.map(lambda s: s.spec, shardings)
-        fn = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=(logits.spec, specs[-1]), check_vma=True)
-    return jax.jit(fn, in_shardings=shardings, out_shardings=(logits, shardings[-1]), donate_argnums=5), args
+
+    def placed(tree, shardings):
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings)
+
+    shapes = gptj.param_shapes(cfg, dtype)
+    layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes["layers"])
+    fused = jax.eval_shape(partial(layers.fuse_layer, tp_size=mp), layer)
+    tree = {**shapes, "layers": [fused] * cfg.layers}
+    params = placed(tree, jax.tree.map(partial(NamedSharding, layout.mesh), decode_specs(cfg),
+                                       is_leaf=lambda x: isinstance(x, P)))
+    sizes = block_sizes(cfg.seq, default_block(cfg.seq))
+    block = [jax.ShapeDtypeStruct((n_slots, cfg.n_heads, cfg.head_dim, size), dtype, sharding=programs.cache_sharding)
+             for size in sizes]
+    cache = KVCache([block] * cfg.layers, [block] * cfg.layers)
+    row = programs.row_sharding
+    ints = jax.ShapeDtypeStruct((n_slots,), jnp.int32, sharding=row)
+    floats = jax.ShapeDtypeStruct((n_slots,), jnp.float32, sharding=row)
+    sampling = Sampling(floats, ints, floats, jax.ShapeDtypeStruct((n_slots,), jnp.uint32, sharding=row),
+                        jax.ShapeDtypeStruct((n_slots,), jnp.bool_, sharding=row))
+    static = {"rows": n_slots // layout.mesh.shape[DP], "n_blocks": len(sizes)}
+    return programs.decode, (params, cache, ints, Steps(ints, ints, sampling)), static, dict(layout.mesh.shape)
 
 
 def programs(cfg: Config, mode: str, devices: list, sizes: dict) -> dict:
@@ -130,10 +136,11 @@ def programs(cfg: Config, mode: str, devices: list, sizes: dict) -> dict:
     optimizer = optim.make_optimizer(cfg)
     tokens = jax.ShapeDtypeStruct((cfg.gradient_accumulation_steps, layout.global_batch, cfg.seq + 1), jnp.int32,
                                   sharding=layout.batch_sharding())
-    decode, decode_args = _decode_program(layout, layout.global_batch)
+    decode, decode_args, decode_static, decode_mesh = _decode_program(layout, layout.global_batch)
     return {"mesh": dict(layout.mesh.shape), "state": state.abstract_train_state(layout, optimizer),
             "tokens": tokens, "train": state.make_train_step(layout, optimizer, optim.lr_schedule(cfg)),
-            "decode": decode, "decode_args": decode_args}
+            "decode": decode, "decode_args": decode_args, "decode_static": decode_static,
+            "decode_mesh": decode_mesh}
 
 
 def measure(cfg: Config, mode: str, devices: list, sizes: dict) -> list[dict]:
@@ -142,15 +149,16 @@ def measure(cfg: Config, mode: str, devices: list, sizes: dict) -> list[dict]:
     train_state = compiled["state"]
     common = {"mode": mode, "mesh": compiled["mesh"], "devices": len(devices)}
     train, train_s = _compile(compiled["train"], train_state, compiled["tokens"])
-    decode, decode_s = _compile(compiled["decode"], *compiled["decode_args"])
+    decode, decode_s = _compile(compiled["decode"], *compiled["decode_args"], **compiled["decode_static"])
     return [
         {"check": "train_step", **common, "params": sum(x.size for x in jax.tree.leaves(train_state["params"])),
          "tokens": list(compiled["tokens"].shape), "compile_s": round(train_s, 1),
          "params_bytes": shard_bytes(train_state["params"]), "opt_state_bytes": shard_bytes(train_state["opt_state"]),
          **_memory(train)},
-        {"check": "decode_step", **common, "batch": compiled["decode_args"][1].shape[0], "cache_length": cfg.seq,
+        {"check": "decode_step", **common, "decode_mesh": compiled["decode_mesh"],
+         "batch": compiled["decode_args"][2].shape[0], "cache_length": cfg.seq,
          "compile_s": round(decode_s, 1), "params_bytes": shard_bytes(compiled["decode_args"][0]),
-         "kv_cache_bytes": shard_bytes(compiled["decode_args"][-1]), **_memory(decode)},
+         "kv_cache_bytes": shard_bytes(compiled["decode_args"][1]), **_memory(decode)},
     ]
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import platform
 import sys
@@ -46,19 +45,18 @@ def load_config(args: argparse.Namespace) -> config.Config:
 
 
 def load_for_inference(args: argparse.Namespace, source: str | None) -> tuple:
-    """(config, mesh, tokenizer, params) for the sampling and serving tools; `source` is any checkpoint format,
-    None meaning the config's model_dir."""
-    from mesh_transformer.parallel.layout import SHARD_MAP, make_layout
-    from mesh_transformer.store import convert
+    """(layout, tokenizer, params) for the sampling and serving tools; `source` is any checkpoint format, None
+    meaning the config's model_dir."""
+    from mesh_transformer.infer import params as infer_params
     from mesh_transformer.tokenizer import load_tokenizer
 
     cfg = load_config(args)
-    layout = make_layout(dataclasses.replace(cfg, parallelism=SHARD_MAP))  # inference runs the Megatron programs
+    layout = infer_params.make_inference_layout(cfg)
     try:
         tokenizer = load_tokenizer(cfg.tokenizer)
     except ValueError as e:
         raise config.ConfigError(str(e)) from None
-    return cfg, layout.mesh, tokenizer, convert.load_params(layout, source or cfg.model_path)
+    return layout, tokenizer, infer_params.load_params(layout, source)
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

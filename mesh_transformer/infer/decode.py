@@ -1,36 +1,85 @@
-"""Device programs for serving: prefill new requests into slots of a shared KV cache, and advance every busy slot by
-one token, each slot at its own position.
+"""THE decode stack: prefill prompts into slots of a KV cache, advance busy slots one token at a time, and choose each
+token by its row's own sampling values. The offline sampler and the serving engine both run these programs.
 
-The cache holds N slots of S = cfg.seq positions, per layer for keys and for values a list of blocks [N, H, K, S_j]
-of consecutive positions (`block_sizes`), heads split over 'mp' and slots over 'dp'. A decode step reads only the
-first blocks, as many as the furthest busy slot needs: a span of the cache read in place, where slicing it out of
-one array per layer costs a strided copy per layer per step (and a stacked cache a copy of every layer). Within a
-block positions come last, the layout XLA's CPU dot wants for one-token attention; handing a block to the layers
-as [B, S_j, H, K] is then free. Both programs run under `jax.shard_map` with the same layer functions as training
-and sampling, with the layers unrolled over unstacked params (`sampling.place_params`).
+The cache holds N slots of S positions, per layer for keys and for values a list of blocks [N, H, K, S_j] of
+consecutive positions (`block_sizes`), heads split over 'mp' and slots over 'dp'. A decode step reads only the
+first blocks, as many as the furthest busy slot needs, in place: slicing a span out of one array per layer costs a
+strided copy per layer per step. Within a block positions come last, the layout XLA's CPU dot wants for one-token
+attention; handing a block to the layers as [B, S_j, H, K] is then free. Both programs run under `jax.shard_map`
+with the same layer functions as training, the layers unrolled over unstacked params (`params.place_params`): a
+scan over stacked layers would copy each layer's weights out of the stack at every token.
 
-A prompt is written from position 0 of its slot (no padding on the left), its rotary positions are its own, and its
-queries see only keys at or before their own position. Token i of a request is drawn with key
-fold_in(PRNGKey(seed), i), as in sampling.py, so a completion does not depend on what else is batched. Shapes: N
-slots (R of them computed in a step), S cache length, T prompt bucket, L layers, H heads (on this device), K head
-dim, V vocab.
+A prompt is written from position 0 of its slot (right-padded to its bucket), its rotary positions are its own, and
+its queries see only keys at or before their own position. Token i of a request is drawn with key
+fold_in(PRNGKey(seed), i), so a completion does not depend on what else is batched. Shape letters: the legend in
+model/layers.py (here N cache slots, R of them computed in a step, S cache length, T prompt bucket).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import partial
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
-from mesh_transformer.model import layers
 from mesh_transformer.config import Config
-from mesh_transformer.parallel.mesh import DP, MP
-from mesh_transformer.infer.sampler import chosen_logprobs, gather_vocab, param_specs, sample
+from mesh_transformer.infer.params import decode_specs
+from mesh_transformer.model import gptj, layers
+from mesh_transformer.parallel.layout import ACTIVATION_AXES, Layout
 
-CACHE_SPEC = P(DP, MP, None, None)  # each block [N, H, K, S_j]: slots over dp, heads over mp
+MIN_BUCKET = 16
+
+
+def bucket(n: int, minimum: int = MIN_BUCKET, maximum: int | None = None) -> int:
+    """The power of two (at least `minimum`, at most `maximum`) that a length is padded to, so compiles are reused."""
+    size = max(minimum, 1 << max(0, n - 1).bit_length())
+    return size if maximum is None else min(size, max(maximum, n))
+
+
+class Sampling(NamedTuple):
+    """Per-row sampling values [R], travelling as one pytree with one spec."""
+    temperature: Any  # f32, 0 = greedy
+    top_k: Any  # i32, 0 = off
+    top_p: Any  # f32, 1 = off
+    seed: Any  # u32
+    logprobs: Any  # bool: whether the row's chosen log-probs are wanted
+
+
+class Steps(NamedTuple):
+    """What a decode step needs per slot [N]: where its last token's key goes, which token of its request is drawn
+    (the key's fold-in), and how."""
+    position: Any  # i32
+    index: Any  # i32
+    sampling: Sampling
+
+
+class KVCache(NamedTuple):
+    """Per layer, a list of blocks [N, H, K, S_j] of keys and of values."""
+    k: list
+    v: list
+
+
+def fill_sampling(n: int, placed: Iterable[tuple[int, Any]]) -> Sampling:
+    """Sampling rows [n] (numpy) with each item's temperature, top_k, top_p, seed and logprobs at its row; the other
+    rows are greedy, without log-probs."""
+    rows = Sampling(np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32), np.zeros(n, np.uint32),
+                    np.zeros(n, bool))
+    for row, item in placed:
+        rows.temperature[row], rows.top_k[row], rows.top_p[row] = item.temperature, item.top_k, item.top_p
+        rows.seed[row], rows.logprobs[row] = item.seed % 2 ** 32, item.logprobs
+    return rows
+
+
+MIN_BLOCK = 32  # the shortest stretch of the cache a decode step reads: one block of it
+SPAN_BUCKETS = 4  # by default a step reads 1, 2, 4 or 8 blocks of seq/8: compiles stay few on a long context
+
+
+def default_block(seq: int) -> int:
+    """The serving cache's block length for a context of `seq` positions."""
+    return max(MIN_BLOCK, seq >> (SPAN_BUCKETS - 1))
 
 
 def block_sizes(seq: int, block: int) -> list[int]:
@@ -46,27 +95,78 @@ def _starts(blocks: list) -> list[int]:
     return starts
 
 
-def choose(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array,
-           seed_B: jax.Array, index_B: jax.Array, logprobs_B: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Token i of each row drawn with key fold_in(PRNGKey(seed), i), and its untempered log-probability (computed
-    when any row asks for it, else zeros)."""
-    key_Bx2 = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(seed_B, index_B)
-    token_B = sample(logits_BxV, temperature_B, top_k_B, top_p_B, key_Bx2)
-    return token_B, chosen_logprobs(logits_BxV, token_B, jnp.any(logprobs_B))
+# ------------------------------------------------------------------------------------------------------- samplers
+def filter_logits(logits_BxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
+    """Top-k, then top-p (nucleus) filtering: logits outside the kept set become -inf.
 
-
-def prefill_local(params: dict, k_cache: list, v_cache: list, token_N: jax.Array, ids_RxT: jax.Array,
-                  length_R: jax.Array, slot_R: jax.Array, temperature_R: jax.Array, top_k_R: jax.Array,
-                  top_p_R: jax.Array, seed_R: jax.Array, logprobs_R: jax.Array, *, cfg: Config,
-                  tp_axis: str | None = None, dp_axis: str | None = None):
-    """Run R prompts (right-padded to T) together and write each one's keys and values from position 0 of its slot.
-
-    Every dp group computes every prompt; each writes only the rows whose slots it holds (a slot of -1 is a padding
-    row, written nowhere). Returns the first tokens and their log-probs [R], the slots' last tokens [N] with these
-    written into theirs (the next decode step's input), and the updated caches.
+    top_k 0 keeps every token. top-p keeps the smallest set of most likely tokens whose probability mass reaches
+    top_p (after top-k); tokens tied with the least likely kept one are kept too; top_p 1 keeps all.
     """
+    vocab = logits_BxV.shape[-1]
+    sorted_BxV = -jnp.sort(-logits_BxV, axis=-1)
+    k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, vocab), vocab)
+    rank_1xV = jnp.arange(vocab)[None]
+    sorted_BxV = jnp.where(rank_1xV < k_B[:, None], sorted_BxV, -jnp.inf)
+    probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+    mass_before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
+    # The first token is always kept (mass before it is 0); p = 1 keeps all even when the cumsum rounds to 1.
+    keep_BxV = (mass_before_BxV < top_p_B[:, None]) | (top_p_B[:, None] >= 1.0)
+    n_keep_B = jnp.minimum(keep_BxV.sum(-1), k_B)
+    threshold_B = jnp.take_along_axis(sorted_BxV, (n_keep_B - 1)[:, None], axis=-1)
+    return jnp.where(logits_BxV >= threshold_B, logits_BxV, -jnp.inf)
+
+
+def sample(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array,
+           key_Bx2: jax.Array) -> jax.Array:
+    """Next tokens [B]: argmax where temperature is 0, else a draw from the tempered, filtered distribution."""
+    greedy_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+
+    def draw(_):
+        scaled_BxV = logits_BxV / jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
+        filtered_BxV = filter_logits(scaled_BxV, top_k_B, top_p_B)
+        drawn_B = jax.vmap(jax.random.categorical)(key_Bx2, filtered_BxV).astype(jnp.int32)
+        return jnp.where(temperature_B > 0, drawn_B, greedy_B)
+
+    # Skip the vocab sort when every row is greedy.
+    return lax.cond(jnp.any(temperature_B > 0), draw, lambda _: greedy_B, None)
+
+
+def chosen_logprobs(logits_BxV: jax.Array, token_B: jax.Array, wanted: jax.Array) -> jax.Array:
+    """Each chosen token's log-probability under the untempered, unfiltered distribution, or zeros when `wanted` (a
+    traced bool) is false: the log-softmax is a pass over [B, V], skipped at run time when nobody asked for it."""
+    return lax.cond(wanted, lambda: jnp.take_along_axis(jax.nn.log_softmax(logits_BxV), token_B[:, None], -1)[:, 0],
+                    lambda: jnp.zeros_like(logits_BxV[:, 0]))
+
+
+def choose(logits_RxV: jax.Array, sampling: Sampling, index_R: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Token `index` of each row, drawn with key fold_in(PRNGKey(seed), index), and its untempered log-probability
+    (computed when any row asks for it, else zeros)."""
+    key_Rx2 = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(sampling.seed, index_R)
+    token_R = sample(logits_RxV, sampling.temperature, sampling.top_k, sampling.top_p, key_Rx2)
+    return token_R, chosen_logprobs(logits_RxV, token_R, jnp.any(sampling.logprobs))
+
+
+def gather_vocab(logits_BxV: jax.Array, tp_axis: str | None) -> jax.Array:
+    """This device's vocab columns placed into the full vocab, summed over tp_axis: the same [B, V] everywhere.
+
+    A psum rather than an all_gather, because its result is typed as identical on every device (check_vma), so
+    the sampled tokens can leave shard_map unsplit over tp_axis.
+    """
+    if tp_axis is None:
+        return logits_BxV
+    vocab_local = logits_BxV.shape[-1]
+    full_BxV = jnp.zeros((logits_BxV.shape[0], vocab_local * lax.axis_size(tp_axis)), logits_BxV.dtype)
+    full_BxV = lax.dynamic_update_slice_in_dim(full_BxV, logits_BxV, lax.axis_index(tp_axis) * vocab_local, 1)
+    return lax.psum(full_BxV, tp_axis)
+
+
+# ------------------------------------------------------------------------------------------------------- programs
+def prefill_logits(params: dict, cache: KVCache, ids_RxT: jax.Array, length_R: jax.Array, slot_R: jax.Array,
+                   cfg: Config, tp_axis: str | None = None) -> tuple[jax.Array, KVCache]:
+    """Run R prompts (right-padded to T) together, write each one's keys and values from position 0 of its slot
+    (a slot of -1 is a padding row, written nowhere), and return the logits after each prompt's last token [R, V]."""
     width = ids_RxT.shape[1]
-    n_local = k_cache[0][0].shape[0]
+    n_slots = cache.k[0][0].shape[0]
     h_RxTxD = layers.embed(ids_RxT, params["embed"]["wte"], tp_axis)
     sincos = layers.rotary_sincos(jnp.arange(width)[None], cfg.pe_rotary_dims)
     mask_1xTxT = layers.causal_mask(width)
@@ -76,11 +176,7 @@ def prefill_local(params: dict, k_cache: list, v_cache: list, token_N: jax.Array
         kv.append(kv_layer)
     last_Rx1xD = jnp.take_along_axis(h_RxTxD, (length_R - 1)[:, None, None], axis=1)
     logits_RxV = gather_vocab(layers.head(last_Rx1xD, params["ln_f"], params["lm_head"])[:, 0], tp_axis)
-    token_R, logprob_R = choose(logits_RxV, temperature_R, top_k_R, top_p_R, seed_R, jnp.zeros_like(length_R),
-                                logprobs_R)
-    local_R = slot_R - (lax.axis_index(dp_axis) * n_local if dp_axis else 0)
-    # Rows this group does not hold point past the end of its slots, and the scatter drops them.
-    target_R = jnp.where((slot_R >= 0) & (local_R >= 0) & (local_R < n_local), local_R, n_local)
+    target_R = jnp.where(slot_R >= 0, slot_R, n_slots)  # past the end: the scatter drops it
 
     def write(blocks, new_RxTxHxK):
         new_RxHxKxT = new_RxTxHxK.transpose(0, 2, 3, 1).astype(blocks[0].dtype)
@@ -93,28 +189,19 @@ def prefill_local(params: dict, k_cache: list, v_cache: list, token_N: jax.Array
             written.append(block_NxHxKxS)
         return written
 
-    k_cache = [write(blocks, k) for blocks, (k, _) in zip(k_cache, kv)]
-    v_cache = [write(blocks, v) for blocks, (_, v) in zip(v_cache, kv)]
-    token_N = token_N.at[target_R].set(token_R, mode="drop")
-    return token_R, logprob_R, token_N, k_cache, v_cache
+    return logits_RxV, KVCache([write(blocks, k) for blocks, (k, _) in zip(cache.k, kv)],
+                               [write(blocks, v) for blocks, (_, v) in zip(cache.v, kv)])
 
 
-def decode_local(params: dict, k_cache: list, v_cache: list, token_N: jax.Array, position_N: jax.Array,
-                 temperature_N: jax.Array, top_k_N: jax.Array, top_p_N: jax.Array, seed_N: jax.Array,
-                 index_N: jax.Array, logprobs_N: jax.Array, *, cfg: Config, rows: int, n_blocks: int,
-                 tp_axis: str | None = None):
-    """One token for each of the first `rows` slots: write the last token's key at the slot's own position, attend
-    to the cache positions in the first `n_blocks` blocks (keys after a slot's own position are masked), sample the
-    next token.
-
-    Returns tokens and log-probs [R], the slots' last tokens [N] with these written into the first R, and the
-    updated caches.
-    """
-    token_R, position_R = token_N[:rows], position_N[:rows]
+def decode_logits(params: dict, cache: KVCache, token_R: jax.Array, position_R: jax.Array, cfg: Config,
+                  n_blocks: int, tp_axis: str | None = None) -> tuple[jax.Array, KVCache]:
+    """Feed one token to each of the first R slots: write its key at the slot's own position, attend to the cache
+    positions in the first `n_blocks` blocks (keys after a slot's own position are masked), return logits [R, V]."""
+    rows = token_R.shape[0]
     h_Rx1xD = layers.embed(token_R[:, None], params["embed"]["wte"], tp_axis)
     sincos = layers.rotary_sincos(position_R[:, None], cfg.pe_rotary_dims)
-    starts = _starts(k_cache[0])[:n_blocks]
-    span = starts[-1] + k_cache[0][n_blocks - 1].shape[-1]
+    starts = _starts(cache.k[0])[:n_blocks]
+    span = starts[-1] + cache.k[0][n_blocks - 1].shape[-1]
     # Cached keys strictly before each slot's own position: from there on the slot holds stale keys, if any.
     past_mask_Rx1xS = (jnp.arange(span)[None, :] < position_R[:, None])[:, None, :]
     new_mask_Rx1x1 = jnp.ones((rows, 1, 1), bool)
@@ -128,7 +215,7 @@ def decode_local(params: dict, k_cache: list, v_cache: list, token_N: jax.Array,
             written[j] = blocks[j].at[row_R, :, :, local_R].set(new_RxHxK, mode="drop")
         return written
 
-    k_cache, v_cache = list(k_cache), list(v_cache)
+    k_cache, v_cache = list(cache.k), list(cache.v)
     for layer, layer_params in enumerate(params["layers"]):
         # The first `rows` slots of each block read: a copy unless that is every slot, but only of them.
         past = ([b[:rows].transpose(0, 3, 1, 2) for b in k_cache[layer][:n_blocks]],
@@ -138,44 +225,84 @@ def decode_local(params: dict, k_cache: list, v_cache: list, token_N: jax.Array,
         # Only the one new key and value per slot go back, so the cache is updated in place. The write must come
         # after attention's reads of the cache, else XLA copies the whole cache to keep them apart: adding 0 * h
         # (which attention produced) makes it depend on them.
-        after_R11 = 0 * h_Rx1xD[:, :, :1, None].astype(k_cache[layer][0].dtype)
-        k_cache[layer] = write(k_cache[layer], (k_Rx1xHxK + after_R11)[:, 0])
-        v_cache[layer] = write(v_cache[layer], (v_Rx1xHxK + after_R11)[:, 0])
+        after_Rx1x1 = 0 * h_Rx1xD[:, :, :1, None].astype(k_cache[layer][0].dtype)
+        k_cache[layer] = write(k_cache[layer], (k_Rx1xHxK + after_Rx1x1)[:, 0])
+        v_cache[layer] = write(v_cache[layer], (v_Rx1xHxK + after_Rx1x1)[:, 0])
     logits_RxV = gather_vocab(layers.head(h_Rx1xD, params["ln_f"], params["lm_head"])[:, 0], tp_axis)
-    token_R, logprob_R = choose(logits_RxV, temperature_N[:rows], top_k_N[:rows], top_p_N[:rows], seed_N[:rows],
-                                index_N[:rows], logprobs_N[:rows])
-    return token_R, logprob_R, lax.dynamic_update_slice_in_dim(token_N, token_R, 0, 0), k_cache, v_cache
+    return logits_RxV, KVCache(k_cache, v_cache)
+
+
+def prefill_local(params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R, *, cfg, tp_axis=None):
+    """`prefill_logits`, then each row's first token: returns tokens and log-probs [R], the slots' last tokens [N]
+    with these written into theirs (the next decode step's input), and the cache. Per dp group: its own rows, its
+    own slots."""
+    logits_RxV, cache = prefill_logits(params, cache, ids_RxT, length_R, slot_R, cfg, tp_axis)
+    token_R, logprob_R = choose(logits_RxV, sampling_R, jnp.zeros_like(length_R))
+    last_N = last_N.at[jnp.where(slot_R >= 0, slot_R, last_N.shape[0])].set(token_R, mode="drop")
+    return token_R, logprob_R, last_N, cache
+
+
+def decode_local(params, cache, last_N, steps_N: Steps, *, cfg, rows: int, n_blocks: int, tp_axis=None):
+    """One token for each of the first `rows` slots, from its last token. Returns tokens and log-probs [R], the
+    slots' last tokens [N] with these written into the first R, the steps advanced by one token, and the cache."""
+    logits_RxV, cache = decode_logits(params, cache, last_N[:rows], steps_N.position[:rows], cfg, n_blocks, tp_axis)
+    sampling_R = jax.tree.map(lambda x: x[:rows], steps_N.sampling)
+    token_R, logprob_R = choose(logits_RxV, sampling_R, steps_N.index[:rows])
+    advanced = steps_N._replace(position=steps_N.position + 1, index=steps_N.index + 1)
+    return token_R, logprob_R, lax.dynamic_update_slice_in_dim(last_N, token_R, 0, 0), advanced, cache
 
 
 class Programs:
-    """Jitted prefill and decode for one model shape on one mesh; engines sharing them share compiles."""
+    """The jitted prefill and decode programs of one Layout (a shard_map one: see `params.make_inference_layout`), and
+    the cache they run over. Engines and samplers given the same Programs share its compiles.
 
-    def __init__(self, cfg: Config, mesh: Mesh):
-        self.cfg, self.mesh = cfg, mesh
-        specs, replicated = param_specs(cfg), P()
-        fn = partial(prefill_local, cfg=cfg, tp_axis=MP, dp_axis=DP)
-        self.prefill = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs, CACHE_SPEC, CACHE_SPEC, P(DP),
-                                                                      *[replicated] * 8),
-                                             out_specs=(replicated, replicated, P(DP), CACHE_SPEC, CACHE_SPEC),
-                                             check_vma=True), donate_argnums=(1, 2, 3))
-        self.decode = jax.jit(self._decode, static_argnames=("rows", "n_blocks"), donate_argnums=(1, 2, 3))
+    prefill(params, cache, last_N, ids [R, T], length [R], slot [R], Sampling [R]) -> (tokens [R], logprobs [R],
+    last_N, cache): R rows split over dp like the slots, each row's slot an index into its own dp group's slots.
+    decode(params, cache, last_N, Steps [N], rows=, n_blocks=) -> (tokens, logprobs [dp x rows], last_N, Steps,
+    cache). Cache and last tokens are donated.
+    """
 
-    def _decode(self, params, k_cache, v_cache, *slots, rows: int, n_blocks: int):
-        fn = partial(decode_local, cfg=self.cfg, rows=rows, n_blocks=n_blocks, tp_axis=MP)
-        row = P(DP)
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=(param_specs(self.cfg), CACHE_SPEC, CACHE_SPEC,
-                                                           *[row] * len(slots)),
-                             out_specs=(row, row, row, CACHE_SPEC, CACHE_SPEC),
-                             check_vma=True)(params, k_cache, v_cache, *slots)
+    def __init__(self, layout: Layout):
+        self.layout = layout
+        self.traces = 0  # programs traced (and so compiled) so far
+        self.row_sharding = layout.sharding(("batch",))
+        self.cache_sharding = layout.sharding(ACTIVATION_AXES["kv_cache"])
+        self.prefill = jax.jit(self._prefill, donate_argnums=(1, 2))
+        self.decode = jax.jit(self._decode, static_argnames=("rows", "n_blocks"), donate_argnums=(1, 2))
 
+    def new_cache(self, n_slots: int, sizes: list[int]) -> KVCache:
+        """An empty cache of n_slots slots in blocks of these lengths, made in its shards."""
+        cfg = self.layout.cfg
+        dtype = gptj.DTYPES[cfg.compute_dtype]
 
-_PROGRAMS: dict[tuple, Programs] = {}
+        def zeros():
+            return [[jnp.zeros((n_slots, cfg.n_heads, cfg.head_dim, size), dtype) for size in sizes]
+                    for _ in range(cfg.layers)]
 
+        return KVCache(*jax.jit(lambda: (zeros(), zeros()), out_shardings=self.cache_sharding)())
 
-def programs(cfg: Config, mesh: Mesh) -> Programs:
-    """The programs for this model shape and mesh, made once and shared (so are their compiles)."""
-    # Keyed by what the traced code reads from the config; array shapes and dtypes are jit's own cache keys.
-    key = (mesh, cfg.layers, cfg.head_dim, cfg.pe_rotary_dims)
-    if key not in _PROGRAMS:
-        _PROGRAMS[key] = Programs(cfg, mesh)
-    return _PROGRAMS[key]
+    def new_last_tokens(self, n_slots: int) -> jax.Array:
+        return jax.device_put(np.zeros(n_slots, np.int32), self.row_sharding)
+
+    def _specs(self):
+        layout = self.layout
+        return decode_specs(layout.cfg), self.cache_sharding.spec, self.row_sharding.spec
+
+    def _prefill(self, params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R):
+        self.traces += 1
+        params_spec, cache_spec, row = self._specs()
+        fn = partial(prefill_local, cfg=self.layout.cfg, tp_axis=self.layout.tp_axis)
+        return jax.shard_map(fn, mesh=self.layout.mesh,
+                             in_specs=(params_spec, cache_spec, row, self.layout.spec(("batch", "length")), row, row,
+                                       row),
+                             out_specs=(row, row, row, cache_spec), check_vma=True)(
+            params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R)
+
+    def _decode(self, params, cache, last_N, steps_N, *, rows: int, n_blocks: int):
+        self.traces += 1
+        params_spec, cache_spec, row = self._specs()
+        fn = partial(decode_local, cfg=self.layout.cfg, rows=rows, n_blocks=n_blocks, tp_axis=self.layout.tp_axis)
+        return jax.shard_map(fn, mesh=self.layout.mesh, in_specs=(params_spec, cache_spec, row, row),
+                             out_specs=(row, row, row, row, cache_spec), check_vma=True)(params, cache, last_N,
+                                                                                       steps_N)
+

@@ -2,8 +2,12 @@
 
 Each layer is written once. With `tp_axis=None` it is the plain global computation; with the name of a
 tensor-parallel mesh axis it runs inside `jax.shard_map` on this device's slice of the heads, the MLP and the
-vocabulary, and does the reductions itself. Shapes: B batch, T (S) query (key) length, D model, H heads (on this
-device), K head dim, R rotary dims, F MLP width (on this device), V vocab (on this device).
+vocabulary, and does the reductions itself.
+
+The package's one shape-letter legend (tensor names carry their shapes, letters joined by x: `q_BxTxHxK`):
+B batch, T / S query / key length, D model width, H heads, K head dim, F MLP width, V vocab (H, F and V: this
+device's share under tensor parallelism), L layers, R rows computed in a step, N cache slots, G micro-batches,
+P rotary dims (P2 = P / 2), r LoRA rank.
 """
 from __future__ import annotations
 
@@ -27,20 +31,20 @@ def layer_norm(x_BxTxD: jax.Array, p: dict) -> jax.Array:
 
 def rotary_sincos(positions_BxT: jax.Array, rot_dims: int) -> tuple[jax.Array, jax.Array]:
     """GPT-J's interleaved sin and cos tables: [t0, t0, t1, t1, ...] per position."""
-    inv_freq_R2 = 1.0 / (10000.0 ** (jnp.arange(0, rot_dims, 2, dtype=F32) / rot_dims))
-    angle_BxTxR2 = positions_BxT.astype(F32)[..., None] * inv_freq_R2
-    return jnp.repeat(jnp.sin(angle_BxTxR2), 2, -1), jnp.repeat(jnp.cos(angle_BxTxR2), 2, -1)
+    inv_freq_P2 = 1.0 / (10000.0 ** (jnp.arange(0, rot_dims, 2, dtype=F32) / rot_dims))
+    angle_BxTxP2 = positions_BxT.astype(F32)[..., None] * inv_freq_P2
+    return jnp.repeat(jnp.sin(angle_BxTxP2), 2, -1), jnp.repeat(jnp.cos(angle_BxTxP2), 2, -1)
 
 
-def apply_rotary(x_BxTxHxK: jax.Array, sin_BxTxR: jax.Array, cos_BxTxR: jax.Array) -> jax.Array:
-    """Rotate the first R dims of each head, pairs (0,1), (2,3), ... as GPT-J does (not NeoX's half split)."""
-    rot = sin_BxTxR.shape[-1]
+def apply_rotary(x_BxTxHxK: jax.Array, sin_BxTxP: jax.Array, cos_BxTxP: jax.Array) -> jax.Array:
+    """Rotate the first P dims of each head, pairs (0,1), (2,3), ... as GPT-J does (not NeoX's half split)."""
+    rot = sin_BxTxP.shape[-1]
     if rot == 0:
         return x_BxTxHxK
     x_rot, x_pass = x_BxTxHxK[..., :rot].astype(F32), x_BxTxHxK[..., rot:]
     pairs = x_rot.reshape(*x_rot.shape[:-1], rot // 2, 2)
     rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], -1).reshape(x_rot.shape)
-    x_rot = x_rot * cos_BxTxR[:, :, None] + rotated * sin_BxTxR[:, :, None]
+    x_rot = x_rot * cos_BxTxP[:, :, None] + rotated * sin_BxTxP[:, :, None]
     return jnp.concatenate([x_rot.astype(x_BxTxHxK.dtype), x_pass], -1)
 
 

@@ -1,5 +1,5 @@
 """The OpenAI-compatible completions API as pure functions: request validation with OpenAI-style errors, and the
-response objects. No HTTP here (server.py) and no device (serving.py).
+response objects. No HTTP here (server.py) and no device (engine.py).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from mesh_transformer.serve.engine import Event
+from mesh_transformer.serve.completion import Event
 
 DEFAULT_MAX_TOKENS = 16
 MAX_N = 16

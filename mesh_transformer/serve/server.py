@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
@@ -23,7 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mesh_transformer.serve import api
 from mesh_transformer.serve.api import ApiError, CompletionParams
-from mesh_transformer.serve.engine import Engine, EngineStopped, Event, GenerationRequest, QueueFull
+from mesh_transformer.serve.completion import Event, GenerationRequest
+from mesh_transformer.serve.engine import Engine, EngineStopped, QueueFull
 
 log = logging.getLogger(__name__)
 
@@ -96,14 +97,8 @@ def _sse(data: Any) -> str:
     return f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n"
 
 
-def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The HTTP app over a running engine. With `api_key`, every route but /health needs `Authorization: Bearer`."""
-    app = FastAPI(title="mesh-transformer serving", docs_url=None, redoc_url=None, openapi_url=None)
-    created = int(time.time())
-    vocab = min(len(tokenizer), engine.cfg.n_vocab)
-    limits = api.Limits(context=engine.cfg.seq, vocab=vocab, max_choices=min(api.MAX_PROMPTS, engine.max_queue))
-
+def _authorizer(api_key: str | None) -> Callable[[Request], None]:
+    """A route dependency: with an api_key, the request must carry `Authorization: Bearer <api_key>`."""
     def check_key(request: Request) -> None:
         if api_key is None:
             return
@@ -115,8 +110,11 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
             raise ApiError(401, "Incorrect API key provided", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
 
-    authorized = [Depends(check_key)]
+    return check_key
 
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI-style JSON: ours, the framework's (404, 405...) and unexpected ones (500)."""
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), e.status, headers=e.headers)
@@ -132,29 +130,62 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
         return JSONResponse(api.error_body("The server had an error while processing your request", "server_error"),
                             500)
 
-    async def run(request: Request, params: CompletionParams) -> tuple[list[Event], float] | None:
-        """Every choice's whole completion (one merged Event each), or None when the client went away first."""
-        job = _Job(engine, params, asyncio.get_running_loop())
-        job.submit()
-        start_s = time.perf_counter()
 
-        async def collect() -> list[Event]:
-            pieces: list[list[Event]] = [[] for _ in job.requests]
-            async for index, event in job.events():
-                if event.error:
-                    raise ApiError(503, event.error, type="server_error")
-                pieces[index].append(event)
-            return [Event("".join(e.text for e in p), sum((e.tokens for e in p), ()), sum((e.logprobs for e in p), ()),
-                          p[-1].finish_reason) for p in pieces]
+async def _run(engine: Engine, request: Request, params: CompletionParams) -> tuple[list[Event], float] | None:
+    """Every choice's whole completion (one merged Event each) and the seconds taken, or None when the client went
+    away first."""
+    job = _Job(engine, params, asyncio.get_running_loop())
+    job.submit()
+    start_s = time.perf_counter()
 
-        collecting, watching = asyncio.ensure_future(collect()), asyncio.ensure_future(_until_disconnected(request))
-        try:
-            await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
-            return (collecting.result(), time.perf_counter() - start_s) if collecting.done() else None
-        finally:
-            for task in (collecting, watching):
-                task.cancel()
-            job.cancel()  # frees the slots of a client that went away; a no-op once finished
+    async def collect() -> list[Event]:
+        pieces: list[list[Event]] = [[] for _ in job.requests]
+        async for index, event in job.events():
+            if event.error:
+                raise ApiError(503, event.error, type="server_error")
+            pieces[index].append(event)
+        return [Event("".join(e.text for e in p), sum((e.tokens for e in p), ()), sum((e.logprobs for e in p), ()),
+                      p[-1].finish_reason) for p in pieces]
+
+    collecting, watching = asyncio.ensure_future(collect()), asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+        return (collecting.result(), time.perf_counter() - start_s) if collecting.done() else None
+    finally:
+        for task in (collecting, watching):
+            task.cancel()
+        job.cancel()  # frees the slots of a client that went away; a no-op once finished
+
+
+async def _stream(job: _Job, params: CompletionParams, tokenizer: Any, meta: dict,
+                  prompt_tokens: int) -> AsyncIterator[str]:
+    """A streamed completion as server-sent events, ending with [DONE]."""
+    offsets, completion_tokens = [0] * len(job.requests), 0
+    try:
+        async for index, event in job.events():
+            if event.error:
+                yield _sse(api.error_body(event.error, "server_error"))
+                return
+            chunk = api.choice(index, event, tokenizer, params.logprobs, offsets[index])
+            offsets[index] += len(event.text)
+            completion_tokens += len(event.tokens)
+            yield _sse(api.completion(**meta, choices=[chunk]))
+        if params.include_usage:
+            yield _sse(api.completion(**meta, choices=[], usage=api.usage(prompt_tokens, completion_tokens)))
+        yield _sse("[DONE]")
+    finally:
+        job.cancel()  # the client went away (or all is done): free the slots at the next step
+
+
+def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The HTTP app over a running engine. With `api_key`, every route but /health needs `Authorization: Bearer`."""
+    app = FastAPI(title="mesh-transformer serving", docs_url=None, redoc_url=None, openapi_url=None)
+    created = int(time.time())
+    vocab = min(len(tokenizer), engine.cfg.n_vocab)
+    limits = api.Limits(context=engine.cfg.seq, vocab=vocab, max_choices=min(api.MAX_PROMPTS, engine.max_queue))
+    authorized = [Depends(_authorizer(api_key))]
+    _add_error_handlers(app)
 
     @app.post("/v1/completions", dependencies=authorized)
     async def completions(request: Request) -> Response:
@@ -165,9 +196,9 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
         if params.stream:
             job = _Job(engine, params, asyncio.get_running_loop())
             job.submit()
-            return StreamingResponse(stream(job, params, meta, prompt_tokens), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        done = await run(request, params)
+            return StreamingResponse(_stream(job, params, tokenizer, meta, prompt_tokens),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        done = await _run(engine, request, params)
         if done is None:
             return Response(status_code=499)  # nobody is listening
         events, _ = done
@@ -175,29 +206,12 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
         usage = api.usage(prompt_tokens, sum(len(e.tokens) for e in events))
         return JSONResponse(api.completion(**meta, choices=choices, usage=usage))
 
-    async def stream(job: _Job, params: CompletionParams, meta: dict, prompt_tokens: int) -> AsyncIterator[str]:
-        offsets, completion_tokens = [0] * len(job.requests), 0
-        try:
-            async for index, event in job.events():
-                if event.error:
-                    yield _sse(api.error_body(event.error, "server_error"))
-                    return
-                chunk = api.choice(index, event, tokenizer, params.logprobs, offsets[index])
-                offsets[index] += len(event.text)
-                completion_tokens += len(event.tokens)
-                yield _sse(api.completion(**meta, choices=[chunk]))
-            if params.include_usage:
-                yield _sse(api.completion(**meta, choices=[], usage=api.usage(prompt_tokens, completion_tokens)))
-            yield _sse("[DONE]")
-        finally:
-            job.cancel()  # the client went away (or all is done): free the slots at the next step
-
     @app.post("/complete", dependencies=authorized)
     async def complete(request: Request) -> Response:
         """The original mesh-transformer-jax API: {"context", "top_p", "temp"[, "length"]} -> {"completion"}."""
         params = api.parse_complete(api.parse_json_object(await _read_body(request, max_body_bytes)), tokenizer,
                                     limits)
-        done = await run(request, params)
+        done = await _run(engine, request, params)
         if done is None:
             return Response(status_code=499)
         events, compute_s = done

@@ -12,7 +12,9 @@ import device_sample
 from mesh_transformer.store import checkpoint, hf
 from mesh_transformer import config
 from mesh_transformer.model import gptj as model
-from mesh_transformer.infer import sampler as sampling
+from mesh_transformer.infer import decode, sampler as sampling
+from mesh_transformer.infer import params as infer_params
+from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.tokenizer import load_tokenizer
 from tests.store.test_hf import random_hf_model, state_dict_numpy
@@ -37,7 +39,7 @@ def params(hf_model):
 
 @pytest.fixture(scope="module")
 def sampler(params):
-    return sampling.Sampler(CFG, make_dp_mp(1, 1), params)
+    return sampling.Sampler(make_inference_layout(CFG, mesh=make_dp_mp(1, 1)), params)
 
 
 @pytest.fixture(scope="module")
@@ -72,24 +74,25 @@ def test_greedy_equals_hf_generate_with_left_padding(hf_model, greedy):
 
 def test_kv_cache_logits_equal_full_forward_at_every_step(params):
     prompts, fed = [[7, 8, 9], [1, 2, 3, 4, 5, 6]], np.array([[11, 12, 13], [21, 22, 23]])
-    ids, mask = left_pad(prompts)
-    length, n_new = ids.shape[1], 4
-    key_ok = jnp.concatenate([jnp.asarray(mask, bool), jnp.ones((2, n_new), bool)], 1)
-    cache = tuple([jnp.zeros((2, CFG.n_heads, CFG.head_dim, length + n_new))] * CFG.layers for _ in range(2))
-    step = jax.jit(lambda p, i, pos, at, c: sampling.forward_cached(model.unstack_layers(p), i, pos, key_ok, at, c,
-                                                                    CFG))
+    width = 8  # the prompt bucket; the cache holds 8 + 4 positions in two blocks
+    ids = right_pad(prompts + [[0] * width])[:2]
+    length = np.array([len(p) for p in prompts], np.int32)
+    decode_params = infer_params.place_params(params, make_inference_layout(CFG, mesh=make_dp_mp(1, 1)))
+    cache = decode.KVCache(*([[jnp.zeros((2, CFG.n_heads, CFG.head_dim, size)) for size in (8, 4)]
+                              for _ in range(CFG.layers)] for _ in range(2)))
+    prefill = jax.jit(lambda p, c: decode.prefill_logits(p, c, ids, length, np.arange(2, dtype=np.int32), CFG))
+    step = jax.jit(lambda p, c, token, position: decode.decode_logits(p, c, token, position, CFG, n_blocks=2))
     # Right-padded rows in one causal forward: padding after a position does not change its logits.
     rows = [p + f.tolist() for p, f in zip(prompts, fed)]
     full = np.asarray(jax.jit(lambda p, x: model.forward(p, x, CFG))(params, right_pad(rows)))
     expected = [full[row, len(p) - 1:] for row, p in enumerate(prompts)]
 
-    logits, cache = step(params, ids, np.maximum(mask.cumsum(1) - 1, 0), 0, cache)
-    real_len = mask.sum(1)
+    logits, cache = prefill(decode_params, cache)
     for i in range(fed.shape[1] + 1):
         for row in range(2):
             np.testing.assert_allclose(logits[row], expected[row][i], atol=1e-5)
         if i < fed.shape[1]:
-            logits, cache = step(params, fed[:, i:i + 1], (real_len + i)[:, None], length + i, cache)
+            logits, cache = step(decode_params, cache, fed[:, i].astype(np.int32), length + i)
 
 
 @pytest.mark.parametrize("dp, mp", [(2, 4), (1, 8)], ids=["dp2-mp4", "dp1-mp8"])
@@ -97,7 +100,7 @@ def test_sharded_results_equal_single_device(params, sampler, greedy, dp, mp):
     kwargs = {**MIXED, "return_logprobs": True, "stop_token_ids": [greedy[0].tokens[3]]}  # row 0 ends early
     expected = sampler.generate(PROMPTS, 10, **kwargs)
     assert expected[0].finish_reason == "stop"
-    sharded = sampling.Sampler(dataclasses.replace(CFG, cores_per_replica=mp), make_dp_mp(dp, mp), params)
+    sharded = sampling.Sampler(make_inference_layout(CFG, mesh=make_dp_mp(dp, mp)), params)
     fused_in = sharded.params["layers"][0]["fused"]["in"]  # each device: its heads' q, k, v and its fc_in columns
     assert fused_in.addressable_shards[0].data.shape == (1, (3 * CFG.d_model + CFG.d_ff) // mp, CFG.d_model)
     for ours, ref in zip(sharded.generate(PROMPTS, 10, **kwargs), expected):
@@ -115,10 +118,10 @@ def test_top_p_keeps_smallest_set_reaching_p():
     logits = jnp.log(jnp.asarray(np.tile(probs, (5, 1)), jnp.float32))
     top_p = jnp.array([0.45, 0.55, 0.85, 1.0, 1.0])
     top_k = jnp.array([0, 0, 0, 0, 2])
-    kept = np.isfinite(np.asarray(jax.jit(sampling.filter_logits)(logits, top_k, top_p)))
+    kept = np.isfinite(np.asarray(jax.jit(decode.filter_logits)(logits, top_k, top_p)))
     assert [set(np.flatnonzero(row)) for row in kept] == [{1}, {1, 3}, {0, 1, 3}, {0, 1, 2, 3, 4}, {1, 3}]
     keys = jax.random.split(jax.random.PRNGKey(0), 256)
-    drawn = jax.jit(sampling.sample)(jnp.tile(logits[:1], (256, 1)), jnp.ones(256), jnp.zeros(256, jnp.int32),
+    drawn = jax.jit(decode.sample)(jnp.tile(logits[:1], (256, 1)), jnp.ones(256), jnp.zeros(256, jnp.int32),
                             jnp.full(256, 0.55), keys)
     assert set(np.asarray(drawn).tolist()) == {1, 3}
 
@@ -182,14 +185,15 @@ def test_bad_inputs_are_clear_errors(sampler, prompts, kwargs, match):
 def test_load_params_reads_params_only_and_rejects_a_mismatched_config(tmp_path, params):
     state = {"step": np.int32(5), "params": params, "opt_state": {"mu": np.zeros(3, np.float32)}}
     checkpoint.save(str(tmp_path), 5, state, blocking=True)
-    mesh = make_dp_mp(1, 1)
+    layout = make_inference_layout(CFG, mesh=make_dp_mp(1, 1))
     for path in (str(tmp_path), str(tmp_path / "step_5")):
-        loaded = sampling.load_params(CFG, mesh, path)
+        loaded = infer_params.load_params(layout, path)
         jax.tree.map(np.testing.assert_array_equal, loaded, params)
     with pytest.raises(ValueError, match="does not match the config: checkpoint leaf 'params/embed/wte' has shape"):
-        sampling.load_params(dataclasses.replace(CFG, n_vocab=128), mesh, str(tmp_path))
+        infer_params.load_params(make_inference_layout(dataclasses.replace(CFG, n_vocab=128), mesh=layout.mesh),
+                                 str(tmp_path))
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
-        sampling.load_params(CFG, mesh, str(tmp_path / "nothing"))
+        infer_params.load_params(layout, str(tmp_path / "nothing"))
 
 
 def test_cut_at_stop_cuts_before_the_earliest_stop_string():
@@ -205,7 +209,7 @@ def big_params():
 
 @pytest.fixture(scope="module")
 def big_text(big_params):
-    big_sampler = sampling.Sampler(BIG, make_dp_mp(1, 1), big_params)
+    big_sampler = sampling.Sampler(make_inference_layout(BIG, mesh=make_dp_mp(1, 1)), big_params)
     full = big_sampler.generate_text(load_tokenizer(), ["Hello world"], 12, temperature=0.0)[0]
     assert len(full.text) >= 6
     stop = full.text[len(full.text) // 2:][:3]

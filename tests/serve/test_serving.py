@@ -13,7 +13,10 @@ import pytest
 from mesh_transformer import config
 from mesh_transformer.model import gptj as model
 from mesh_transformer.infer import sampler as sampling
+from mesh_transformer.infer.decode import Programs
+from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.serve import engine as serving, server
+from mesh_transformer.serve.completion import Event, GenerationRequest, streamable_length
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.tokenizer import EOS_ID, load_tokenizer
 
@@ -27,8 +30,14 @@ PROMPTS = [f"{i}: " + " ".join(["the quick fox", "Grüße Köln", "日本語 �
            for i in range(64)]
 
 
-def mesh():
-    return make_dp_mp(2, 4)
+def layout():
+    return make_inference_layout(CFG, mesh=make_dp_mp(2, 4))
+
+
+@pytest.fixture(scope="module")
+def programs():
+    """One set of decode programs for every engine and sampler here, so they share compiles."""
+    return Programs(layout())
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +62,8 @@ def params():
 
 
 @pytest.fixture(scope="module")
-def engine(params, tokenizer):
-    engine = serving.Engine(CFG, mesh(), params, tokenizer, max_batch=4, max_queue=MAX_QUEUE)
+def engine(params, tokenizer, programs):
+    engine = serving.Engine(layout(), params, tokenizer, programs=programs, max_batch=4, max_queue=MAX_QUEUE)
     yield engine
     engine.close()
 
@@ -74,9 +83,9 @@ def http(url):
 
 
 @pytest.fixture(scope="module")
-def offline(params, tokenizer):
+def offline(params, tokenizer, programs):
     """What the offline sampler makes of PROMPTS, greedy, NEW tokens each."""
-    sampler = sampling.Sampler(CFG, mesh(), params)
+    sampler = sampling.Sampler(layout(), params, programs=programs)
     return sampler.generate_text(tokenizer, PROMPTS, NEW, temperature=0.0, return_logprobs=True)
 
 
@@ -298,7 +307,7 @@ def test_full_queue_answers_429_and_accepted_requests_are_answered(engine, http,
         entered.set()
         release.wait(60)
 
-    engine.submit([serving.GenerationRequest(tokenizer.encode("hold"), 2, hold, temperature=0.0, stream=True)])
+    engine.submit([GenerationRequest(tokenizer.encode("hold"), 2, hold, temperature=0.0, stream=True)])
     assert entered.wait(60)
     answers = []
     # Each request fills half of the queue; greedy, as sampling sorts the whole vocabulary (slow on these CPUs).
@@ -328,24 +337,26 @@ def test_client_disconnecting_mid_stream_frees_its_slot(http):
     wait_for(http, lambda s: s["slots"]["busy"] == 0 and s["requests"]["cancelled"] == cancelled + 1)
 
 
-def test_eos_ends_a_completion_with_finish_reason_stop(params, tokenizer, engine, offline):
+def test_eos_ends_a_completion_with_finish_reason_stop(params, tokenizer, engine, offline, programs):
     first = offline[0].tokens[0]  # treat the first greedy token as the end of text: nothing is generated
-    eos_engine = serving.Engine(CFG, mesh(), params, tokenizer, max_batch=4, stop_token_ids=[first])
+    eos_engine = serving.Engine(layout(), params, tokenizer, programs=programs, max_batch=4, stop_token_ids=[first])
     events = []
     done = threading.Event()
-    request = serving.GenerationRequest(tokenizer.encode(PROMPTS[0]), NEW, lambda e: (events.append(e), done.set()),
+    request = GenerationRequest(tokenizer.encode(PROMPTS[0]), NEW, lambda e: (events.append(e), done.set()),
                                         temperature=0.0)
     eos_engine.submit([request])
     assert done.wait(60)
     eos_engine.close()
-    assert events == [serving.Event("", (), (), "stop")]
+    assert events == [Event("", (), (), "stop")]
 
 
-def test_requests_ending_early_on_a_stop_token_free_their_slots_for_the_next(params, tokenizer, offline):
+def test_requests_ending_early_on_a_stop_token_free_their_slots_for_the_next(params, tokenizer, offline,
+                                                                            programs):
     """The engine reads a step's tokens after dispatching the next one: a request that ends on a stop token has one
     more token in flight, which must be dropped, and its slot must serve the next request correctly."""
     stop = offline[0].tokens[5]
-    engine = serving.Engine(CFG, mesh(), params, tokenizer, max_batch=4, max_queue=len(PROMPTS), stop_token_ids=[stop])
+    engine = serving.Engine(layout(), params, tokenizer, programs=programs, max_batch=4, max_queue=len(PROMPTS),
+                            stop_token_ids=[stop])
     events = {}
     done = threading.Semaphore(0)
 
@@ -356,7 +367,7 @@ def test_requests_ending_early_on_a_stop_token_free_their_slots_for_the_next(par
                 done.release()
         return on_event
 
-    engine.submit([serving.GenerationRequest(tokenizer.encode(p), NEW, collect(i), temperature=0.0, logprobs=False)
+    engine.submit([GenerationRequest(tokenizer.encode(p), NEW, collect(i), temperature=0.0, logprobs=False)
                    for i, p in enumerate(PROMPTS)])
     for _ in PROMPTS:
         assert done.acquire(timeout=120)
@@ -374,16 +385,16 @@ def test_requests_ending_early_on_a_stop_token_free_their_slots_for_the_next(par
                                                 ([1], 0)], ids=["empty", "no-room", "too-many", "bad-id", "zero"])
 def test_engine_refuses_requests_that_cannot_run(engine, prompt, max_tokens):
     with pytest.raises(ValueError):
-        engine.submit([serving.GenerationRequest(prompt, max_tokens, lambda _event: None)])
+        engine.submit([GenerationRequest(prompt, max_tokens, lambda _event: None)])
     assert engine.error is None
 
 
 def test_streamable_length_holds_back_stop_prefixes_and_partial_characters():
-    assert serving.streamable_length("Hello wor", ["world"]) == 6
-    assert serving.streamable_length("Hello", ["xyz"]) == 5
-    assert serving.streamable_length("ab\ufffd", []) == 2
-    assert serving.streamable_length("a\n\n", ["\n\n\n", "b"]) == 1
-    assert serving.streamable_length("", ["a"]) == 0
+    assert streamable_length("Hello wor", ["world"]) == 6
+    assert streamable_length("Hello", ["xyz"]) == 5
+    assert streamable_length("ab\ufffd", []) == 2
+    assert streamable_length("a\n\n", ["\n\n\n", "b"]) == 1
+    assert streamable_length("", ["a"]) == 0
 
 
 def test_device_serve_bad_flag_is_a_one_line_error():
@@ -393,10 +404,10 @@ def test_device_serve_bad_flag_is_a_one_line_error():
     assert result.stderr.strip().count("\n") == 0 and "--bogus" in result.stderr
 
 
-def test_slots_at_different_positions_across_uneven_cache_blocks_match_offline(params, tokenizer):
+def test_slots_at_different_positions_across_uneven_cache_blocks_match_offline(params, tokenizer, programs):
     """Blocks of 24, 24 and 16 positions: two requests of different lengths cross block edges at different steps,
     side by side, and still make the offline sampler's greedy tokens."""
-    engine = serving.Engine(CFG, mesh(), params, tokenizer, max_batch=4, min_span=24)
+    engine = serving.Engine(layout(), params, tokenizer, programs=programs, max_batch=4, min_span=24)
     assert engine._block_sizes == [24, 24, 16]
     prompts = [tokenizer.encode(PROMPTS[0])[:3], tokenizer.encode(PROMPTS[5])[:16]]
     n_new = CFG.seq - 16
@@ -410,13 +421,13 @@ def test_slots_at_different_positions_across_uneven_cache_blocks_match_offline(p
                 done.release()
         return on_event
 
-    engine.submit([serving.GenerationRequest(p, n_new, collect(i), temperature=0.0, logprobs=i == 1)
+    engine.submit([GenerationRequest(p, n_new, collect(i), temperature=0.0, logprobs=i == 1)
                    for i, p in enumerate(prompts)])
     for _ in prompts:
         assert done.acquire(timeout=120)
     engine.close()
-    expected = sampling.Sampler(CFG, mesh(), params).generate(prompts, n_new, temperature=0.0, stop_token_ids=[],
-                                                              return_logprobs=True)
+    sampler = sampling.Sampler(layout(), params, programs=programs)
+    expected = sampler.generate(prompts, n_new, temperature=0.0, stop_token_ids=[], return_logprobs=True)
     assert [got[0], got[1]] == [r.tokens for r in expected]
     assert logprobs[0] == [] and len(logprobs[1]) == n_new  # only the request that asked gets them
     np.testing.assert_allclose(logprobs[1], expected[1].logprobs, atol=1e-4)

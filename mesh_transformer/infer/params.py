@@ -1,0 +1,81 @@
+"""Params for inference: the Layout the decode programs run on, a checkpoint read onto it, and the params placed for
+decoding (compute dtype, layers unstacked, each layer's projections joined).
+
+The decode programs are the Megatron ones (model layers under shard_map over ('dp', 'mp')) whatever layout the
+params were trained with: checkpoints hold global arrays, so any mesh reads any checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mesh_transformer.config import Config
+from mesh_transformer.model import gptj, layers
+from mesh_transformer.parallel.layout import MEGATRON_RULES, SHARD_MAP, Layout, make_layout, param_specs, unstacked
+from mesh_transformer.parallel.mesh import MP
+from mesh_transformer.store import convert
+
+
+def make_inference_layout(cfg: Config, devices: Sequence[jax.Device] | None = None, mesh: Mesh | None = None) -> Layout:
+    """The shard_map Layout the decode programs run on: on `mesh`, else mp = cores_per_replica over the devices."""
+    return make_layout(dataclasses.replace(cfg, parallelism=SHARD_MAP), devices, mesh)
+
+
+def load_params(layout: Layout, ckpt_path: str | None = None) -> dict:
+    """The params (never the optimizer state) of a checkpoint of any format, placed by the Layout, in the compute
+    dtype. `ckpt_path` is one of our checkpoints (a root, whose latest committed step is read, or a step directory),
+    an original mesh-transformer-jax checkpoint or an HF GPT-J directory; None means cfg.model_path. A checkpoint
+    whose shapes differ from the config is a ConfigError (a ValueError); no checkpoint there, FileNotFoundError."""
+    return convert.load_params(layout, ckpt_path or layout.cfg.model_path)
+
+
+def decode_specs(cfg: Config) -> dict:
+    """shard_map in_specs of `place_params`' tree: unstacked layers whose joined matrices carry a device axis."""
+    specs = unstacked(param_specs(MEGATRON_RULES), cfg.layers)
+    fused = {"ln_1": specs["layers"][0]["ln_1"],
+             "fused": {"in": P(MP, None, None), "in_bias": P(MP, None), "out": P(MP, None, None), "out_bias": P()}}
+    return {**specs, "layers": [fused] * cfg.layers}
+
+
+def _placed(x: Any, sharding: NamedSharding, dtype: Any) -> jax.Array:
+    """One param leaf on its shards in `dtype`; no copy when it is already there (a 6B model has no room for two)."""
+    if not isinstance(x, jax.Array):
+        return jax.device_put(np.asarray(x, dtype), sharding)  # each device receives only its slice
+    if not x.sharding.is_equivalent_to(sharding, x.ndim):
+        x = jax.device_put(x, sharding)
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+def place_params(params: dict, layout: Layout) -> dict:
+    """The params for the decode programs: on their shards, in the compute dtype, layers unstacked into a list,
+    each layer's projections joined (`layers.fuse_layer`).
+
+    A stacked leaf is placed and split before the next one is touched, and a layer is joined before the next, so
+    the device holds little besides the result.
+    """
+    cfg, mesh = layout.cfg, layout.mesh
+    dtype = gptj.DTYPES[cfg.compute_dtype]
+    shardings = layout.param_shardings()
+    placed = jax.tree.map(partial(_placed, dtype=dtype), {k: v for k, v in params.items() if k != "layers"},
+                          {k: v for k, v in shardings.items() if k != "layers"})
+    layer_shardings = iter(jax.tree.leaves(shardings["layers"]))
+
+    def split(x):
+        sharding = next(layer_shardings)
+        one = NamedSharding(mesh, P(*sharding.spec[1:]))
+        return jax.jit(lambda s: [s[i] for i in range(cfg.layers)], out_shardings=[one] * cfg.layers)(
+            _placed(x, sharding, dtype))
+
+    unstacked_params = gptj.unstack_layers({**placed, "layers": params["layers"]}, split)
+    fuse = jax.jit(partial(layers.fuse_layer, tp_size=mesh.shape[MP]),
+                   out_shardings=jax.tree.map(partial(NamedSharding, mesh), decode_specs(cfg)["layers"][0],
+                                              is_leaf=lambda x: isinstance(x, P)))
+    layer_list = unstacked_params.pop("layers")
+    return {**unstacked_params, "layers": [fuse(layer_list.pop(0)) for _ in range(cfg.layers)]}

@@ -1,0 +1,113 @@
+"""One request's completion as pure host logic: the tokens read back for it, what has been streamed, and the rules
+that end it (stop tokens, stop strings, max_tokens). No device and no threads: the engine feeds it tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+from mesh_transformer.infer.sampler import cut_at_stop, tokens_within
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """A piece of one completion: new text and the tokens behind it; the last event has a finish_reason or error."""
+    text: str = ""
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()  # one per token, if the request asked for them
+    finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length" (max_tokens reached)
+    error: str | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class GenerationRequest:
+    """One completion to make. Events go to `on_event`, called on the engine thread, so it must not block long.
+
+    Without `stream` there is one event, at the end; with it, text leaves as it is made, holding back what could be
+    the start of a stop string or an incomplete UTF-8 character. Without `logprobs` the events carry none (a step
+    in which no request wants them skips a pass over the vocabulary).
+    """
+    prompt: list[int]
+    max_tokens: int
+    on_event: Callable[[Event], None]
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    logprobs: bool = True
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+def streamable_length(text: str, stop: Sequence[str]) -> int:
+    """How much of a completion's text can be sent now: all but a trailing incomplete UTF-8 character ('\ufffd')
+    and any tail that could be the start of a stop string."""
+    end = len(text.rstrip("\ufffd"))
+    held = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, end), held, -1):
+            if text.endswith(s[:k], 0, end):
+                held = k
+                break
+    return end - held
+
+
+@dataclasses.dataclass(eq=False)
+class Completion:
+    """A request's progress in its slot. `dispatched` counts the tokens asked of the device so far; `tokens` holds
+    those read back. `accept` takes the next token read back and says what to send and whether the request ended."""
+    request: GenerationRequest
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    dispatched: int = 0
+    finished: bool = False
+
+    @property
+    def position(self) -> int:
+        """Where the last dispatched token's key is written in the next decode step."""
+        return len(self.request.prompt) + self.dispatched - 1
+
+    @property
+    def needs_step(self) -> bool:
+        """Whether the next decode step must compute a token for this slot."""
+        return self.dispatched < self.request.max_tokens and not self.request.cancelled.is_set()
+
+    def accept(self, token: int, logprob: float, tokenizer: Any, stop_token_ids: Collection[int]) -> list[Event]:
+        """Take the next token read back: returns the events to send (the last one has a finish_reason when the
+        request ended on a stop token, a stop string or max_tokens; `finished` is then set and later tokens are
+        ignored)."""
+        request = self.request
+        if self.finished or request.cancelled.is_set():
+            return []
+        if token in stop_token_ids:
+            return [self._finish("stop", tokenizer)]
+        self.tokens.append(token)
+        if request.logprobs:
+            self.logprobs.append(logprob)
+        events = []
+        if request.stop or request.stream:
+            text = tokenizer.decode(self.tokens)
+            cut_text, cut = cut_at_stop(text, request.stop)
+            if cut:
+                return [self._finish("stop", tokenizer, cut_text)]
+            sendable = streamable_length(text, request.stop) if request.stream else 0
+            if sendable > self.sent_chars:
+                events.append(Event(text[self.sent_chars:sendable], tuple(self.tokens[self.sent_tokens:]),
+                                    tuple(self.logprobs[self.sent_tokens:])))
+                self.sent_chars, self.sent_tokens = sendable, len(self.tokens)
+        if len(self.tokens) >= request.max_tokens:
+            events.append(self._finish("length", tokenizer))
+        return events
+
+    def _finish(self, reason: str, tokenizer: Any, cut_text: str | None = None) -> Event:
+        """The last event: what was not sent yet; after a stop string, only the tokens wholly before it."""
+        self.finished = True
+        text = tokenizer.decode(self.tokens) if cut_text is None else cut_text
+        kept = len(self.tokens) if cut_text is None else tokens_within(tokenizer, self.tokens, len(text))
+        sent = min(self.sent_tokens, kept)
+        return Event(text[self.sent_chars:], tuple(self.tokens[sent:kept]), tuple(self.logprobs[sent:kept]), reason)

@@ -1,0 +1,51 @@
+"""The per-request acceptance and streaming rules, without a device: a Completion fed tokens by hand."""
+from mesh_transformer.serve.completion import Completion, Event, GenerationRequest
+
+
+class Letters:
+    """A tokenizer whose token i is the i-th letter (0 = 'a'); 26 decodes to U+FFFD, as a partial UTF-8 character
+    does."""
+
+    def decode(self, tokens):
+        return "".join("\ufffd" if t == 26 else chr(ord("a") + t) for t in tokens)
+
+
+def completion(**kwargs):
+    return Completion(GenerationRequest([0], kwargs.pop("max_tokens", 8), lambda event: None, **kwargs))
+
+
+def feed(c, tokens, stop_ids=(25,)):
+    events = []
+    for i, token in enumerate(tokens):
+        events += c.accept(token, -float(i), Letters(), frozenset(stop_ids))
+    return events
+
+
+def test_without_streaming_one_event_at_the_end_with_every_token():
+    events = feed(completion(max_tokens=3), [7, 4, 11, 11])
+    assert events == [Event("hel", (7, 4, 11), (-0.0, -1.0, -2.0), "length")]
+
+
+def test_a_stop_token_ends_it_and_is_not_returned():
+    c = completion()
+    assert feed(c, [7, 8, 25, 3]) == [Event("hi", (7, 8), (-0.0, -1.0), "stop")] and c.finished
+
+
+def test_a_stop_string_cuts_text_and_tokens_before_it():
+    events = feed(completion(stop=("ll",)), [7, 4, 11, 11, 14])
+    assert events == [Event("he", (7, 4), (-0.0, -1.0), "stop")]
+
+
+def test_streaming_holds_back_a_possible_stop_and_a_partial_character():
+    events = feed(completion(stream=True, stop=("xy",), max_tokens=5), [0, 23, 1, 26, 2])
+    # "a" goes at once; "x" waits (it may start "xy"); the placeholder waits for the next token.
+    assert [e.text for e in events] == ["a", "xb", "\ufffdc", ""]
+    assert events[-1].finish_reason == "length" and sum(len(e.tokens) for e in events) == 5
+
+
+def test_without_logprobs_events_carry_none_and_cancelled_requests_take_no_tokens():
+    c = completion(logprobs=False, max_tokens=2)
+    assert feed(c, [1, 2]) == [Event("bc", (1, 2), (), "length")]
+    c = completion()
+    c.request.cancelled.set()
+    assert feed(c, [1]) == [] and not c.needs_step
