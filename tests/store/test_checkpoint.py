@@ -267,3 +267,38 @@ def test_round_trip_through_gcs_emulator(gcs_bucket):
     restored, metadata = checkpoint.restore(root, 3, {**_target(TARGETS["4x2-axes-swapped"]), "step": 0})
     assert metadata == {"data": {"position": 3}} and restored.pop("step") == 7
     _assert_tree_equal(restored, host)
+
+
+# A checkpoint written by the first version of the format (tests/store/data/checkpoint_v1, committed with the
+# code that wrote it): every later version must still restore it bit for bit.
+V1_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "checkpoint_v1")
+V1_METADATA = {"config": {"layers": 2, "d_model": 8}, "data_state": {"position": 12}}
+
+
+def _v1_tree(mesh: Mesh) -> dict:
+    """The tree saved as step 3 of V1_ROOT from a 2x4 mesh (so its leaves are split into several pieces)."""
+    kernel = np.arange(32, dtype=np.float32).reshape(4, 8) / 7  # thirds and sevenths: every bit counts
+    bias = np.linspace(-1, 1, 8, dtype=np.float32) / 3
+    half = (np.arange(16, dtype=np.float32).reshape(4, 4) / 9).astype(jnp.bfloat16)
+    params = {"kernel": jax.device_put(kernel, NamedSharding(mesh, P(None, "mp"))),
+              "bias": jax.device_put(bias, NamedSharding(mesh, P())),
+              "half": jax.device_put(half, NamedSharding(mesh, P("dp", None)))}
+    opt_state = {"count": jax.device_put(np.int32(3), NamedSharding(mesh, P())),
+                 "mu": {"kernel": jax.device_put(kernel * -2, NamedSharding(mesh, P("dp", "mp")))},
+                 "schedule": "cosine"}
+    return {"step": jax.device_put(np.int32(3), NamedSharding(mesh, P())), "params": params, "opt_state": opt_state}
+
+
+def test_checkpoint_written_by_format_v1_restores_bitwise_with_its_metadata():
+    expected = _v1_tree(_mesh(2, 4))
+    assert checkpoint.list_steps(V1_ROOT) == [3]
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=TARGETS["1x8"](P()))
+                          if isinstance(x, jax.Array) else x, expected)
+    restored, metadata = checkpoint.restore(V1_ROOT, 3, target)
+    assert metadata == V1_METADATA and checkpoint.read_metadata(V1_ROOT, 3) == V1_METADATA
+    assert restored["opt_state"]["schedule"] == "cosine"
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(expected)):
+        if isinstance(want, jax.Array):
+            got, want = np.asarray(got), np.asarray(want)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            np.testing.assert_array_equal(got.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8))
