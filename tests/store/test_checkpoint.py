@@ -134,9 +134,10 @@ def test_half_written_step_is_ignored_then_cleaned_up(saved):
 def test_retention_keeps_last_and_every(tmp_path):
     root = str(tmp_path / "run")
     tree = {"w": jnp.arange(4.0)}
+    checkpointer = checkpoint.Checkpointer(root, keep_last=2, keep_every=3)
     for step in range(1, 8):
-        checkpoint.save(root, step, tree, keep_last=2, keep_every=3)
-    checkpoint.wait_for_saves()
+        checkpointer.save(step, tree)
+    checkpointer.wait()
     assert checkpoint.list_steps(root) == [3, 6, 7]
     assert sorted(os.listdir(root)) == ["step_3", "step_6", "step_7"]
 
@@ -172,7 +173,7 @@ def test_async_save_keeps_the_values_at_call_time(tmp_path, monkeypatch):
         return real_open(path, mode)
 
     monkeypatch.setattr(storage, "open_file", open_after_donation)
-    handle = checkpoint.save(root, 1, tree)
+    handle = checkpoint.Checkpointer(root).save(1, tree)
     overwrite = jax.jit(lambda t: jax.tree.map(lambda x: x * 0 + 1, t), donate_argnums=0)
     overwritten = overwrite({k: v for k, v in tree.items() if k != "step"})
     jax.block_until_ready(overwritten)
@@ -189,10 +190,11 @@ def test_write_error_is_raised_by_wait_and_nothing_is_committed(tmp_path, monkey
         raise OSError(f"disk full writing {path}")
 
     monkeypatch.setattr(storage, "open_file", broken_open)
-    handle = checkpoint.save(root, 1, {"w": jnp.ones(3)})
+    checkpointer = checkpoint.Checkpointer(root)
+    handle = checkpointer.save(1, {"w": jnp.ones(3)})
     with pytest.raises(OSError, match="disk full"):
         handle.wait()
-    checkpoint.wait_for_saves()  # already reported through the handle: not raised twice
+    checkpointer.wait()  # already reported through the handle: not raised twice
     assert checkpoint.latest_step(root) is None
 
 
@@ -260,9 +262,10 @@ def test_round_trip_through_gcs_emulator(gcs_bucket):
     root = f"gs://{gcs_bucket}/run"
     host = _host_tree()
     tree = _device_tree(host, _mesh(2, 4))
+    checkpointer = checkpoint.Checkpointer(root, keep_last=2)
     for step in (1, 2, 3):
-        checkpoint.save(root, step, tree, {"data": {"position": step}}, keep_last=2)
-    checkpoint.wait_for_saves()
+        checkpointer.save(step, tree, {"data": {"position": step}})
+    checkpointer.wait()
     assert checkpoint.list_steps(root) == [2, 3]
     restored, metadata = checkpoint.restore(root, 3, {**_target(TARGETS["4x2-axes-swapped"]), "step": 0})
     assert metadata == {"data": {"position": 3}} and restored.pop("step") == 7
