@@ -84,7 +84,7 @@ def test_reshard_mp4_to_mp1_to_mp8_keeps_params_and_logits(trained, tmp_path):
     np.testing.assert_allclose(logits[1], logits[4], atol=1e-5, rtol=0)
     np.testing.assert_allclose(logits[8], logits[4], atol=1e-5, rtol=0)
     _assert_trees_equal(dict(convert.iter_params(mp8, cfg1)),
-                        {p: convert._get(state["params"], p) for p, _ in convert.param_paths(cfg1)})
+                        {p: model.get_path(state["params"], p) for p, _ in model.param_paths(cfg1)})
 
 
 def test_slim_model_keeps_params_only_cast(trained, tmp_path):
@@ -170,8 +170,8 @@ def test_resharding_memory_stays_near_one_layer(tmp_path, source_format):
     else:
         writer = StreamingWriter(source, 1, {"config": cfg.to_dict()}, {"mp": 4})
         specs = param_specs(MEGATRON_RULES)
-        for path, _ in convert.param_paths(cfg):
-            writer.add("params/" + "/".join(path), convert._get(params, path), convert._get(specs, path))
+        for path, _ in model.param_paths(cfg):
+            writer.add("params/" + "/".join(path), model.get_path(params, path), model.get_path(specs, path))
         writer.commit()
     total = sum(x.nbytes for x in jax.tree.leaves(params))
     largest_layer = max(x[0].nbytes if path[0].key == "layers" else x.nbytes
