@@ -7,7 +7,6 @@ Weights are streamed one at a time; pytorch_model.bin (pickle) is refused: re-sa
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 
@@ -25,15 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def run() -> int:
-        from mesh_transformer.store import convert, storage
+        from mesh_transformer.store import convert
 
-        if convert.detect_format(args.hf_model) != convert.HF:
-            raise FileNotFoundError(f"{args.hf_model} is not an HF directory (config.json + safetensors)")
-        cfg = convert.source_config(args.hf_model, cores_per_replica=args.cores_per_replica)
-        step_dir = convert.write_checkpoint(args.hf_model, cfg, args.output_ckpt, dtype=args.dtype, slim=True)
-        config_path = storage.join(args.output_ckpt, "config.json")
-        storage.write_bytes_atomic(config_path, json.dumps(cfg.to_dict(), indent=2).encode())
-        print(f"wrote {step_dir} and {config_path}", flush=True)
+        print(convert.import_hf(args.hf_model, args.output_ckpt, cores_per_replica=args.cores_per_replica,
+                                dtype=args.dtype), flush=True)
         return 0
 
     return cli.run_main(run)

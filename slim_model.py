@@ -9,16 +9,24 @@ import logging
 import sys
 
 from mesh_transformer import cli
-from resharding_example import DTYPES, add_io_args, convert_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_io_args(parser)
-    parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="dtype of the params (default: bf16)")
+    cli.add_convert_args(parser)
+    parser.add_argument("--dtype", choices=cli.CONVERT_DTYPES, default="bf16",
+                        help="dtype of the params (default: bf16)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return cli.run_main(lambda: convert_checkpoint(args, None, args.dtype, slim=True))
+
+    def run() -> int:
+        from mesh_transformer.store import convert
+
+        print(convert.convert_checkpoint(args.input_ckpt, cli.load_config(args), args.output_ckpt, dtype=args.dtype,
+                                         slim=True), flush=True)
+        return 0
+
+    return cli.run_main(run)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,17 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
                         help="override a config key (value parsed as JSON, else a string); repeatable")
 
 
+CONVERT_DTYPES = ("bf16", "fp16", "fp32")  # --dtype of the checkpoint converters
+
+
+def add_convert_args(parser: argparse.ArgumentParser) -> None:
+    """The input, config and output flags of resharding_example.py and slim_model.py."""
+    parser.add_argument("--input-ckpt", required=True,
+                        help="our checkpoint (root or step dir), an original step_N dir, or an HF directory")
+    add_config_args(parser)
+    parser.add_argument("--output-ckpt", required=True, help="checkpoint root to write step_N under (local or gs://)")
+
+
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("multi-host (omit to auto-detect, e.g. on TPU VMs and SLURM)")
     group.add_argument("--coordinator", help="host:port of process 0")

@@ -9,11 +9,11 @@ import threading
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mesh_transformer.store import checkpoint
+from mesh_transformer.store import checkpoint_format
 
 if os.environ.get("STALL_CHECKPOINT_STEP"):
     stall_step = int(os.environ["STALL_CHECKPOINT_STEP"])
-    write_index = checkpoint._write_index
+    write_index = checkpoint_format.write_index
 
     def stalled_write_index(directory, step, *args, **kwargs):
         write_index(directory, step, *args, **kwargs)
@@ -21,7 +21,7 @@ if os.environ.get("STALL_CHECKPOINT_STEP"):
             open(os.environ["STALL_MARKER"], "w").close()
             threading.Event().wait()
 
-    checkpoint._write_index = stalled_write_index
+    checkpoint_format.write_index = stalled_write_index
 
 import device_train
 

@@ -5,8 +5,9 @@ jit with shardings (with a `constrain` hook for activations).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from mesh_transformer.model import layers
 from mesh_transformer.config import Config
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+Path = tuple[str, ...]  # a param's keys from the root of the tree, e.g. ("layers", "attn", "q")
 HIDDEN_AXES = ("batch", "length", "embed")
 LOGITS_AXES = ("batch", "length", "vocab")
 # (x, logical axes) -> x placed as a parallelism mode wants; the GSPMD path passes one, the model never sees a mesh.
@@ -58,6 +60,26 @@ def param_shapes(cfg: Config, dtype=jnp.float32) -> dict:
     sizes = axis_sizes(cfg)
     return jax.tree.map(lambda axes: jax.ShapeDtypeStruct(tuple(sizes[a] for a in axes), dtype), PARAM_AXES,
                         is_leaf=is_axes)
+
+
+def param_paths(cfg: Config) -> list[tuple[Path, jax.ShapeDtypeStruct]]:
+    """(path, global shape) of every param, in the param tree's flattening order."""
+    flat = jax.tree_util.tree_flatten_with_path(param_shapes(cfg))[0]
+    return [(tuple(key.key for key in keypath), shape) for keypath, shape in flat]
+
+
+def get_path(tree: Mapping, path: Path) -> Any:
+    """The node at `path` of a param tree, or of a tree shaped like it (shapes, specs, shardings)."""
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def set_path(tree: dict, path: Path, value: Any) -> None:
+    """Puts `value` at `path` of a nested dict, making the dicts on the way."""
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
 
 
 def unstack_layers(params: dict, split: Callable | None = None) -> dict:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
 import jax
@@ -83,6 +83,17 @@ def param_specs(rules: Rules) -> dict:
     return jax.tree.map(lambda axes: logical_to_spec(axes, rules), gptj.PARAM_AXES, is_leaf=gptj.is_axes)
 
 
+def followed_param(key_path: Sequence[str], shape: Sequence[int],
+                   param_shapes: Mapping[gptj.Path, Sequence[int]]) -> gptj.Path | None:
+    """The param an optimizer leaf is placed like: the one whose path ends the leaf's key path and whose shape is the
+    leaf's (an Adam moment); None for the rest (counters), which are replicated or kept whole."""
+    for start in range(len(key_path)):
+        param = tuple(key_path[start:])
+        if param in param_shapes and tuple(param_shapes[param]) == tuple(shape):
+            return param
+    return None
+
+
 def unstacked(tree: dict, n_layers: int) -> dict:
     """A param-shaped tree of specs or shardings with "layers" as a list of per-layer trees (the leading L dropped),
     as `gptj.unstack_layers` makes of the params."""
@@ -135,10 +146,12 @@ class Layout:
         like that param; the rest (counters) is replicated."""
         flat = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
         by_path = {tuple(k.key for k in path): s for path, s in flat}
+        shapes = {path: s.shape for path, s in by_path.items()}
 
         def place(path, leaf):
-            param = by_path.get(tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)))
-            return param.sharding if param is not None and param.shape == leaf.shape else self.replicated
+            keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+            param = followed_param(keys, leaf.shape, shapes)
+            return self.replicated if param is None else by_path[param].sharding
 
         return jax.tree_util.tree_map_with_path(place, abstract_tree)
 

@@ -2,8 +2,9 @@
 
 `StreamingWriter` lays a global numpy array out in the pieces a mesh layout would give it (a PartitionSpec over named
 axis sizes, e.g. {'mp': 8}), streaming each piece file as slices along the first axis arrive (one layer at a time), then
-writes the index and the commit record exactly as `checkpoint.save` does, so `checkpoint.restore` reads the result onto
-any mesh. `LeafReader` reads whole leaves, or slices of them, from a committed checkpoint.
+writes the index and the commit record of checkpoint_format.py as a `checkpoint.Checkpointer` does, so
+`checkpoint.restore` reads the result onto any mesh. `LeafReader` reads whole leaves, or slices of them, from a
+committed checkpoint.
 """
 from __future__ import annotations
 
@@ -17,11 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from mesh_transformer.store import checkpoint_format as fmt
 from mesh_transformer.store import storage
-from mesh_transformer.store.checkpoint import (_VALUE_TYPES, FORMAT_VERSION, _HashingWriter, _is_committed, _piece_name,
-                                         _PieceReader, _read_index, _read_slice, _storable, _write_commit, step_dir)
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, stop) per dimension
+from mesh_transformer.store.checkpoint_format import Box, step_dir
 
 
 def piece_boxes(shape: tuple[int, ...], spec: PartitionSpec | None, axis_sizes: Mapping[str, int]) -> list[Box]:
@@ -50,7 +49,7 @@ class StreamingWriter:
 
     def __init__(self, root: str, step: int, metadata: dict | None = None,
                  axis_sizes: Mapping[str, int] | None = None):
-        if _is_committed(root, step):
+        if fmt.is_committed(root, step):
             raise FileExistsError(f"{step_dir(root, step)} is already a committed checkpoint; choose another output")
         self._directory = step_dir(root, step)
         if storage.exists(self._directory):  # leftovers of an interrupted write of this step
@@ -66,7 +65,7 @@ class StreamingWriter:
 
     def add(self, path: str, array: Any, spec: PartitionSpec | None = None) -> None:
         """Writes one whole leaf: an array (split as `spec` places it) or a bool/int/float/str value."""
-        if isinstance(array, _VALUE_TYPES):
+        if isinstance(array, fmt.VALUE_TYPES):
             self._new_leaf(path, {"value": array})
             return
         array = np.asarray(array)
@@ -79,13 +78,13 @@ class StreamingWriter:
         Every piece file is open at once and gets each slice's part appended, so memory holds one slice.
         """
         shape, dtype = tuple(shape), np.dtype(dtype)
-        stored = _storable(np.empty(0, dtype)).dtype
+        stored = fmt.storable(np.empty(0, dtype)).dtype
         pieces, files = [], []
         try:
             for start, stop in piece_boxes(shape, spec, self._axis_sizes):
-                name = _piece_name(path, start, stop)
+                name = fmt.piece_name(path, start, stop)
                 f = storage.open_file(storage.join(self._directory, name), "wb")
-                writer = _HashingWriter(f)
+                writer = fmt.HashingWriter(f)
                 files.append(f)
                 np.lib.format.write_array_header_1_0(writer, {
                     "descr": np.lib.format.dtype_to_descr(stored), "fortran_order": False,
@@ -97,9 +96,8 @@ class StreamingWriter:
                 f.close()
         if shape and rows != shape[0]:
             raise ValueError(f"leaf '{path}' got {rows} of its {shape[0]} rows")
-        self._new_leaf(path, {"shape": list(shape), "dtype": dtype.name, "pieces": [
-            {"file": name, "start": list(start), "stop": list(stop), "sha256": writer.sha256.hexdigest()}
-            for name, start, stop, writer in pieces]})
+        self._new_leaf(path, {"shape": list(shape), "dtype": dtype.name,
+                              "pieces": [fmt.piece_entry(*piece) for piece in pieces]})
 
     @staticmethod
     def _write_chunks(path: str, shape: tuple[int, ...], dtype: np.dtype, chunks: Iterable[np.ndarray],
@@ -108,7 +106,7 @@ class StreamingWriter:
         for chunk in chunks:
             chunk = np.asarray(chunk)
             if not shape:
-                pieces[0][3].write(_raw_bytes(_storable(chunk.astype(dtype))))
+                pieces[0][3].write(_raw_bytes(fmt.storable(chunk.astype(dtype))))
                 continue
             if chunk.shape[1:] != shape[1:] or done + chunk.shape[0] > shape[0]:
                 raise ValueError(f"leaf '{path}' of shape {shape} got a slice of shape {chunk.shape} after {done} rows")
@@ -116,7 +114,7 @@ class StreamingWriter:
                 lo, hi = max(start[0], done), min(stop[0], done + chunk.shape[0])
                 if lo < hi:
                     part = chunk[(slice(lo - done, hi - done), *(slice(a, b) for a, b in zip(start[1:], stop[1:])))]
-                    writer.write(_raw_bytes(_storable(part.astype(dtype, copy=False))))
+                    writer.write(_raw_bytes(fmt.storable(part.astype(dtype, copy=False))))
             done += chunk.shape[0]
         return done
 
@@ -127,10 +125,8 @@ class StreamingWriter:
 
     def commit(self) -> None:
         """Writes the index, then the commit record that makes the step visible."""
-        index = {"format_version": FORMAT_VERSION, "step": self._step, "process_index": 0,
-                 "metadata": self._metadata, "leaves": self._leaves}
-        storage.write_bytes_atomic(storage.join(self._directory, "index_p0.json"), json.dumps(index).encode())
-        _write_commit(self._directory, self._step, 1)
+        fmt.write_index(self._directory, self._step, 0, self._leaves, self._metadata)
+        fmt.write_commit(self._directory, self._step, 1)
 
 
 class LeafReader:
@@ -138,8 +134,8 @@ class LeafReader:
 
     def __init__(self, root: str, step: int):
         self.root, self.step = root, step
-        self.leaves, self.metadata = _read_index(root, step)
-        self._pieces = _PieceReader(step_dir(root, step))
+        self.leaves, self.metadata = fmt.read_index(root, step)
+        self._pieces = fmt.PieceReader(step_dir(root, step))
         self._current: str | None = None
 
     def shape(self, path: str) -> tuple[int, ...]:
@@ -159,4 +155,4 @@ class LeafReader:
             self._pieces.forget()
             self._current = path
         full = tuple(index) + (slice(None),) * (len(entry["shape"]) - len(index))
-        return _read_slice(self._pieces, path, entry, full, jnp.dtype(entry["dtype"]))
+        return self._pieces.read_slice(path, entry, full, jnp.dtype(entry["dtype"]))

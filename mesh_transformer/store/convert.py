@@ -24,7 +24,8 @@ from tqdm import tqdm
 from mesh_transformer.store import checkpoint, hf, mtj_v1, safetensors_io, storage
 from mesh_transformer import config
 from mesh_transformer.model import gptj as model
-from mesh_transformer.parallel.layout import MEGATRON_RULES, Layout, param_specs
+from mesh_transformer.model.gptj import Path, get_path, param_paths, set_path
+from mesh_transformer.parallel.layout import MEGATRON_RULES, Layout, followed_param, param_specs
 from mesh_transformer.store.checkpoint_stream import LeafReader, StreamingWriter
 from mesh_transformer.config import Config, ConfigError
 from mesh_transformer.parallel.mesh import DP, MP
@@ -35,7 +36,6 @@ CHECKPOINT, MTJ_V1, HF = "checkpoint", "mtj_v1", "hf"
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _SHAPE_KEYS = ("layers", "d_model", "n_heads", "n_vocab", "pe_rotary_dims")
 _PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
-Path = tuple[str, ...]
 
 
 def parse_dtype(name: Any) -> np.dtype:
@@ -46,24 +46,6 @@ def parse_dtype(name: Any) -> np.dtype:
     if full not in model.DTYPES:
         raise ConfigError(f"dtype {name!r} must be one of {', '.join([*DTYPE_NAMES, *model.DTYPES])}")
     return np.dtype(model.DTYPES[full])
-
-
-def param_paths(cfg: Config) -> list[tuple[Path, jax.ShapeDtypeStruct]]:
-    """(path, global shape) of every param, in the param tree's flattening order."""
-    flat = jax.tree_util.tree_flatten_with_path(model.param_shapes(cfg))[0]
-    return [(tuple(key.key for key in keypath), shape) for keypath, shape in flat]
-
-
-def _get(tree: Mapping, path: Path) -> Any:
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
-def _set(tree: dict, path: Path, value: Any) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
 
 
 def _check_config(saved: Mapping, cfg: Config, where: str) -> None:
@@ -254,23 +236,40 @@ def load_params(layout: Layout, source: str, dtype: Any = None) -> dict:
     with open_params(source, cfg, fmt) as reader:
         for path, like in tqdm(param_paths(cfg), desc="loading params", unit="array", leave=False):
             array = read_array(reader, path, like.shape, dtype)
-            _set(params, path, jax.make_array_from_callback(like.shape, _get(shardings, path),
+            set_path(params, path, jax.make_array_from_callback(like.shape, get_path(shardings, path),
                                                             lambda index, a=array: a[index]))
     return params
 
 
 # ----------------------------------------------------------------------------------------------------------- writers
-def _leaf_specs(cfg: Config) -> dict[str, tuple[Any, tuple[int, ...]]]:
+def _copy_leaf(writer: StreamingWriter, leaf: str, read: Any, key: Any, shape: tuple[int, ...], layered: bool,
+               dtype: np.dtype | None, spec: Any) -> None:
+    """Streams one array from `read(key[, layer])` into `writer` as `leaf`, layer by layer when `layered`."""
+    chunks = _layer_chunks(read, key, shape, layered, dtype)
+    first = next(chunks)  # its dtype is the one written: the stored one unless `dtype` casts
+    writer.add_chunks(leaf, shape, first.dtype, itertools.chain([first], chunks), spec)
+
+
+def _write_leaves(reader: Any, writer: StreamingWriter, cfg: Config, extra: list[str], dtype: np.dtype | None) -> None:
+    """The params (cast to `dtype`) and then the `extra` leaves, split as the Megatron layout places them."""
     specs = param_specs(MEGATRON_RULES)
-    return {"/".join(path): (_get(specs, path), like.shape) for path, like in param_paths(cfg)}
-
-
-def _spec_for(leaf: str, shape: tuple[int, ...], by_param: Mapping[str, tuple[Any, tuple[int, ...]]]) -> Any:
-    """An optimizer leaf is split like the param it mirrors (same path suffix and shape); anything else is whole."""
-    for name, (spec, param_shape) in by_param.items():
-        if leaf.endswith("/" + name) and shape == param_shape:
-            return spec
-    return None
+    params = param_paths(cfg)
+    shapes = {path: like.shape for path, like in params}
+    with tqdm(total=len(params) + len(extra), desc=f"writing {writer.directory}", unit="array") as bar:
+        for path, like in params:
+            _copy_leaf(writer, "params/" + "/".join(path), reader.read, path, like.shape, path[0] == "layers", dtype,
+                       get_path(specs, path))
+            bar.update()
+        for leaf in extra:
+            shape = reader.leaf_shape(leaf)
+            if shape is None:
+                writer.add(leaf, reader.read_leaf(leaf))
+            else:  # optimizer state: split like the param it follows, as training places it; the rest whole
+                param = followed_param(leaf.split("/"), shape, shapes)
+                layered = bool(shape) and "layers" in leaf.split("/")
+                _copy_leaf(writer, leaf, reader.read_leaf, leaf, shape, layered, None,
+                           None if param is None else get_path(specs, param))
+            bar.update()
 
 
 def write_checkpoint(source: str, cfg: Config, output: str, *, cores_per_replica: int | None = None,
@@ -293,31 +292,40 @@ def write_checkpoint(source: str, cfg: Config, output: str, *, cores_per_replica
         elif not slim:
             log.warning("%s is a %s checkpoint: only its params are converted, no optimizer state", source, fmt)
         writer = StreamingWriter(output, reader.step, metadata, {DP: 1, MP: out_cfg.cores_per_replica})
-        by_param = _leaf_specs(out_cfg)
-        params = param_paths(cfg)
-        with tqdm(total=len(params) + len(extra), desc=f"writing {writer.directory}", unit="array") as bar:
-            for path, like in params:
-                chunks = _layer_chunks(reader.read, path, like.shape, path[0] == "layers", dtype)
-                first = next(chunks)
-                name = "/".join(path)
-                writer.add_chunks("params/" + name, like.shape, first.dtype, itertools.chain([first], chunks),
-                                  by_param[name][0])
-                bar.update()
-            for leaf in extra:
-                shape = reader.leaf_shape(leaf)
-                if shape is None:
-                    writer.add(leaf, reader.read_leaf(leaf))
-                else:
-                    layered = bool(shape) and "layers" in leaf.split("/")
-                    chunks = _layer_chunks(reader.read_leaf, leaf, shape, layered, None)
-                    first = next(chunks)
-                    writer.add_chunks(leaf, shape, first.dtype, itertools.chain([first], chunks),
-                                      _spec_for(leaf, shape, by_param))
-                bar.update()
+        _write_leaves(reader, writer, cfg, extra, dtype)
         writer.add("step", np.asarray(reader.step, np.int32))
         writer.commit()
     log.info("wrote checkpoint %s for cores_per_replica %d", writer.directory, out_cfg.cores_per_replica)
     return writer.directory
+
+
+def _write_with_config(source: str, cfg: Config, output: str, **options: Any) -> tuple[str, str, dict]:
+    """`write_checkpoint`, then the written model's config as {output}/config.json, which the training, sampling
+    and serving tools load; returns (step directory, config path, config)."""
+    step_dir = write_checkpoint(source, cfg, output, **options)
+    out_cfg = checkpoint.read_metadata(*checkpoint.find_step(step_dir))["config"]
+    config_path = storage.join(output, "config.json")
+    storage.write_bytes_atomic(config_path, json.dumps(out_cfg, indent=2).encode())
+    return step_dir, config_path, out_cfg
+
+
+def convert_checkpoint(source: str, cfg: Config, output: str, *, cores_per_replica: int | None = None,
+                       dtype: Any = None, slim: bool = False) -> str:
+    """A checkpoint of any format rewritten as ours (see `write_checkpoint`) with its config.json beside the steps;
+    returns a one-line summary (resharding_example.py, slim_model.py)."""
+    step_dir, _, out_cfg = _write_with_config(source, cfg, output, cores_per_replica=cores_per_replica, dtype=dtype,
+                                              slim=slim)
+    return f"wrote {step_dir} (cores_per_replica {out_cfg['cores_per_replica']})"
+
+
+def import_hf(hf_dir: str, output: str, *, cores_per_replica: int = 1, dtype: Any = None) -> str:
+    """An HF GPT-J directory as our slim checkpoint (step 0) with its config.json, for `cores_per_replica`; returns a
+    one-line summary (from_hf_weights.py)."""
+    if detect_format(hf_dir) != HF:
+        raise FileNotFoundError(f"{hf_dir} is not an HF directory (config.json + safetensors)")
+    cfg = source_config(hf_dir, cores_per_replica=cores_per_replica)
+    step_dir, config_path, _ = _write_with_config(hf_dir, cfg, output, dtype=dtype, slim=True)
+    return f"wrote {step_dir} and {config_path}"
 
 
 def write_hf(source: str, cfg: Config, output: str, *, dtype: Any = "fp16", max_shard_bytes: int = 5 * 10**9,

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator, Mapping
 import numpy as np
 
 from mesh_transformer.config import Config
+from mesh_transformer.model.gptj import get_path, param_shapes, set_path
 
 GPT2_EOS = 50256
 
@@ -30,18 +31,6 @@ _TOP_NAMES = [
     (("lm_head", "kernel"), "lm_head.weight", True),
     (("lm_head", "bias"), "lm_head.bias", False),
 ]
-
-
-def _get(tree: Mapping, path: tuple[str, ...]):
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
-def _set(tree: dict, path: tuple[str, ...], value) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
 
 
 def hf_layout(n_layers: int) -> list[tuple[tuple[str, ...], int | None, str, bool]]:
@@ -74,13 +63,11 @@ def to_hf_arrays(get: Callable[[tuple[str, ...]], np.ndarray], n_layers: int) ->
 
 def params_to_hf(params: Mapping, n_layers: int) -> dict[str, np.ndarray]:
     """Our param tree (numpy or jax arrays) as an HF GPTJForCausalLM state dict of numpy arrays."""
-    return dict(to_hf_arrays(lambda path: np.asarray(_get(params, path)), n_layers))
+    return dict(to_hf_arrays(lambda path: np.asarray(get_path(params, path)), n_layers))
 
 
 def hf_to_params(state: Mapping[str, np.ndarray], cfg: Config) -> dict:
     """An HF GPTJForCausalLM state dict (numpy arrays) as our param tree; checks every name and shape."""
-    from mesh_transformer.model.gptj import param_shapes
-
     shapes = param_shapes(cfg)
     params: dict = {}
 
@@ -90,10 +77,10 @@ def hf_to_params(state: Mapping[str, np.ndarray], cfg: Config) -> dict:
         return np.asarray(state[name])
 
     def place(path, array):
-        want = _get(shapes, path).shape
+        want = get_path(shapes, path).shape
         if array.shape != want:
             raise ValueError(f"HF weight for {'/'.join(path)} has shape {array.shape}, the config needs {want}")
-        _set(params, path, array)
+        set_path(params, path, array)
 
     for path, name, transpose in _TOP_NAMES:
         array = take(name)

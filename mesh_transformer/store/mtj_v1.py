@@ -20,7 +20,7 @@ import numpy as np
 
 from mesh_transformer.store import storage
 from mesh_transformer.config import Config, ConfigError
-from mesh_transformer.model.gptj import param_shapes
+from mesh_transformer.model import gptj
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class Reader:
                               f"checkpoint")
         self._leaf_index = {name: first + i for i, name in enumerate(names)}
         self._file_counts = counts
-        self._shapes = {path: s.shape for path, s in _flat_shapes(cfg)}
+        self._shapes = {path: like.shape for path, like in gptj.param_paths(cfg)}
         self._check_shapes()
         match = _STEP_DIR.match(step_dir.rstrip("/").rpartition("/")[2])
         self.step = int(match.group(1)) if match else int(np.asarray(self._load(0, sum(counts) - 1)).reshape(-1)[0])
@@ -289,17 +289,6 @@ class Reader:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _flat_shapes(cfg: Config) -> list[tuple[tuple[str, ...], object]]:
-    shapes = param_shapes(cfg)
-    out = []
-    for path in param_paths():
-        node = shapes
-        for key in path:
-            node = node[key]
-        out.append((path, node))
-    return out
 
 
 def iter_params(path: str, cfg: Config, shards: int | None = None) -> Iterator[tuple[tuple[str, ...], np.ndarray]]:

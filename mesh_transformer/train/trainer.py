@@ -75,6 +75,7 @@ class Trainer:
         _check_inputs(cfg)
         self.cfg = cfg
         self.root = cfg.model_path
+        self.checkpointer = checkpoint.Checkpointer(self.root, keep_last=cfg.keep_last, keep_every=cfg.keep_every)
         self.layout = make_layout(cfg)
         self.mesh, self.global_batch = self.layout.mesh, self.layout.global_batch
         self.optimizer = optim.make_optimizer(cfg)
@@ -118,8 +119,7 @@ class Trainer:
         if self.last_saved_step == self.step:
             return
         metadata = {"config": self.cfg.to_dict(), "data_state": self.dataset.state()}
-        checkpoint.save(self.root, self.step, self.state, metadata, keep_last=self.cfg.keep_last,
-                        keep_every=self.cfg.keep_every, blocking=blocking)
+        self.checkpointer.save(self.step, self.state, metadata, blocking=blocking)
         self.last_saved_step = self.step
 
     def validate(self) -> dict[str, float]:
@@ -189,7 +189,7 @@ class Trainer:
                 log.info("stop requested: writing a checkpoint at step %d", self.step)
             self.save(blocking=True)
         finally:
-            checkpoint.wait_for_saves()  # a save already under way completes even when training fails
+            self.checkpointer.wait()  # a save already under way completes even when training fails
             bar.close()
             self.metrics.close()
             self.dataset.close()

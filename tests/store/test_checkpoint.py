@@ -134,9 +134,10 @@ def test_half_written_step_is_ignored_then_cleaned_up(saved):
 def test_retention_keeps_last_and_every(tmp_path):
     root = str(tmp_path / "run")
     tree = {"w": jnp.arange(4.0)}
+    checkpointer = checkpoint.Checkpointer(root, keep_last=2, keep_every=3)
     for step in range(1, 8):
-        checkpoint.save(root, step, tree, keep_last=2, keep_every=3)
-    checkpoint.wait_for_saves()
+        checkpointer.save(step, tree)
+    checkpointer.wait()
     assert checkpoint.list_steps(root) == [3, 6, 7]
     assert sorted(os.listdir(root)) == ["step_3", "step_6", "step_7"]
 
@@ -172,7 +173,7 @@ def test_async_save_keeps_the_values_at_call_time(tmp_path, monkeypatch):
         return real_open(path, mode)
 
     monkeypatch.setattr(storage, "open_file", open_after_donation)
-    handle = checkpoint.save(root, 1, tree)
+    handle = checkpoint.Checkpointer(root).save(1, tree)
     overwrite = jax.jit(lambda t: jax.tree.map(lambda x: x * 0 + 1, t), donate_argnums=0)
     overwritten = overwrite({k: v for k, v in tree.items() if k != "step"})
     jax.block_until_ready(overwritten)
@@ -189,10 +190,11 @@ def test_write_error_is_raised_by_wait_and_nothing_is_committed(tmp_path, monkey
         raise OSError(f"disk full writing {path}")
 
     monkeypatch.setattr(storage, "open_file", broken_open)
-    handle = checkpoint.save(root, 1, {"w": jnp.ones(3)})
+    checkpointer = checkpoint.Checkpointer(root)
+    handle = checkpointer.save(1, {"w": jnp.ones(3)})
     with pytest.raises(OSError, match="disk full"):
         handle.wait()
-    checkpoint.wait_for_saves()  # already reported through the handle: not raised twice
+    checkpointer.wait()  # already reported through the handle: not raised twice
     assert checkpoint.latest_step(root) is None
 
 
@@ -260,10 +262,46 @@ def test_round_trip_through_gcs_emulator(gcs_bucket):
     root = f"gs://{gcs_bucket}/run"
     host = _host_tree()
     tree = _device_tree(host, _mesh(2, 4))
+    checkpointer = checkpoint.Checkpointer(root, keep_last=2)
     for step in (1, 2, 3):
-        checkpoint.save(root, step, tree, {"data": {"position": step}}, keep_last=2)
-    checkpoint.wait_for_saves()
+        checkpointer.save(step, tree, {"data": {"position": step}})
+    checkpointer.wait()
     assert checkpoint.list_steps(root) == [2, 3]
     restored, metadata = checkpoint.restore(root, 3, {**_target(TARGETS["4x2-axes-swapped"]), "step": 0})
     assert metadata == {"data": {"position": 3}} and restored.pop("step") == 7
     _assert_tree_equal(restored, host)
+
+
+# A checkpoint written by the first version of the format (tests/store/data/checkpoint_v1, committed with the
+# code that wrote it): every later version must still restore it bit for bit.
+V1_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "checkpoint_v1")
+V1_METADATA = {"config": {"layers": 2, "d_model": 8}, "data_state": {"position": 12}}
+
+
+def _v1_tree(mesh: Mesh) -> dict:
+    """The tree saved as step 3 of V1_ROOT from a 2x4 mesh (so its leaves are split into several pieces)."""
+    kernel = np.arange(32, dtype=np.float32).reshape(4, 8) / 7  # thirds and sevenths: every bit counts
+    bias = np.linspace(-1, 1, 8, dtype=np.float32) / 3
+    half = (np.arange(16, dtype=np.float32).reshape(4, 4) / 9).astype(jnp.bfloat16)
+    params = {"kernel": jax.device_put(kernel, NamedSharding(mesh, P(None, "mp"))),
+              "bias": jax.device_put(bias, NamedSharding(mesh, P())),
+              "half": jax.device_put(half, NamedSharding(mesh, P("dp", None)))}
+    opt_state = {"count": jax.device_put(np.int32(3), NamedSharding(mesh, P())),
+                 "mu": {"kernel": jax.device_put(kernel * -2, NamedSharding(mesh, P("dp", "mp")))},
+                 "schedule": "cosine"}
+    return {"step": jax.device_put(np.int32(3), NamedSharding(mesh, P())), "params": params, "opt_state": opt_state}
+
+
+def test_checkpoint_written_by_format_v1_restores_bitwise_with_its_metadata():
+    expected = _v1_tree(_mesh(2, 4))
+    assert checkpoint.list_steps(V1_ROOT) == [3]
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=TARGETS["1x8"](P()))
+                          if isinstance(x, jax.Array) else x, expected)
+    restored, metadata = checkpoint.restore(V1_ROOT, 3, target)
+    assert metadata == V1_METADATA and checkpoint.read_metadata(V1_ROOT, 3) == V1_METADATA
+    assert restored["opt_state"]["schedule"] == "cosine"
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(expected)):
+        if isinstance(want, jax.Array):
+            got, want = np.asarray(got), np.asarray(want)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            np.testing.assert_array_equal(got.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8))

@@ -13,10 +13,6 @@ import pytest
 import torch
 from transformers import AutoTokenizer, GPTJForCausalLM
 
-import from_hf_weights
-import resharding_example
-import slim_model
-import to_hf_weights
 from mesh_transformer.store import checkpoint, convert, storage
 from mesh_transformer import config
 from mesh_transformer.parallel import mesh
@@ -24,9 +20,11 @@ from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.model import gptj as model
 from mesh_transformer.train import optim
 from mesh_transformer.store.checkpoint_stream import StreamingWriter
+from mesh_transformer.store.safetensors_io import parse_size
 from mesh_transformer.parallel.layout import MEGATRON_RULES, param_specs
 from mesh_transformer.train.state import abstract_train_state
 from tests.gcs_emulator import create_bucket, gcs_emulator
+from tests.helpers import run_script
 from tests.store.test_mtj_v1 import original_shards, random_params, write_mtj_v1
 
 CONFIG = "configs/tiny_rot_partial.json"  # 2 layers, D 64, 8 heads, V 256
@@ -69,8 +67,7 @@ def test_reshard_mp4_to_mp1_to_mp8_keeps_params_and_logits(trained, tmp_path):
     root, state = trained
     mp1, mp8 = str(tmp_path / "mp1"), str(tmp_path / "mp8")
     for source, out, mp in [(root, mp1, 1), (f"{mp1}/step_3", mp8, 8)]:
-        assert resharding_example.main(["--input-ckpt", source, "--config", CONFIG, "--output-ckpt", out,
-                                        "--cores-per-replica", str(mp)]) == 0
+        convert.convert_checkpoint(source, config.load(CONFIG), out, cores_per_replica=mp)
         assert _pieces(out, "params/embed/wte") == mp and _pieces(out, "params/layers/attn/q") == mp
         assert _pieces(out, "opt_state/1/mu/layers/attn/q") == mp
     # Not slim: the whole train state (optimizer too) and the data position come along, restorable for training.
@@ -84,13 +81,14 @@ def test_reshard_mp4_to_mp1_to_mp8_keeps_params_and_logits(trained, tmp_path):
     np.testing.assert_allclose(logits[1], logits[4], atol=1e-5, rtol=0)
     np.testing.assert_allclose(logits[8], logits[4], atol=1e-5, rtol=0)
     _assert_trees_equal(dict(convert.iter_params(mp8, cfg1)),
-                        {p: convert._get(state["params"], p) for p, _ in convert.param_paths(cfg1)})
+                        {p: model.get_path(state["params"], p) for p, _ in model.param_paths(cfg1)})
 
 
 def test_slim_model_keeps_params_only_cast(trained, tmp_path):
     root, state = trained
     out = str(tmp_path / "slim")
-    assert slim_model.main(["--input-ckpt", root, "--config", CONFIG, "--output-ckpt", out]) == 0
+    result = run_script("slim_model.py", "--input-ckpt", root, "--config", CONFIG, "--output-ckpt", out)
+    assert result.returncode == 0, result.stderr[-3000:]
     index = json.loads(storage.read_bytes(os.path.join(checkpoint.step_dir(out, 3), "index_p0.json")))["leaves"]
     assert {p.split("/")[0] for p in index} == {"params", "step"}
     assert {e["dtype"] for p, e in index.items() if p != "step"} == {"bfloat16"}
@@ -98,15 +96,15 @@ def test_slim_model_keeps_params_only_cast(trained, tmp_path):
     _assert_trees_equal(slim, jax.tree.map(lambda x: x.astype(ml_dtypes.bfloat16), state["params"]))
 
 
-def _export(source: str, out: str, *extra: str) -> None:
-    assert to_hf_weights.main(["--input-ckpt", source, "--config", CONFIG, "--output-path", out, *extra]) == 0
+def _export(source: str, out: str, **options) -> None:
+    convert.write_hf(source, config.load(CONFIG), out, **options)
 
 
 def test_hf_round_trip_is_bit_exact_in_f32(trained, tmp_path):
     root, state = trained
     hf_dir, back = str(tmp_path / "hf"), str(tmp_path / "back")
-    _export(root, hf_dir, "--dtype", "fp32")
-    assert from_hf_weights.main(["--hf-model", hf_dir, "--output-ckpt", back, "--cores-per-replica", "2"]) == 0
+    _export(root, hf_dir, dtype="fp32")
+    convert.import_hf(hf_dir, back, cores_per_replica=2)
     cfg = config.load(os.path.join(back, "config.json"))
     assert (cfg.layers, cfg.d_model, cfg.n_heads, cfg.n_vocab, cfg.pe_rotary_dims, cfg.cores_per_replica) == (
         CFG4.layers, CFG4.d_model, CFG4.n_heads, CFG4.n_vocab, CFG4.pe_rotary_dims, 2)
@@ -117,7 +115,7 @@ def test_hf_round_trip_is_bit_exact_in_f32(trained, tmp_path):
 def test_export_split_over_files_loads_in_transformers_with_our_logits(trained, tmp_path):
     root, state = trained
     out = str(tmp_path / "hf")
-    _export(root, out, "--dtype", "fp32", "--max-shard-size", "100KB")
+    _export(root, out, dtype="fp32", max_shard_bytes=parse_size("100KB"))
     index = json.loads(open(os.path.join(out, "model.safetensors.index.json")).read())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 2 and all(os.path.getsize(os.path.join(out, f)) <= 100_000 + 4096 for f in files)
@@ -144,10 +142,10 @@ def test_export_and_import_through_gcs(trained):
     root, state = trained
     with gcs_emulator() as url:
         create_bucket(url, "models")
-        _export(root, "gs://models/hf", "--dtype", "fp32", "--max-shard-size", "200KB")
+        _export(root, "gs://models/hf", dtype="fp32", max_shard_bytes=parse_size("200KB"))
         names = storage.listdir("gs://models/hf")
         assert {"config.json", "model.safetensors.index.json", "tokenizer.json"} <= set(names)
-        assert from_hf_weights.main(["--hf-model", "gs://models/hf", "--output-ckpt", "gs://models/ours"]) == 0
+        convert.import_hf("gs://models/hf", "gs://models/ours")
         assert convert.detect_format("gs://models/ours") == convert.CHECKPOINT
         layout = make_layout(_cfg(1), mesh=mesh.make_dp_mp(1, 1))
         params = convert.load_params(layout, "gs://models/ours/step_0", "fp32")
@@ -170,8 +168,8 @@ def test_resharding_memory_stays_near_one_layer(tmp_path, source_format):
     else:
         writer = StreamingWriter(source, 1, {"config": cfg.to_dict()}, {"mp": 4})
         specs = param_specs(MEGATRON_RULES)
-        for path, _ in convert.param_paths(cfg):
-            writer.add("params/" + "/".join(path), convert._get(params, path), convert._get(specs, path))
+        for path, _ in model.param_paths(cfg):
+            writer.add("params/" + "/".join(path), model.get_path(params, path), model.get_path(specs, path))
         writer.commit()
     total = sum(x.nbytes for x in jax.tree.leaves(params))
     largest_layer = max(x[0].nbytes if path[0].key == "layers" else x.nbytes
@@ -191,7 +189,7 @@ def test_resharding_memory_stays_near_one_layer(tmp_path, source_format):
           f"model {total / 2**20:.1f} MiB")
 
 
-def test_pytorch_pickle_weights_are_refused(tmp_path, capsys):
+def test_pytorch_pickle_weights_are_refused(tmp_path):
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text(json.dumps({"model_type": "gptj", "n_layer": 2, "n_embd": 64, "n_head": 8,
@@ -199,8 +197,9 @@ def test_pytorch_pickle_weights_are_refused(tmp_path, capsys):
     (hf_dir / "pytorch_model.bin").write_bytes(b"not to be unpickled")
     with pytest.raises(FileNotFoundError, match="never unpickled"):
         list(convert.iter_params(str(hf_dir), _cfg(1)))
-    assert from_hf_weights.main(["--hf-model", str(hf_dir), "--output-ckpt", str(tmp_path / "out")]) == 2
-    assert "never unpickled" in capsys.readouterr().err
+    result = run_script("from_hf_weights.py", "--hf-model", str(hf_dir), "--output-ckpt", str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert "never unpickled" in result.stderr
 
 
 def test_config_not_matching_our_checkpoint_is_clear(trained):

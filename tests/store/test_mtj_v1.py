@@ -11,7 +11,6 @@ import pytest
 import torch
 from transformers import GPTJConfig, GPTJForCausalLM
 
-import resharding_example
 from mesh_transformer.store import checkpoint, convert, hf, mtj_v1, storage
 from mesh_transformer import config
 from mesh_transformer.parallel import mesh
@@ -19,6 +18,7 @@ from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.model import gptj as model
 from mesh_transformer.parallel.layout import MEGATRON_RULES, param_specs
 from tests.gcs_emulator import create_bucket, gcs_emulator
+from tests.helpers import run_script
 
 CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1"])  # 2 layers, D 64, 8 heads, V 256
 ROOT = "causal_transformer_shard/~/"
@@ -131,13 +131,13 @@ def test_leaf_order_is_sorted_haiku_names():
     assert names[-1] == ROOT + "projection_shard/~/replicated_layer_norm/scale" and len(names) == 6 + 10 * 11
 
 
-def test_slim_bf16_8_shards_resharded_to_1_gives_hf_logits(tmp_path, capsys):
+def test_slim_bf16_8_shards_resharded_to_1_gives_hf_logits(tmp_path):
     step_dir, expected = make_checkpoint(tmp_path, 8, BF16, full=False)
     assert mtj_v1.is_mtj_v1(str(tmp_path / "model")) and convert.detect_format(step_dir) == convert.MTJ_V1
     out = str(tmp_path / "mp1")
-    code = resharding_example.main(["--input-ckpt", step_dir, "--config", "configs/tiny_rot_partial.json",
-                                    "--set", "cores_per_replica=8", "--output-ckpt", out, "--cores-per-replica", "1"])
-    assert code == 0 and "wrote" in capsys.readouterr().out
+    result = run_script("resharding_example.py", "--input-ckpt", step_dir, "--config", "configs/tiny_rot_partial.json",
+                        "--set", "cores_per_replica=8", "--output-ckpt", out, "--cores-per-replica", "1")
+    assert result.returncode == 0 and "wrote" in result.stdout, result.stderr[-3000:]
     assert checkpoint.list_steps(out) == [383500]
     assert config.load(os.path.join(out, "config.json")).cores_per_replica == 1
     leaves = checkpoint.read_metadata(out, 383500)
@@ -196,14 +196,14 @@ def test_wrong_shard_count_is_clear(slim4, tmp_path):
 
 
 @pytest.mark.parametrize("override", ["layers=3", "d_model=32", "n_vocab=512"])
-def test_config_not_matching_checkpoint_is_clear(slim4, override, capsys):
+def test_config_not_matching_checkpoint_is_clear(slim4, override):
     cfg = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", override])
     with pytest.raises(config.ConfigError, match="does not match the checkpoint"):
         mtj_v1.Reader(slim4, cfg)
-    code = resharding_example.main(["--input-ckpt", slim4, "--config", "configs/tiny_rot_partial.json", "--set",
-                                    override, "--output-ckpt", "/nonexistent/out"])
-    err = capsys.readouterr().err
-    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1
+    result = run_script("resharding_example.py", "--input-ckpt", slim4, "--config", "configs/tiny_rot_partial.json",
+                        "--set", override, "--output-ckpt", "/nonexistent/out")
+    err = result.stderr
+    assert result.returncode == 2 and err.startswith("error: ") and err.count("\n") == 1
 
 
 def test_reads_from_gcs(slim4):
