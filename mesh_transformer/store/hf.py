@@ -1,4 +1,5 @@
-"""HF GPTJForCausalLM state dicts <-> our param tree, numpy only (torch Linear weight = our kernel transposed)."""
+"""HF GPTJForCausalLM state dicts <-> our param tree, as numpy arrays, no torch (torch Linear weight = our kernel
+transposed)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping

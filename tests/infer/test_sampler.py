@@ -1,5 +1,4 @@
 import dataclasses
-import io
 import json
 
 import jax
@@ -8,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-import device_sample
 from mesh_transformer.store import checkpoint, hf
 from mesh_transformer import config
 from mesh_transformer.model import gptj as model
@@ -17,6 +15,7 @@ from mesh_transformer.infer import params as infer_params
 from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.tokenizer import load_tokenizer
+from tests.helpers import run_script
 from tests.store.test_hf import random_hf_model, state_dict_numpy
 
 CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "remat=false"])  # seq 32, vocab 256
@@ -234,15 +233,16 @@ def saved_big(tmp_path, big_params):
     return str(path)
 
 
-def test_cli_prints_the_completion(saved_big, big_text, capsys, monkeypatch):
+def test_cli_prints_the_completion(saved_big, big_text):
     full, stop, cut = big_text
     argv = ["--config", saved_big, "--prompt", "Hello world", "--max-new-tokens", "12", "--temperature", "0",
             "--stop", stop, "--set", "cores_per_replica=2"]
-    assert device_sample.main(argv) == 0
-    assert capsys.readouterr().out == cut.text + "\n"
-    monkeypatch.setattr("sys.stdin", io.StringIO("Hello world\n\nHello world\n"))
-    assert device_sample.main(argv[:2] + argv[4:]) == 0
-    assert capsys.readouterr().out == (cut.text + "\n") * 2
+    result = run_script("device_sample.py", *argv)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == cut.text + "\n"
+    result = run_script("device_sample.py", *argv[:2], *argv[4:], stdin="Hello world\n\nHello world\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (cut.text + "\n") * 2
 
 
 @pytest.mark.parametrize("extra, match", [
@@ -253,7 +253,8 @@ def test_cli_prints_the_completion(saved_big, big_text, capsys, monkeypatch):
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--prompt", " x" * 100, "--max-new-tokens", "8"], "beyond the context of 64 tokens"),
 ])
-def test_cli_bad_input_is_a_one_line_error(saved_big, capsys, extra, match):
-    assert device_sample.main(["--config", saved_big, *extra]) == 2
-    err = capsys.readouterr().err
+def test_cli_bad_input_is_a_one_line_error(saved_big, extra, match):
+    result = run_script("device_sample.py", "--config", saved_big, *extra)
+    err = result.stderr
+    assert result.returncode == 2
     assert err.count("\n") == 1 and err.startswith("error: ") and match in err and "Traceback" not in err, err
