@@ -10,7 +10,8 @@ import sys
 import time
 from functools import partial
 
-from mesh_transformer.cli import Parser, add_config_args, keep_host_memory, load_for_inference, run_main
+from mesh_transformer.cli import (Parser, add_config_args, keep_host_memory, load_for_inference, run_main,
+                                  stdin_lines)
 from mesh_transformer.config import ConfigError
 
 
@@ -45,18 +46,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _stdin_prompts():
-    """Prompts typed (or piped) one a line; blank lines are skipped."""
-    while True:
-        if sys.stdin.isatty():
-            print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        if not line:
-            return
-        if line.strip():
-            yield line.rstrip("\n")
-
-
 def _complete(sampler, tokenizer, prompt: str, args: argparse.Namespace) -> None:
     start_s = time.perf_counter()
     results = sampler.generate_text(
@@ -82,7 +71,7 @@ def _main(argv: list[str] | None) -> int:
         except ValueError as e:  # e.g. a prompt longer than the context allows
             raise ConfigError(str(e)) from None
         return 0
-    for prompt in _stdin_prompts():
+    for prompt in stdin_lines():
         try:
             _complete(sampler, tokenizer, prompt, args)
         except ValueError as e:  # say so and read the next prompt

@@ -5,7 +5,7 @@ import argparse
 import os
 import platform
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from mesh_transformer import config
 
@@ -68,6 +68,18 @@ def load_for_inference(args: argparse.Namespace, source: str | None) -> tuple:
     except ValueError as e:
         raise config.ConfigError(str(e)) from None
     return layout, tokenizer, infer_params.load_params(layout, source)
+
+
+def stdin_lines() -> Iterator[str]:
+    """Lines typed (or piped) on stdin, prompted with '> ' on a terminal; blank lines are skipped."""
+    while True:
+        if sys.stdin.isatty():
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        if line.strip():
+            yield line.rstrip("\n")
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

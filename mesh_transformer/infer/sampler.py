@@ -167,7 +167,7 @@ class Sampler:
         token, logprob, last, cache = programs.prefill(self.params, cache, programs.new_last_tokens(n_slots), ids_NxT,
                                                        length_N, slot_N, sampling)
         steps = jax.device_put(Steps(length_N, np.ones(n_slots, np.int32), sampling), programs.row_sharding)
-        outputs, done_N = [(token, logprob)], np.zeros(n_slots, bool)
+        outputs, done_N, stop_ids = [(token, logprob)], np.zeros(n_slots, bool), np.array(sorted(stop_token_ids))
         done_N[len(prompts):] = True
         for _ in range(1, max_new_tokens):
             token, logprob, last, steps, cache = programs.decode(self.params, cache, last, steps, rows=n_local,
@@ -175,7 +175,7 @@ class Sampler:
             outputs.append((token, logprob))
             # Read the step before the one just dispatched, which the device runs meanwhile: at most two programs
             # are in flight (a longer queue of programs with collectives can stall XLA's CPU runtime).
-            done_N |= np.isin(np.asarray(outputs[-2][0]), list(stop_token_ids))
+            done_N |= np.isin(np.asarray(outputs[-2][0]), stop_ids)
             if done_N.all():
                 break
         tokens, logprobs = zip(*outputs)
@@ -205,8 +205,8 @@ class Sampler:
 def _result(tokens_S: np.ndarray, logprobs_S: np.ndarray, max_new_tokens: int, stop_token_ids: Sequence[int],
             return_logprobs: bool) -> Result:
     """One row's Result: its tokens up to the first stop token (not included) or max_new_tokens."""
-    tokens = tokens_S[:max_new_tokens].tolist()
-    stops = [i for i, t in enumerate(tokens) if t in set(stop_token_ids)]
+    tokens, stop_ids = tokens_S[:max_new_tokens].tolist(), set(stop_token_ids)
+    stops = [i for i, t in enumerate(tokens) if t in stop_ids]
     kept = stops[0] if stops else len(tokens)
     return Result(tokens[:kept], logprobs_S[:kept].tolist() if return_logprobs else None,
                   "stop" if stops else "length")

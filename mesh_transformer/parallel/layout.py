@@ -94,14 +94,11 @@ def followed_param(key_path: Sequence[str], shape: Sequence[int],
     return None
 
 
-def unstacked(tree: dict, n_layers: int) -> dict:
-    """A param-shaped tree of specs or shardings with "layers" as a list of per-layer trees (the leading L dropped),
-    as `gptj.unstack_layers` makes of the params."""
-    def drop_layer_axis(x):
-        return NamedSharding(x.mesh, P(*x.spec[1:])) if isinstance(x, NamedSharding) else P(*x[1:])
-
-    layer = jax.tree.map(drop_layer_axis, tree["layers"], is_leaf=lambda x: isinstance(x, (P, NamedSharding)))
-    return {**tree, "layers": [layer] * n_layers}
+def unstacked(specs: dict, n_layers: int) -> dict:
+    """A param-shaped tree of specs with "layers" as a list of per-layer trees (the leading L dropped), as
+    `gptj.unstack_layers` makes of the params."""
+    layer = jax.tree.map(lambda spec: P(*spec[1:]), specs["layers"], is_leaf=lambda x: isinstance(x, P))
+    return {**specs, "layers": [layer] * n_layers}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
