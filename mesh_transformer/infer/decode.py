@@ -269,9 +269,14 @@ class Programs:
         self.cache_sharding = layout.sharding(ACTIVATION_AXES["kv_cache"])
         self.prefill = jax.jit(self._prefill, donate_argnums=(1, 2))
         self.decode = jax.jit(self._decode, static_argnames=("rows", "n_blocks"), donate_argnums=(1, 2))
+        # One program per cache shape, compiled once: a jit made afresh for each new cache would compile each time.
+        self._zeros = jax.jit(self._zero_cache, static_argnums=(0, 1), out_shardings=self.cache_sharding)
 
     def new_cache(self, n_slots: int, sizes: list[int]) -> KVCache:
         """An empty cache of n_slots slots in blocks of these lengths, made in its shards."""
+        return KVCache(*self._zeros(n_slots, tuple(sizes)))
+
+    def _zero_cache(self, n_slots: int, sizes: tuple[int, ...]):
         cfg = self.layout.cfg
         dtype = gptj.DTYPES[cfg.compute_dtype]
 
@@ -279,7 +284,7 @@ class Programs:
             return [[jnp.zeros((n_slots, cfg.n_heads, cfg.head_dim, size), dtype) for size in sizes]
                     for _ in range(cfg.layers)]
 
-        return KVCache(*jax.jit(lambda: (zeros(), zeros()), out_shardings=self.cache_sharding)())
+        return zeros(), zeros()
 
     def new_last_tokens(self, n_slots: int) -> jax.Array:
         return jax.device_put(np.zeros(n_slots, np.int32), self.row_sharding)
