@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(DEMO_ENV) $(PY) device_train.py --config configs/demo.json
 	$(PY) plot_metrics.py $(DEMO)/model
 	@echo "--- a sample from the trained model, prompt 'def __init__(self':"
-	$(DEMO_ENV) $(PY) device_sample.py --config configs/demo.json --prompt "def __init__(self" \
+	$(DEMO_ENV) $(PY) device_sample.py --ckpt $(DEMO)/model --prompt "def __init__(self" \
 		--max-new-tokens 48 --temperature 1.0 --top-k 40 --seed 3
 	@echo "metrics: $(DEMO)/model/metrics.jsonl  loss plot: $(DEMO)/model/loss.png  TensorBoard: $(DEMO)/model/tensorboard"
 

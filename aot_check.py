@@ -26,12 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mesh", default="", help="GSPMD mesh sizes, e.g. data=1,fsdp=8,tensor=1")
     parser.add_argument("--devices", type=int, default=8, help="faked CPU devices")
     parser.add_argument("--device-memory", default="16GiB", help="memory of one device, e.g. 16GiB")
+    parser.add_argument("--slots", type=int, default=8, help="serving slots (device_serve.py --max-batch; default 8)")
     args = parser.parse_args(argv)
 
     def run() -> int:
         from mesh_transformer import aot
 
-        records = aot.run(cli.load_config(args), args.mode, args.mesh, args.devices, args.device_memory)
+        records = aot.run(cli.load_config(args), args.mode, args.mesh, args.devices, args.device_memory, args.slots)
         for record in records:
             print(json.dumps(record), flush=True)
         print(aot.human_line(records), flush=True)

@@ -1,6 +1,7 @@
 """Sample text from a GPT-J checkpoint: one --prompt, or an interactive loop reading prompts from stdin until EOF.
 
-Example: python device_sample.py --config configs/6B_roto_256.json --ckpt gs://bucket/step_383500 --prompt "Hi"
+Example: python device_sample.py --ckpt gptj_1shard --prompt "Hi" [--dtype bf16] [--mp 1]
+(--config only where the checkpoint carries no config of its own)
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 import time
 from functools import partial
 
-from mesh_transformer.cli import (Parser, add_config_args, keep_host_memory, load_for_inference, run_main,
+from mesh_transformer.cli import (Parser, add_inference_args, keep_host_memory, load_for_inference, run_main,
                                   stdin_lines)
 from mesh_transformer.config import ConfigError
 
@@ -18,9 +19,7 @@ from mesh_transformer.config import ConfigError
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line; raises ConfigError on a bad one."""
     p = Parser(description=__doc__.splitlines()[0])
-    add_config_args(p)
-    p.add_argument("--ckpt", help="our checkpoint (root or step dir), an original mesh-transformer-jax one or an HF "
-                                  "GPT-J directory; default: the config's model_dir")
+    add_inference_args(p)
     p.add_argument("--prompt", help="the prompt; without it, prompts are read from stdin, one a line")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.75, help="0 = greedy (default 0.75)")
@@ -61,9 +60,10 @@ def _complete(sampler, tokenizer, prompt: str, args: argparse.Namespace) -> None
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("mesh_transformer.infer.params").setLevel(logging.INFO)  # the mesh chosen
     from mesh_transformer.infer.sampler import Sampler
 
-    layout, tokenizer, params = load_for_inference(args, args.ckpt)
+    layout, tokenizer, params = load_for_inference(args)
     sampler = Sampler(layout, params)
     if args.prompt is not None:
         try:

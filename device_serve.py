@@ -1,7 +1,7 @@
 """Serve a GPT-J over HTTP: OpenAI-compatible /v1/completions (streaming too), /v1/models, the original /complete and
 /health, with continuous batching on the devices.
 
-Example: python device_serve.py --config configs/6B_roto_256.json --ckpt gs://bucket/step_383500 --port 5000
+Example: python device_serve.py --ckpt gptj_1shard --port 5000 [--dtype bf16] [--mp 1]
 """
 from __future__ import annotations
 
@@ -10,17 +10,13 @@ import logging
 import sys
 from functools import partial
 
-from mesh_transformer.cli import Parser, add_config_args, keep_host_memory, load_for_inference, run_main
+from mesh_transformer.cli import Parser, add_inference_args, keep_host_memory, load_for_inference, run_main
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line; raises ConfigError on a bad one."""
     p = Parser(description=__doc__.splitlines()[0])
-    add_config_args(p)
-    source = p.add_mutually_exclusive_group()
-    source.add_argument("--ckpt", help="our checkpoint (root or step dir) or an original mesh-transformer-jax one; "
-                                       "default: the config's model_dir")
-    source.add_argument("--hf", help="an HF GPT-J directory (config.json and safetensors weights)")
+    add_inference_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=5000, help="port (default 5000)")
     p.add_argument("--max-batch", type=int, default=8, help="requests generated together (default 8; rounded up "
@@ -47,7 +43,7 @@ def _main(argv: list[str] | None) -> int:
     from mesh_transformer.serve import server
     from mesh_transformer.serve.engine import Engine
 
-    layout, tokenizer, params = load_for_inference(args, args.hf or args.ckpt)
+    layout, tokenizer, params = load_for_inference(args)
     cfg = layout.cfg
     engine = Engine(layout, params, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
                     warm_up=args.warm_up)

@@ -89,40 +89,82 @@ def _memory(compiled) -> dict[str, float]:
             "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes, "total_bytes": total}
 
 
-def _decode_program(train_layout: Layout, n_slots: int) -> tuple:
-    """The serving decode step, every slot busy and the whole context read, on the shard_map Layout that the same
-    devices run inference on (mp = the training tensor width): the program and its abstract arguments."""
+def _inference_layout(train_layout: Layout) -> Layout:
+    """The shard_map Layout the same devices run inference on: mp = the training tensor width."""
     cfg = train_layout.cfg
     mp = train_layout.mesh.shape.get(MP, train_layout.mesh.shape.get(TENSOR, 1))
-    layout = make_inference_layout(dataclasses.replace(cfg, cores_per_replica=mp), train_layout.mesh.devices.flat)
-    programs = Programs(layout)
-    n_slots = -(-n_slots // layout.mesh.shape[DP]) * layout.mesh.shape[DP]
-    dtype = gptj.DTYPES[cfg.compute_dtype]
+    return make_inference_layout(dataclasses.replace(cfg, cores_per_replica=mp),
+                                 list(train_layout.mesh.devices.flat), mp=mp)
 
-    def placed(tree, shardings):
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings)
 
-    shapes = gptj.param_shapes(cfg, dtype)
+def _abstract_decode_params(layout: Layout) -> dict:
+    """The decode programs' params (fused per layer, in the compute dtype) as sharded ShapeDtypeStructs."""
+    cfg = layout.cfg
+    shapes = gptj.param_shapes(cfg, gptj.DTYPES[cfg.compute_dtype])
     layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes["layers"])
-    fused = jax.eval_shape(partial(layers.fuse_layer, tp_size=mp), layer)
-    tree = {**shapes, "layers": [fused] * cfg.layers}
-    params = placed(tree, jax.tree.map(partial(NamedSharding, layout.mesh), decode_specs(cfg),
-                                       is_leaf=lambda x: isinstance(x, P)))
-    sizes = block_sizes(cfg.seq, default_block(cfg.seq))
-    block = [jax.ShapeDtypeStruct((n_slots, cfg.n_heads, cfg.head_dim, size), dtype, sharding=programs.cache_sharding)
-             for size in sizes]
-    cache = KVCache([block] * cfg.layers, [block] * cfg.layers)
+    fused = jax.eval_shape(partial(layers.fuse_layer, tp_size=layout.mesh.shape[MP]), layer)
+    shardings = jax.tree.map(partial(NamedSharding, layout.mesh), decode_specs(cfg), is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        {**shapes, "layers": [fused] * cfg.layers}, shardings)
+
+
+def _abstract_slots(programs: Programs, n_slots: int, sizes: list[int]) -> tuple:
+    """(cache, last tokens, Steps) of n_slots slots whose cache blocks have these lengths, abstract."""
+    cfg = programs.layout.cfg
     row = programs.row_sharding
+    block = [jax.ShapeDtypeStruct((n_slots, cfg.n_heads, cfg.head_dim, size), gptj.DTYPES[cfg.compute_dtype],
+                                  sharding=programs.cache_sharding) for size in sizes]
     ints = jax.ShapeDtypeStruct((n_slots,), jnp.int32, sharding=row)
-    floats = jax.ShapeDtypeStruct((n_slots,), jnp.float32, sharding=row)
-    sampling = Sampling(floats, ints, floats, jax.ShapeDtypeStruct((n_slots,), jnp.uint32, sharding=row),
-                        jax.ShapeDtypeStruct((n_slots,), jnp.bool_, sharding=row))
-    static = {"rows": n_slots // layout.mesh.shape[DP], "n_blocks": len(sizes)}
-    return programs.decode, (params, cache, ints, Steps(ints, ints, sampling)), static, dict(layout.mesh.shape)
+    steps = Steps(ints, ints, _abstract_sampling(row, n_slots))
+    return KVCache([block] * cfg.layers, [block] * cfg.layers), ints, steps
 
 
-def programs(cfg: Config, mode: str, devices: list, sizes: dict) -> dict:
-    """The Layout of `mode` on the devices, the abstract train state and batch, and the train and decode steps."""
+def _abstract_sampling(sharding: NamedSharding, n: int) -> Sampling:
+    def leaf(dtype):
+        return jax.ShapeDtypeStruct((n,), dtype, sharding=sharding)
+
+    return Sampling(leaf(jnp.float32), leaf(jnp.int32), leaf(jnp.float32), leaf(jnp.uint32), leaf(jnp.bool_))
+
+
+def _measure_inference(train_layout: Layout, n_slots: int, common: dict) -> list[dict]:
+    """The programs inference really runs, every slot busy and the whole context used: the serving engine's decode
+    step (block cache) and prefill (one full-length prompt per dp group), and the offline sampler's decode step
+    (one block of seq). The engine's decode is compiled at two slot counts too, which gives the slots that fit."""
+    cfg, layout = train_layout.cfg, _inference_layout(train_layout)
+    programs, dp = Programs(layout), layout.mesh.shape[DP]
+    params = _abstract_decode_params(layout)
+    n_slots = -(-n_slots // dp) * dp
+    serve_blocks = block_sizes(cfg.seq, default_block(cfg.seq))
+    base = {**common, "decode_mesh": dict(layout.mesh.shape), "params_bytes": shard_bytes(params),
+            "cache_length": cfg.seq}
+
+    def decode(slots: int, sizes: list[int]) -> tuple[dict, dict]:
+        cache, last, steps = _abstract_slots(programs, slots, sizes)
+        compiled, seconds = _compile(programs.decode, params, cache, last, steps, rows=slots // dp,
+                                     n_blocks=len(sizes))
+        return {**base, "slots": slots, "compile_s": round(seconds, 1), "kv_cache_bytes": shard_bytes(cache)}, \
+            _memory(compiled)
+
+    serve, serve_memory = decode(n_slots, serve_blocks)
+    _, double_memory = decode(2 * n_slots, serve_blocks)
+    per_slot = (double_memory["total_bytes"] - serve_memory["total_bytes"]) / n_slots
+    fixed = serve_memory["total_bytes"] - per_slot * n_slots
+    fit = {f"{gib}GiB": max(0, int((gib * 2 ** 30 - fixed) // per_slot) // dp * dp) for gib in (16, 24, 80)}
+    sample, sample_memory = decode(n_slots, [cfg.seq])
+    cache, last, _ = _abstract_slots(programs, n_slots, serve_blocks)
+    ids = jax.ShapeDtypeStruct((dp, cfg.seq), jnp.int32, sharding=layout.sharding(("batch", "length")))
+    rows = jax.ShapeDtypeStruct((dp,), jnp.int32, sharding=programs.row_sharding)
+    prefill, prefill_s = _compile(programs.prefill, params, cache, last, ids, rows, rows,
+                                  _abstract_sampling(programs.row_sharding, dp))
+    return [{"check": "serve_decode_step", **serve, **serve_memory, "per_slot_bytes": round(per_slot),
+             "slots_that_fit": fit},
+            {"check": "serve_prefill", **base, "slots": n_slots, "prompt_tokens": cfg.seq,
+             "compile_s": round(prefill_s, 1), "kv_cache_bytes": shard_bytes(cache), **_memory(prefill)},
+            {"check": "sample_decode_step", **sample, **sample_memory}]
+
+
+def training_programs(cfg: Config, mode: str, devices: list, sizes: dict) -> dict:
+    """The Layout of `mode` on the devices, the abstract train state and batch, and the train step."""
     cfg = dataclasses.replace(cfg, parallelism=mode)
     if mode != SHARD_MAP:
         cfg = dataclasses.replace(cfg, mesh_fsdp=sizes["fsdp"], mesh_tensor=sizes["tensor"])
@@ -136,34 +178,28 @@ def programs(cfg: Config, mode: str, devices: list, sizes: dict) -> dict:
     optimizer = optim.make_optimizer(cfg)
     tokens = jax.ShapeDtypeStruct((cfg.gradient_accumulation_steps, layout.global_batch, cfg.seq + 1), jnp.int32,
                                   sharding=layout.batch_sharding())
-    decode, decode_args, decode_static, decode_mesh = _decode_program(layout, layout.global_batch)
-    return {"mesh": dict(layout.mesh.shape), "state": state.abstract_train_state(layout, optimizer),
-            "tokens": tokens, "train": state.make_train_step(layout, optimizer, optim.lr_schedule(cfg)),
-            "decode": decode, "decode_args": decode_args, "decode_static": decode_static,
-            "decode_mesh": decode_mesh}
+    return {"layout": layout, "state": state.abstract_train_state(layout, optimizer), "tokens": tokens,
+            "train": state.make_train_step(layout, optimizer, optim.lr_schedule(cfg))}
 
 
-def measure(cfg: Config, mode: str, devices: list, sizes: dict) -> list[dict]:
-    """Compile the train and decode steps of `mode` and measure their per-device memory: two JSON records."""
-    compiled = programs(cfg, mode, devices, sizes)
+def measure(cfg: Config, mode: str, devices: list, sizes: dict, n_slots: int = 8) -> list[dict]:
+    """Compile the train step of `mode` and the inference programs on the same devices and measure their
+    per-device memory: one JSON record each."""
+    compiled = training_programs(cfg, mode, devices, sizes)
     train_state = compiled["state"]
-    common = {"mode": mode, "mesh": compiled["mesh"], "devices": len(devices)}
+    common = {"mode": mode, "mesh": dict(compiled["layout"].mesh.shape), "devices": len(devices)}
     train, train_s = _compile(compiled["train"], train_state, compiled["tokens"])
-    decode, decode_s = _compile(compiled["decode"], *compiled["decode_args"], **compiled["decode_static"])
     return [
         {"check": "train_step", **common, "params": sum(x.size for x in jax.tree.leaves(train_state["params"])),
          "tokens": list(compiled["tokens"].shape), "compile_s": round(train_s, 1),
          "params_bytes": shard_bytes(train_state["params"]), "opt_state_bytes": shard_bytes(train_state["opt_state"]),
          **_memory(train)},
-        {"check": "decode_step", **common, "decode_mesh": compiled["decode_mesh"],
-         "batch": compiled["decode_args"][2].shape[0], "cache_length": cfg.seq,
-         "compile_s": round(decode_s, 1), "params_bytes": shard_bytes(compiled["decode_args"][0]),
-         "kv_cache_bytes": shard_bytes(compiled["decode_args"][1]), **_memory(decode)},
+        *_measure_inference(compiled["layout"], n_slots, common),
     ]
 
 
 def verdict(records: list[dict], device_memory: int) -> dict:
-    """The fit record: the larger per-device need of the two steps against one device's memory."""
+    """The fit record: the largest per-device need of the programs against one device's memory."""
     need = max(r["total_bytes"] for r in records)
     common = {k: records[0][k] for k in ("mode", "mesh", "devices")}
     return {"check": "fit", **common, "per_device_need_bytes": need, "device_memory_bytes": device_memory,
@@ -178,20 +214,23 @@ def _size(n_bytes: int) -> str:
 
 
 def human_line(records: list[dict]) -> str:
-    train, decode, fit = records
+    train, decode, fit = records[0], records[1], records[-1]
     mesh = " x ".join(f"{k}{v}" for k, v in fit["mesh"].items())
     return (f"{fit['mode']} on {mesh}: train step {_size(train['total_bytes'])} per device (params "
             f"{_size(train['params_bytes'])}, optimizer {_size(train['opt_state_bytes'])}, temporaries "
-            f"{_size(train['temp_bytes'])}; compiled in {train['compile_s']:.0f} s), decode step "
-            f"{_size(decode['total_bytes'])}: {'fits' if fit['fits'] else 'does NOT fit'} in "
+            f"{_size(train['temp_bytes'])}; compiled in {train['compile_s']:.0f} s), serving decode step "
+            f"{_size(decode['total_bytes'])} for {decode['slots']} slots (params {_size(decode['params_bytes'])}, KV "
+            f"cache {_size(decode['kv_cache_bytes'])}): {'fits' if fit['fits'] else 'does NOT fit'} in "
             f"{_size(fit['device_memory_bytes'])}")
 
 
-def run(cfg: Config, mode: str | None, mesh_text: str, n_devices: int, device_memory_text: str) -> list[dict]:
-    """The JSON records of a fit check (train step, decode step, verdict); the last says whether it fits."""
+def run(cfg: Config, mode: str | None, mesh_text: str, n_devices: int, device_memory_text: str,
+        n_slots: int = 8) -> list[dict]:
+    """The JSON records of a fit check (train step, serving decode step and prefill, sampler decode step, verdict);
+    the last says whether it fits."""
     mode = mode or cfg.parallelism
     if mode == "shard_map" and mesh_text:
         raise ConfigError("--mesh is for the GSPMD modes; the shard_map path takes mp from cores_per_replica")
     device_memory, sizes = parse_bytes(device_memory_text), parse_mesh(mesh_text)
-    records = measure(cfg, mode, start_devices(n_devices), sizes)
+    records = measure(cfg, mode, start_devices(n_devices), sizes, n_slots)
     return [*records, verdict(records, device_memory)]

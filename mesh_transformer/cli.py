@@ -17,10 +17,27 @@ class Parser(argparse.ArgumentParser):
         raise config.ConfigError(message)
 
 
-def add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="flat JSON config file")
+def add_config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    parser.add_argument("--config", required=required,
+                        help="flat JSON config file" + ("" if required else " (default: the checkpoint's own)"))
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key (value parsed as JSON, else a string); repeatable")
+
+
+INFERENCE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def add_inference_args(parser: argparse.ArgumentParser) -> None:
+    """The model flags of the sampling and serving tools: where the weights are, the config, mesh and dtype."""
+    add_config_args(parser, required=False)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--ckpt", help="our checkpoint (root or step dir), an original mesh-transformer-jax one or an "
+                                       "HF GPT-J directory; default: the config's model_dir")
+    source.add_argument("--hf", help="an HF GPT-J directory (config.json and safetensors weights); as --ckpt")
+    parser.add_argument("--mp", type=int, help="model-parallel width (default: the checkpoint's cores_per_replica "
+                                               "where it divides the devices, else the widest that fits)")
+    parser.add_argument("--dtype", choices=tuple(INFERENCE_DTYPES), help="compute dtype the weights are held in "
+                                                                          "(default: the config's compute_dtype)")
 
 
 CONVERT_DTYPES = ("bf16", "fp16", "fp32")  # --dtype of the checkpoint converters
@@ -55,19 +72,44 @@ def load_config(args: argparse.Namespace) -> config.Config:
     return config.load(args.config, args.overrides)
 
 
-def load_for_inference(args: argparse.Namespace, source: str | None) -> tuple:
-    """(layout, tokenizer, params) for the sampling and serving tools; `source` is any checkpoint format, None
-    meaning the config's model_dir."""
+def inference_config(args: argparse.Namespace) -> tuple[config.Config, str]:
+    """(config, checkpoint path) of the sampling and serving tools: --config when given, else the config the
+    checkpoint carries (ours: its metadata; HF: config.json; original layout: a config.json beside or above its
+    step directory); --set and --dtype applied on top."""
+    from mesh_transformer.store import convert, storage
+
+    source = args.hf or args.ckpt
+    overrides = config.parse_overrides(args.overrides)
+    if args.dtype:
+        overrides["compute_dtype"] = INFERENCE_DTYPES[args.dtype]
+    if args.config:
+        cfg = config.from_dict({**config.load(args.config).to_dict(), **overrides})
+        return cfg, source or cfg.model_path
+    if source is None:
+        raise config.ConfigError("give --ckpt (or --hf) with the weights, or --config naming their model_dir")
+    cfg = convert.source_config(source, **overrides)
+    if cfg is not None:
+        return cfg, source
+    path = source.rstrip("/")
+    for candidate in (storage.join(path, "config.json"), storage.join(path.rpartition("/")[0] or ".", "config.json")):
+        if storage.exists(candidate):
+            return config.from_dict({**config.load(candidate).to_dict(), **overrides}), source
+    raise config.ConfigError(f"{source} carries no config (no config.json beside or above it): give --config")
+
+
+def load_for_inference(args: argparse.Namespace) -> tuple:
+    """(layout, tokenizer, params) for the sampling and serving tools, the params read straight into the decode
+    programs' form on a mesh fitted to the devices."""
     from mesh_transformer.infer import params as infer_params
     from mesh_transformer.tokenizer import load_tokenizer
 
-    cfg = load_config(args)
-    layout = infer_params.make_inference_layout(cfg)
+    cfg, source = inference_config(args)
+    layout = infer_params.make_inference_layout(cfg, mp=args.mp)
     try:
         tokenizer = load_tokenizer(cfg.tokenizer)
     except ValueError as e:
         raise config.ConfigError(str(e)) from None
-    return layout, tokenizer, infer_params.load_params(layout, source)
+    return layout, tokenizer, infer_params.read_params(layout, source)
 
 
 def stdin_lines() -> Iterator[str]:
@@ -91,12 +133,33 @@ def user_errors() -> tuple[type[BaseException], ...]:
             FileNotFoundError, FileExistsError, PermissionError)
 
 
+OUT_OF_MEMORY_HINT = ("the model does not fit: try --dtype bf16, a larger --mp (more devices per model copy), fewer "
+                      "slots (--max-batch) or a shorter context (--set seq=N)")
+
+
+def out_of_memory_message(e: BaseException) -> str | None:
+    """A one-line account of a device out-of-memory error (how much was asked, what to change), else None."""
+    import jax
+
+    text = str(e)
+    if not isinstance(e, jax.errors.JaxRuntimeError) or "RESOURCE_EXHAUSTED" not in text:
+        return None
+    first = next((line.strip() for line in text.splitlines() if "RESOURCE_EXHAUSTED" in line), text.splitlines()[0])
+    return f"out of device memory ({first.partition('RESOURCE_EXHAUSTED:')[2].strip() or first}); {OUT_OF_MEMORY_HINT}"
+
+
 def run_main(fn: Callable[[], int]) -> int:
-    """Run a CLI body; user errors print one line on stderr and give exit status 2."""
+    """Run a CLI body; user errors and device out-of-memory print one line on stderr and give exit status 2."""
     try:
         return fn()
     except user_errors() as e:
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as e:
+        message = out_of_memory_message(e)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr, flush=True)
         return 2
 
 

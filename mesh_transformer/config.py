@@ -161,6 +161,11 @@ def _parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
+def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
+    """`key=value` overrides (value parsed as JSON, else a string) as a dict."""
+    return dict(_parse_override(item) for item in overrides)
+
+
 def load(path: str, overrides: Sequence[str] = ()) -> Config:
     """Read a JSON config file, apply `key=value` overrides, validate."""
     from mesh_transformer.store import storage
@@ -173,7 +178,7 @@ def load(path: str, overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path} must hold a JSON object")
-    raw.update(_parse_override(item) for item in overrides)
+    raw.update(parse_overrides(overrides))
     return from_dict(raw)
 
 

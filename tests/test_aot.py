@@ -12,7 +12,14 @@ CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "rema
 
 def test_aot_check_reports_memory_and_whether_it_fits():
     records = aot.run(CFG, "fsdp_tp", "fsdp=4,tensor=2", 8, "1KiB")
-    train, decode, fit = json.loads(json.dumps(records))  # what the CLI prints
+    train, decode, prefill, sample, fit = json.loads(json.dumps(records))  # what the CLI prints
+    assert [r["check"] for r in (decode, prefill, sample)] == ["serve_decode_step", "serve_prefill",
+                                                               "sample_decode_step"]
+    assert decode["decode_mesh"] == {"dp": 4, "mp": 2} and decode["slots"] == 8
+    # The decode step holds the params and the cache, little else, and more slots fit more memory.
+    assert decode["total_bytes"] <= 1.5 * (decode["params_bytes"] + decode["kv_cache_bytes"])
+    fit_slots = decode["slots_that_fit"]
+    assert 0 < fit_slots["16GiB"] <= fit_slots["24GiB"] <= fit_slots["80GiB"]
     assert train["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2} and train["tokens"] == [1, 4, CFG.seq + 1]
     assert train["params_bytes"] == pytest.approx(4 * train["params"] / 8, rel=0.05)  # f32, split 8 ways
     assert 0 < train["temp_bytes"] < 2 ** 30 and decode["kv_cache_bytes"] > 0

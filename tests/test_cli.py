@@ -34,3 +34,16 @@ def test_keep_host_memory_restarts_once_with_malloc_tunables(tmp_path):
 def test_keep_host_memory_leaves_a_users_tunables_alone(tmp_path):
     lines = run(tmp_path, {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
     assert [line[1] for line in lines] == ["glibc.malloc.arena_max=2"] * 2
+
+
+def test_device_out_of_memory_is_one_line_saying_what_was_asked_and_what_to_change():
+    import jax
+
+    from mesh_transformer.cli import out_of_memory_message
+
+    error = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 47559058040 bytes.\nmore")
+    message = out_of_memory_message(error)
+    assert message.startswith("out of device memory (Out of memory allocating 47559058040 bytes.); ")
+    assert "--dtype bf16" in message and "--mp" in message and "\n" not in message
+    assert out_of_memory_message(jax.errors.JaxRuntimeError("INTERNAL: other")) is None
+    assert out_of_memory_message(ValueError("RESOURCE_EXHAUSTED")) is None

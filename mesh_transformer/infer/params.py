@@ -7,6 +7,7 @@ params were trained with: checkpoints hold global arrays, so any mesh reads any 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -15,17 +16,46 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
 
-from mesh_transformer.config import Config
+from mesh_transformer.config import Config, ConfigError
 from mesh_transformer.model import gptj, layers
 from mesh_transformer.parallel.layout import MEGATRON_RULES, SHARD_MAP, Layout, make_layout, param_specs, unstacked
-from mesh_transformer.parallel.mesh import MP
+from mesh_transformer.parallel.mesh import DP, MP, make_mesh
 from mesh_transformer.store import convert
 
+log = logging.getLogger(__name__)
 
-def make_inference_layout(cfg: Config, devices: Sequence[jax.Device] | None = None, mesh: Mesh | None = None) -> Layout:
-    """The shard_map Layout the decode programs run on: on `mesh`, else mp = cores_per_replica over the devices."""
-    return make_layout(dataclasses.replace(cfg, parallelism=SHARD_MAP), devices, mesh)
+
+def choose_mp(cfg: Config, n_devices: int, mp: int | None = None) -> int:
+    """The model-parallel width of inference on n_devices: `mp` when given (it must divide the devices, n_heads and
+    n_vocab); else the config's cores_per_replica where that divides them, else the largest width that does."""
+    def fits(width: int) -> bool:
+        return n_devices % width == 0 and cfg.n_heads % width == 0 and cfg.n_vocab % width == 0
+
+    if mp is not None:
+        if mp < 1 or not fits(mp):
+            raise ConfigError(f"--mp {mp} must be at least 1 and divide the device count ({n_devices}), n_heads "
+                              f"({cfg.n_heads}) and n_vocab ({cfg.n_vocab})")
+        return mp
+    if fits(cfg.cores_per_replica):
+        return cfg.cores_per_replica
+    return max(width for width in range(1, n_devices + 1) if fits(width))
+
+
+def make_inference_layout(cfg: Config, devices: Sequence[jax.Device] | None = None, mesh: Mesh | None = None,
+                          mp: int | None = None) -> Layout:
+    """The shard_map Layout the decode programs run on: on `mesh`, else over the devices (by default all) with the
+    model-parallel width `choose_mp` gives and the rest data parallel, whatever layout the params were trained in."""
+    cfg = dataclasses.replace(cfg, parallelism=SHARD_MAP)
+    if mesh is None:
+        devices = list(jax.devices() if devices is None else devices)
+        width = choose_mp(cfg, len(devices), mp)
+        cfg = dataclasses.replace(cfg, cores_per_replica=width)
+        mesh = make_mesh({DP: len(devices) // width, MP: width}, devices)
+        log.info("inference mesh: dp %d x mp %d over %d %s devices", len(devices) // width, width, len(devices),
+                 devices[0].platform)
+    return make_layout(cfg, mesh=mesh)
 
 
 def load_params(layout: Layout, ckpt_path: str | None = None) -> dict:
@@ -53,13 +83,20 @@ def _placed(x: Any, sharding: NamedSharding, dtype: Any) -> jax.Array:
     return x if x.dtype == dtype else x.astype(dtype)
 
 
+def is_placed(params: dict) -> bool:
+    """Whether a param tree is already in the decode programs' form (`place_params` or `read_params` made it)."""
+    return isinstance(params["layers"], list) and "fused" in params["layers"][0]
+
+
 def place_params(params: dict, layout: Layout) -> dict:
     """The params for the decode programs: on their shards, in the compute dtype, layers unstacked into a list,
-    each layer's projections joined (`layers.fuse_layer`).
+    each layer's projections joined (`layers.fuse_layer`). A tree already in that form is returned as it is.
 
     A stacked leaf is placed and split before the next one is touched, and a layer is joined before the next, so
-    the device holds little besides the result.
+    the device holds little besides the result and the caller's tree.
     """
+    if is_placed(params):
+        return params
     cfg, mesh = layout.cfg, layout.mesh
     dtype = gptj.DTYPES[cfg.compute_dtype]
     shardings = layout.param_shardings()
@@ -79,3 +116,30 @@ def place_params(params: dict, layout: Layout) -> dict:
                                               is_leaf=lambda x: isinstance(x, P)))
     layer_list = unstacked_params.pop("layers")
     return {**unstacked_params, "layers": [fuse(layer_list.pop(0)) for _ in range(cfg.layers)]}
+
+
+def read_params(layout: Layout, source: str) -> dict:
+    """A checkpoint of any format read straight into the decode programs' form, one layer at a time: each param
+    slice is read on the host in the compute dtype, a layer's projections are joined there, and each device receives
+    only its shard. The device ends up holding one copy of the model; the host, about one layer besides the
+    embedding and head."""
+    cfg = layout.cfg
+    dtype = np.dtype(gptj.DTYPES[cfg.compute_dtype])
+    shardings = layout.param_shardings()
+    layer_shardings = jax.tree.map(partial(NamedSharding, layout.mesh), decode_specs(cfg)["layers"][0],
+                                   is_leaf=lambda x: isinstance(x, P))
+    stacked = [path for path, _ in gptj.param_paths(cfg) if path[0] == "layers"]
+    params: dict = {}
+    with convert.open_params(source, cfg) as reader:
+        for path, _ in gptj.param_paths(cfg):
+            if path[0] != "layers":
+                gptj.set_path(params, path, jax.device_put(reader.read(path).astype(dtype, copy=False),
+                                                           gptj.get_path(shardings, path)))
+        params["layers"] = []
+        for i in tqdm(range(cfg.layers), desc="loading layers", unit="layer", leave=False):
+            layer: dict = {}
+            for path in stacked:
+                gptj.set_path(layer, path[1:], reader.read(path, i).astype(dtype, copy=False))
+            fused = layers.fuse_layer(layer, layout.mesh.shape[MP], xp=np)
+            params["layers"].append(jax.block_until_ready(jax.device_put(fused, layer_shardings)))
+    return params

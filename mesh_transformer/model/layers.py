@@ -117,7 +117,7 @@ def _residual(h_BxTxD: jax.Array, out_BxTxD: jax.Array, bias_D: jax.Array, tp_ax
     return h_BxTxD + out_BxTxD + bias_D
 
 
-def fuse_layer(layer: dict, tp_size: int) -> dict:
+def fuse_layer(layer: dict, tp_size: int, xp=jnp) -> dict:
     """One layer's projections joined for inference (global arrays; run it under jit): q, k, v and fc_in, which all
     read LN(h), become one matrix, and attn out and fc_out, whose outputs are summed, another. A one-token step
     then reads each layer's weights in two matrix products instead of six.
@@ -125,7 +125,7 @@ def fuse_layer(layer: dict, tp_size: int) -> dict:
     The joined matrices are stored one row per output ([N, K]): XLA's CPU matrix-vector products over such rows
     use both cores of a 2-core machine where [K, N] mostly used one. Under tensor parallelism each device must hold
     its own heads and MLP columns side by side, so the matrices carry a device axis: "in" [tp, 3*D/tp + F/tp, D]
-    and "out" [tp, D, D/tp + F/tp], split on it.
+    and "out" [tp, D, D/tp + F/tp], split on it. `xp` is jax.numpy, or numpy to join a layer on the host.
     """
     attn, mlp_p = layer["attn"], layer["mlp"]
     d = attn["q"].shape[0]
@@ -133,10 +133,10 @@ def fuse_layer(layer: dict, tp_size: int) -> dict:
     def rows(w):  # [D, C] -> [tp, C/tp, D]: each device's output columns, as rows
         return w.reshape(d, tp_size, -1).transpose(1, 2, 0)
 
-    in_w = jnp.concatenate([rows(attn["q"]), rows(attn["k"]), rows(attn["v"]), rows(mlp_p["fc_in"]["kernel"])], 1)
-    in_b = jnp.concatenate([jnp.zeros((tp_size, 3 * d // tp_size), mlp_p["fc_in"]["bias"].dtype),
-                            mlp_p["fc_in"]["bias"].reshape(tp_size, -1)], -1)
-    out_w = jnp.concatenate([attn["out"].reshape(tp_size, -1, d), mlp_p["fc_out"]["kernel"].reshape(tp_size, -1, d)],
+    in_w = xp.concatenate([rows(attn["q"]), rows(attn["k"]), rows(attn["v"]), rows(mlp_p["fc_in"]["kernel"])], 1)
+    in_b = xp.concatenate([xp.zeros((tp_size, 3 * d // tp_size), mlp_p["fc_in"]["bias"].dtype),
+                           mlp_p["fc_in"]["bias"].reshape(tp_size, -1)], -1)
+    out_w = xp.concatenate([attn["out"].reshape(tp_size, -1, d), mlp_p["fc_out"]["kernel"].reshape(tp_size, -1, d)],
                             1).transpose(0, 2, 1)
     return {"ln_1": layer["ln_1"],
             "fused": {"in": in_w, "in_bias": in_b, "out": out_w, "out_bias": mlp_p["fc_out"]["bias"]}}

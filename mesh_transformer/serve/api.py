@@ -132,13 +132,13 @@ def _token_prompt(ids: list, vocab: int) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _text_prompt(text: str, tokenizer: Any) -> tuple[int, ...]:
+def _text_prompt(text: str, tokenizer: Any, name: str = "prompt") -> tuple[int, ...]:
     if not text:
-        raise ApiError(400, "'prompt' must not be empty", "prompt")
+        raise ApiError(400, f"'{name}' must not be empty", name)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate escape such as "\ud800" is valid JSON but not text
-        raise ApiError(400, "'prompt' must be valid Unicode text", "prompt") from None
+        raise ApiError(400, f"'{name}' must be valid Unicode text", name) from None
     return tuple(tokenizer.encode(text))
 
 
@@ -239,7 +239,7 @@ def parse_complete(body: dict, tokenizer: Any, limits: Limits) -> CompletionPara
     context = body.get("context")
     if not isinstance(context, str) or not context:
         raise ApiError(400, "'context' must be a non-empty string", "context")
-    prompt = tuple(tokenizer.encode(context))
+    prompt = _text_prompt(context, tokenizer, "context")
     length = _integer(body, "length", None, 1, limits.context)
     length = min(COMPLETE_DEFAULT_LENGTH, max(1, limits.context - len(prompt))) if length is None else length
     _check_context([prompt], length, limits.context)

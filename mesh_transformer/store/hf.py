@@ -126,6 +126,8 @@ def config_from_hf(hf: Mapping, **overrides) -> Config:
     if hf.get("activation_function", "gelu_new") != "gelu_new" or hf.get("n_inner") not in (None, 4 * hf["n_embd"]):
         raise ValueError("only GPT-J models with gelu_new and n_inner = 4 * n_embd are supported")
     raw = {"layers": hf["n_layer"], "d_model": hf["n_embd"], "n_heads": hf["n_head"], "n_vocab": hf["vocab_size"],
-           "pe_rotary_dims": hf.get("rotary_dim") or hf["n_embd"] // hf["n_head"], "seq": hf["n_positions"]}
+           "pe_rotary_dims": hf.get("rotary_dim") or hf["n_embd"] // hf["n_head"], "seq": hf["n_positions"],
+           # HF keeps no model-parallel width: the widest of the original's that splits the heads and the vocab
+           "cores_per_replica": max(w for w in (8, 4, 2, 1) if hf["n_head"] % w == 0 and hf["vocab_size"] % w == 0)}
     raw.update(overrides)
     return from_dict(raw)

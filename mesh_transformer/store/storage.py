@@ -59,6 +59,13 @@ def read_bytes(path: str) -> bytes:
         return f.read()
 
 
+def _umask() -> int:
+    """The process's umask (read by setting it, then setting it back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_bytes_atomic(path: str, data: bytes) -> None:
     """Write a whole file so that readers see either nothing or all of it."""
     if is_gcs(path):
@@ -69,6 +76,7 @@ def write_bytes_atomic(path: str, data: bytes) -> None:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # as open() would make it: mkstemp's 0600 would hide it from others
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

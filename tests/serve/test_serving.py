@@ -1,4 +1,6 @@
+import collections
 import json
+import random
 import subprocess
 import sys
 import threading
@@ -431,3 +433,49 @@ def test_slots_at_different_positions_across_uneven_cache_blocks_match_offline(p
     assert [got[0], got[1]] == [r.tokens for r in expected]
     assert logprobs[0] == [] and len(logprobs[1]) == n_new  # only the request that asked gets them
     np.testing.assert_allclose(logprobs[1], expected[1].logprobs, atol=1e-4)
+
+
+def hostile_requests(n: int, seed: int = 0):
+    """(method, path, content bytes) of n generated hostile requests: every route and some that are not, every
+    method, bodies of wrong types, broken JSON or UTF-8, lone surrogates, huge or negative numbers, deep nesting."""
+    rng = random.Random(seed)
+    atoms = [None, True, 0, -1, 2 ** 70, 1.5, -1e308, "", "x", "\ud800", "日本", [], {}, [1, "a"], {"a": None},
+             "NaN", 65, [[1], [2 ** 40]], ["\udfff"], [[]], "\x00"]
+    fields = ["prompt", "context", "max_tokens", "length", "temperature", "temp", "top_p", "top_k", "n", "stream",
+              "stop", "seed", "logprobs", "echo", "stream_options", "model", "suffix", "best_of", "user", "bogus"]
+
+    def value(depth=0):
+        if depth < 3 and rng.random() < 0.15:
+            return [value(depth + 1) for _ in range(rng.randint(0, 3))]
+        return rng.choice(atoms)
+
+    def body() -> bytes:
+        kind = rng.random()
+        if kind < 0.1:
+            return rng.choice([b"", b"{", b"[1,", b"\xff\xfe{}", b'{"prompt": "\xc3"}', b"null", b"[]", b"1e999",
+                               b'{"prompt": "a"}' * 2, b"[" * 5000 + b"]" * 5000])
+        obj = {rng.choice(fields): value() for _ in range(rng.randint(0, 5))}
+        if rng.random() < 0.5:  # near-valid: most requests reach the field checks, a few run
+            obj.setdefault("prompt" if rng.random() < 0.7 else "context", rng.choice(["Hi", "\ud83d", [15496], ""]))
+            obj["max_tokens" if "prompt" in obj else "length"] = rng.choice([1, 2, 0, -3, 10 ** 9, "2", None])
+        return json.dumps(obj).encode("utf-8", "surrogatepass")
+
+    paths = ["/complete", "/v1/completions", "/v1/models", "/health", "/", "/v1", "/v1/completions/x", "/%ff"]
+    for _ in range(n):
+        yield rng.choice(["POST", "POST", "POST", "GET", "PUT", "DELETE", "PATCH"]), rng.choice(paths), body()
+
+
+def test_1000_hostile_requests_get_4xx_json_and_the_server_stays_well(http, offline):
+    statuses = collections.Counter()
+    for method, path, content in hostile_requests(1000):
+        response = http.request(method, path, content=content, headers={"Content-Type": "application/json"})
+        statuses[response.status_code] += 1
+        assert response.status_code < 500, (method, path, content[:200], response.text)
+        if response.status_code >= 400:
+            check_error(response)
+        elif response.headers["content-type"].startswith("application/json"):
+            response.json()
+    assert sum(n for status, n in statuses.items() if status >= 400) > 900, statuses
+    assert health(http)["slots"]["busy"] == 0
+    response = http.post("/complete", json={"context": PROMPTS[0], "top_p": 0.9, "temp": 0, "length": NEW})
+    assert response.status_code == 200 and response.json()["completion"] == offline[0].text

@@ -305,3 +305,10 @@ def test_checkpoint_written_by_format_v1_restores_bitwise_with_its_metadata():
             got, want = np.asarray(got), np.asarray(want)
             assert got.dtype == want.dtype and got.shape == want.shape
             np.testing.assert_array_equal(got.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8))
+
+
+def test_files_written_atomically_get_the_permissions_of_plain_files(tmp_path):
+    plain, atomic = tmp_path / "plain", tmp_path / "atomic"
+    plain.write_bytes(b"x")
+    storage.write_bytes_atomic(str(atomic), b"x")
+    assert (atomic.stat().st_mode & 0o777) == (plain.stat().st_mode & 0o777)

@@ -1,0 +1,144 @@
+"""The released-weights flow at full GPT-J-6B size, with random weights: original slim layout -> 1 shard -> sample ->
+HF export -> transformers, each stage a child process whose wall time and peak resident memory are reported.
+
+The script writes a random checkpoint in the original slim layout itself (8 shards, bf16 stored as numpy 'V2', as
+the released step_383500 is), then runs the user's commands on it. Needs about 40 GB of disk under --work and
+about 14 GB of memory; it is a benchmark, not a test.
+
+    python bench/bench_6b_flow.py --work /tmp/gptj6b [--config configs/6B_roto_256.json] [--keep]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.common import emit  # noqa: E402
+
+PROMPT = "The quick brown fox"
+MAX_NEW = 4
+WRITE_ORIGINAL = """
+import sys
+import ml_dtypes, numpy as np
+sys.path.insert(0, {root!r})
+from mesh_transformer import config
+from mesh_transformer.store import mtj_v1
+cfg, step_dir, n_shards = config.load({config!r}), {step_dir!r}, 8
+D, F, V, L = cfg.d_model, cfg.d_ff, cfg.n_vocab, cfg.layers
+rng = np.random.default_rng(0)
+prefix = "causal_transformer_shard/~/"
+
+def rand(*shape, scale=0.02):
+    return (rng.standard_normal(shape, np.float32) * scale).astype(ml_dtypes.bfloat16)
+
+def shard_leaves():
+    leaves = {{"embedding_shard/~/linear/w": rand(V // n_shards, D), "embedding_shard/~/linear/b": rand(D),
+              "projection_shard/~/linear/w": rand(D, V // n_shards), "projection_shard/~/linear/b": rand(V // n_shards),
+              "projection_shard/~/replicated_layer_norm/scale": np.ones(D, ml_dtypes.bfloat16),
+              "projection_shard/~/replicated_layer_norm/offset": rand(D)}}
+    for i in range(L):
+        cols, rows = (D, D // n_shards), (D // n_shards, D)
+        for module, shape in [("linear", cols), ("linear_1", cols), ("linear_2", cols), ("linear_3", rows),
+                              ("linear_4", (D, F // n_shards)), ("linear_5", (F // n_shards, D))]:
+            leaves[f"layer_{{i}}/~/{{module}}/w"] = rand(*shape)
+        leaves[f"layer_{{i}}/~/linear_4/b"] = rand(F // n_shards)
+        leaves[f"layer_{{i}}/~/linear_5/b"] = rand(D)
+        leaves[f"layer_{{i}}/~/replicated_layer_norm/scale"] = np.ones(D, ml_dtypes.bfloat16)
+        leaves[f"layer_{{i}}/~/replicated_layer_norm/offset"] = rand(D)
+    return {{prefix + k: v for k, v in leaves.items()}}
+
+import os
+for shard in range(n_shards):
+    leaves = shard_leaves()
+    flat = [leaves[n].view("V2") for n in sorted(leaves, key=lambda n: tuple(n.rsplit("/", 1)))] + [np.int32(1)]
+    os.makedirs(f"{{step_dir}}/shard_{{shard}}", exist_ok=True)
+    k, m = divmod(len(flat), mtj_v1.N_FILES)
+    for f in range(mtj_v1.N_FILES):
+        with open(f"{{step_dir}}/shard_{{shard}}/{{f}}.npz", "wb") as out:
+            np.savez(out, *flat[f * k + min(f, m):(f + 1) * k + min(f + 1, m)])
+    del leaves, flat
+"""
+HF_GENERATE = """
+import sys, torch
+from transformers import AutoTokenizer, GPTJForCausalLM
+model = GPTJForCausalLM.from_pretrained({hf!r}, torch_dtype=torch.bfloat16).eval()
+tokenizer = AutoTokenizer.from_pretrained({hf!r})
+ids = tokenizer({prompt!r}, return_tensors="pt").input_ids
+with torch.no_grad():
+    out = model.generate(ids, max_new_tokens={max_new}, do_sample=False, pad_token_id=0)
+print(tokenizer.decode(out[0, ids.shape[1]:]))
+"""
+
+
+def stage(name: str, argv: list[str], env: dict | None = None) -> str:
+    """Run one stage as a child process; emit its wall time and peak resident memory (its own rusage); return its
+    standard output."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        start = time.perf_counter()
+        child = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=err, text=True, env={**os.environ, **(env or {})})
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+        emit(bench="gptj6b_flow", stage=name, rc=child.returncode, wall_s=round(time.perf_counter() - start, 1),
+             peak_rss_gb=round(usage.ru_maxrss * 1024 / 1e9, 2))
+        out.seek(0)
+        err.seek(0)
+        if child.returncode:
+            sys.stderr.write(err.read()[-4000:])
+            raise SystemExit(f"stage {name} failed")
+        return out.read()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", required=True, help="a directory with ~40 GB free")
+    parser.add_argument("--config", default="configs/6B_roto_256.json")
+    parser.add_argument("--keep", action="store_true", help="keep the files written")
+    args = parser.parse_args()
+    work = os.path.abspath(args.work)
+    original, one, hf_dir = f"{work}/original/step_1", f"{work}/one", f"{work}/hf"
+    os.makedirs(work, exist_ok=True)
+    config = os.path.join(ROOT, args.config)
+    py = sys.executable
+    try:
+        stage("write_original_slim", [py, "-c", WRITE_ORIGINAL.format(root=ROOT, config=config, step_dir=original)])
+        stage("reshard_to_1", [py, "resharding_example.py", "--input-ckpt", original, "--config", config,
+                               "--output-ckpt", one, "--cores-per-replica", "1", "--slim", "--dtype", "bf16"])
+        sample = [py, "device_sample.py", "--ckpt", one, "--dtype", "bf16", "--prompt", PROMPT, "--max-new-tokens",
+                  str(MAX_NEW), "--temperature", "0"]
+        ours_text = stage("sample_bf16", sample)
+        # The CLIs restart with glibc malloc keeping freed memory; opted out, a transient load peak is returned.
+        stage("sample_bf16_malloc_default", sample, env={"GLIBC_TUNABLES": ""})
+        shutil.rmtree(f"{work}/original")
+        stage("export_hf", [py, "to_hf_weights.py", "--input-ckpt", one, "--config", config, "--output-path",
+                            hf_dir, "--dtype", "bf16"])
+        ours_text = ours_text.rstrip("\n")
+        hf_text = stage("hf_transformers_generate", [py, "-c", HF_GENERATE.format(hf=hf_dir, prompt=PROMPT,
+                                                                              max_new=MAX_NEW)])
+        hf_text = hf_text.rstrip("\n")
+        emit(bench="gptj6b_flow", stage="compare", ours=json.dumps(ours_text), hf=json.dumps(hf_text),
+             greedy_text_equal=ours_text == hf_text, model_bf16_gb=round(_model_bytes(config) / 1e9, 2))
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _model_bytes(config_path: str) -> int:
+    from mesh_transformer import config
+    from mesh_transformer.model import gptj
+
+    cfg = config.load(config_path)
+    return sum(int(np.prod(s.shape)) * 2 for s in __import__("jax").tree.leaves(gptj.param_shapes(cfg)))
+
+
+if __name__ == "__main__":
+    main()

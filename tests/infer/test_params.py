@@ -1,0 +1,121 @@
+"""Inference loading: the mesh fitted to the devices, checkpoints read straight into the decode form (one copy),
+and the sampling CLI finding the config in the checkpoint itself."""
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from mesh_transformer import config
+from mesh_transformer.config import ConfigError
+from mesh_transformer.infer import params as infer_params
+from mesh_transformer.infer.sampler import Sampler
+from mesh_transformer.store import checkpoint, convert, hf
+from tests.helpers import run_script
+from tests.store.test_mtj_v1 import original_shards, random_params, write_mtj_v1
+
+# 2 layers, D 64, 8 heads, V 256, trained at mp 4.
+CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=4", "remat=false"])
+PROMPTS = [[5, 17, 42], [100, 3, 7, 9, 250, 11, 2]]
+
+
+@pytest.mark.parametrize("n_devices, heads, vocab, cores, want", [
+    (1, 16, 50400, 8, 1), (2, 16, 50400, 8, 2), (4, 16, 50400, 8, 4), (8, 16, 50400, 8, 8),
+    (8, 16, 50400, 4, 4),  # the checkpoint's width divides the devices: kept
+    (8, 6, 50400, 8, 2),  # 6 heads: the widest dividing 8 devices, 6 heads and the vocab
+    (4, 12, 50257, 4, 1),  # an odd vocab splits nowhere
+    (8, 12, 50400, 3, 4),  # 3 does not divide 8 devices
+])
+def test_the_mesh_width_fits_the_devices_heads_and_vocab(n_devices, heads, vocab, cores, want):
+    cfg = config.from_dict({"d_model": 12 * heads, "n_heads": heads, "n_vocab": vocab, "pe_rotary_dims": 4,
+                            "cores_per_replica": 1})
+    cfg = dataclasses.replace(cfg, cores_per_replica=cores)  # as a checkpoint trained elsewhere may say
+    assert infer_params.choose_mp(cfg, n_devices) == want
+
+
+def test_an_impossible_mp_is_a_clear_error():
+    with pytest.raises(ConfigError, match=r"--mp 3 must be at least 1 and divide the device count \(8\)"):
+        infer_params.choose_mp(CFG, 8, 3)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Random params saved as our checkpoint (with its config), trained at mp 4."""
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    params = random_params(CFG, seed=0)
+    checkpoint.save(root, 2, {"step": np.int32(2), "params": params}, {"config": CFG.to_dict()}, blocking=True)
+    return root, params
+
+
+def test_read_params_holds_one_copy_of_the_fused_model(saved):
+    root, _ = saved
+    before = {id(x) for x in jax.live_arrays()}
+    placed = infer_params.read_params(infer_params.make_inference_layout(CFG, jax.devices()[:1]), root)
+    fused_bytes = sum(x.nbytes for x in jax.tree.leaves(placed))
+    new_bytes = sum(x.nbytes for x in jax.live_arrays() if id(x) not in before)
+    assert fused_bytes <= new_bytes <= 1.1 * fused_bytes
+    assert infer_params.is_placed(placed) and placed["layers"][0]["fused"]["in"].dtype == np.float32
+
+
+def test_a_checkpoint_trained_at_mp4_samples_the_same_on_1_and_on_8_devices(saved):
+    root, params = saved
+    expected = Sampler(infer_params.make_inference_layout(CFG, jax.devices()[:1]), params).generate(
+        PROMPTS, 8, temperature=0.0)
+    for devices in (jax.devices()[:1], jax.devices()):
+        layout = infer_params.make_inference_layout(CFG, devices)
+        assert layout.mesh.shape["mp"] == (1 if len(devices) == 1 else 4)
+        results = Sampler(layout, infer_params.read_params(layout, root)).generate(PROMPTS, 8, temperature=0.0)
+        assert [r.tokens for r in results] == [r.tokens for r in expected]
+
+
+BIG = config.from_dict({"layers": 1, "d_model": 32, "n_heads": 4, "n_vocab": 50304, "pe_rotary_dims": 4, "seq": 64,
+                        "cores_per_replica": 4})
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """The same random GPT-2-vocabulary model as ours (config in its metadata), an HF export and an original-layout
+    step directory with a config.json beside it."""
+    tmp = tmp_path_factory.mktemp("sources")
+    params = random_params(BIG, seed=1)
+    ours = str(tmp / "ours")
+    checkpoint.save(ours, 1, {"step": np.int32(1), "params": params}, {"config": BIG.to_dict()}, blocking=True)
+    hf_dir = str(tmp / "hf")
+    convert.write_hf(ours, BIG, hf_dir, dtype="fp32")
+    original = tmp / "original"
+    write_mtj_v1(str(original / "step_1"), original_shards(params, BIG, 4, np.random.default_rng(0)), 1, full=False)
+    (original / "config.json").write_text(json.dumps(BIG.to_dict()))
+    assert hf.config_from_hf(json.loads((tmp / "hf" / "config.json").read_text())).n_vocab == BIG.n_vocab
+    return {"ours": ours, "hf": hf_dir, "original": str(original / "step_1")}
+
+
+def _sample(*flags):
+    return run_script("device_sample.py", *flags, "--prompt", "Hello world", "--max-new-tokens", "6",
+                      "--temperature", "0")
+
+
+def test_sampling_needs_no_config_where_the_checkpoint_carries_one(sources):
+    outputs = {name: _sample("--ckpt", path) for name, path in sources.items()}
+    outputs["--hf"] = _sample("--hf", sources["hf"])
+    outputs["--mp 1 --dtype bf16"] = _sample("--ckpt", sources["ours"], "--mp", "1", "--dtype", "bf16")
+    for name, result in outputs.items():
+        assert result.returncode == 0, (name, result.stderr)
+    texts = {name: result.stdout for name, result in outputs.items()}
+    assert len(set(texts.values()) - {texts["--mp 1 --dtype bf16"]}) == 1, texts
+    assert "inference mesh: dp 2 x mp 4 over 8 cpu devices" in outputs["ours"].stderr
+
+
+def test_a_checkpoint_without_a_config_or_a_mismatched_one_is_a_one_line_error(sources, tmp_path):
+    bare = tmp_path / "bare"
+    write_mtj_v1(str(bare / "step_1"), original_shards(random_params(BIG, seed=1), BIG, 4,
+                                                       np.random.default_rng(0)), 1, full=False)
+    result = _sample("--ckpt", str(bare / "step_1"))
+    assert result.returncode == 2 and result.stderr.strip().endswith("carries no config (no config.json beside or "
+                                                                     "above it): give --config")
+    result = _sample("--ckpt", sources["ours"], "--set", "n_vocab=50432")
+    errors = [line for line in result.stderr.strip().splitlines() if not line.startswith("inference mesh:")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr
+    assert "n_vocab=50304 (the config says 50432)" in result.stderr
+    result = _sample("--prompt", "x")
+    assert result.returncode == 2 and "give --ckpt (or --hf)" in result.stderr
