@@ -19,7 +19,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mesh_transformer.config import Config, ConfigError
-from mesh_transformer.infer.decode import KVCache, Programs, Sampling, Steps, block_sizes, default_block
+from mesh_transformer.infer.decode import (KVCache, Programs, Sampling, Steps, block_sizes, cache_dtype,
+                                           default_block)
 from mesh_transformer.infer.params import decode_specs, make_inference_layout
 from mesh_transformer.model import gptj, layers
 from mesh_transformer.parallel.layout import SHARD_MAP, Layout, make_layout
@@ -112,7 +113,7 @@ def _abstract_slots(programs: Programs, n_slots: int, sizes: list[int]) -> tuple
     """(cache, last tokens, Steps) of n_slots slots whose cache blocks have these lengths, abstract."""
     cfg = programs.layout.cfg
     row = programs.row_sharding
-    block = [jax.ShapeDtypeStruct((n_slots, cfg.n_heads, cfg.head_dim, size), gptj.DTYPES[cfg.compute_dtype],
+    block = [jax.ShapeDtypeStruct((n_slots, cfg.n_heads, cfg.head_dim, size), cache_dtype(cfg),
                                   sharding=programs.cache_sharding) for size in sizes]
     ints = jax.ShapeDtypeStruct((n_slots,), jnp.int32, sharding=row)
     steps = Steps(ints, ints, _abstract_sampling(row, n_slots))

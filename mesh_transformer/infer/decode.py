@@ -2,7 +2,8 @@
 token by its row's own sampling values. The offline sampler and the serving engine both run these programs.
 
 The cache holds N slots of S positions, per layer for keys and for values a list of blocks [N, H, K, S_j] of
-consecutive positions (`block_sizes`), heads split over 'mp' and slots over 'dp'. A decode step reads only the
+consecutive positions (`block_sizes`; the values' bits, `cache_dtype`), heads split over 'mp' and slots over 'dp'.
+A decode step reads only the
 first blocks, as many as the furthest busy slot needs, in place: slicing a span out of one array per layer costs a
 strided copy per layer per step. Within a block positions come last, the layout XLA's CPU dot wants for one-token
 attention; handing a block to the layers as [B, S_j, H, K] is then free. Both programs run under `jax.shard_map`
@@ -161,6 +162,40 @@ def gather_vocab(logits_BxV: jax.Array, tp_axis: str | None) -> jax.Array:
 
 
 # ------------------------------------------------------------------------------------------------------- programs
+def in_turn(h: jax.Array, weights: Any) -> tuple[jax.Array, Any]:
+    """(h, weights), where on CPU the bf16/fp16 matrices are made to depend on h. XLA's CPU dot has no bf16 kernel,
+    so it converts such operands to f32 first; nothing ordered those converts, and the scheduler ran all of them up
+    front, every layer's f32 copy alive at once (2x the model in temporaries; an optimization_barrier does not help,
+    it is converted too). A select on a value of h, fused into the convert, makes each layer's copy wait for the
+    layer before, so one is alive at a time. Accelerators have bf16 dots: nothing is done there."""
+    if jax.default_backend() != "cpu":
+        return h, weights
+    first = h.reshape(-1)[0]
+    keep = first == first  # false only where h is NaN, which the layer's output would be anyway
+
+    def tied(w):
+        return jnp.where(keep, w, jnp.zeros((), w.dtype)) if w.ndim >= 2 and w.dtype.itemsize < 4 else w
+
+    return h, jax.tree.map(tied, weights)
+
+
+def cache_dtype(cfg: Config) -> jnp.dtype:
+    """What the cache stores: the bits of compute-dtype values, as unsigned integers of the same width. XLA's CPU
+    scatter has no bf16 kernel: on bf16 values it rewrote each whole block in f32 where only the new positions
+    change, and a bitcast of a whole block is a copy there; on integers a write touches only its positions."""
+    return jnp.dtype(f"uint{8 * jnp.dtype(gptj.DTYPES[cfg.compute_dtype]).itemsize}")
+
+
+def scatter(block: jax.Array, index: tuple, values: jax.Array) -> jax.Array:
+    """block.at[index].set(values) on a block of bits (`cache_dtype`), out-of-range rows dropped."""
+    return block.at[index].set(lax.bitcast_convert_type(values, block.dtype), mode="drop")
+
+
+def cached(block: jax.Array, cfg: Config) -> jax.Array:
+    """A block of bits read as values of the compute dtype."""
+    return lax.bitcast_convert_type(block, gptj.DTYPES[cfg.compute_dtype])
+
+
 def prefill_logits(params: dict, cache: KVCache, ids_RxT: jax.Array, length_R: jax.Array, slot_R: jax.Array,
                    cfg: Config, tp_axis: str | None = None) -> tuple[jax.Array, KVCache]:
     """Run R prompts (right-padded to T) together, write each one's keys and values from position 0 of its slot
@@ -172,20 +207,22 @@ def prefill_logits(params: dict, cache: KVCache, ids_RxT: jax.Array, length_R: j
     mask_1xTxT = layers.causal_mask(width)
     kv = []
     for layer_params in params["layers"]:
+        h_RxTxD, layer_params = in_turn(h_RxTxD, layer_params)
         h_RxTxD, kv_layer = layers.block(h_RxTxD, layer_params, cfg.head_dim, sincos, mask_1xTxT, tp_axis)
         kv.append(kv_layer)
-    last_Rx1xD = jnp.take_along_axis(h_RxTxD, (length_R - 1)[:, None, None], axis=1)
-    logits_RxV = gather_vocab(layers.head(last_Rx1xD, params["ln_f"], params["lm_head"])[:, 0], tp_axis)
+    last_Rx1xD, lm_head = in_turn(jnp.take_along_axis(h_RxTxD, (length_R - 1)[:, None, None], axis=1),
+                                  params["lm_head"])
+    logits_RxV = gather_vocab(layers.head(last_Rx1xD, params["ln_f"], lm_head)[:, 0], tp_axis)
     target_R = jnp.where(slot_R >= 0, slot_R, n_slots)  # past the end: the scatter drops it
 
     def write(blocks, new_RxTxHxK):
-        new_RxHxKxT = new_RxTxHxK.transpose(0, 2, 3, 1).astype(blocks[0].dtype)
+        new_RxHxKxT = new_RxTxHxK.transpose(0, 2, 3, 1).astype(gptj.DTYPES[cfg.compute_dtype])
         written = []
         for start, block_NxHxKxS in zip(_starts(blocks), blocks):
             n = min(block_NxHxKxS.shape[-1], width - start)
             if n > 0:
-                block_NxHxKxS = block_NxHxKxS.at[target_R, :, :, :n].set(new_RxHxKxT[..., start:start + n],
-                                                                         mode="drop")
+                block_NxHxKxS = scatter(block_NxHxKxS, (target_R, slice(None), slice(None), slice(None, n)),
+                                        new_RxHxKxT[..., start:start + n])
             written.append(block_NxHxKxS)
         return written
 
@@ -212,23 +249,26 @@ def decode_logits(params: dict, cache: KVCache, token_R: jax.Array, position_R: 
         for j, start in enumerate(starts):  # each slot's position lies in one of the blocks read; elsewhere dropped
             local_R = position_R - start
             local_R = jnp.where((local_R >= 0) & (local_R < blocks[j].shape[-1]), local_R, blocks[j].shape[-1])
-            written[j] = blocks[j].at[row_R, :, :, local_R].set(new_RxHxK, mode="drop")
+            written[j] = scatter(blocks[j], (row_R, slice(None), slice(None), local_R), new_RxHxK)
         return written
 
     k_cache, v_cache = list(cache.k), list(cache.v)
     for layer, layer_params in enumerate(params["layers"]):
         # The first `rows` slots of each block read: a copy unless that is every slot, but only of them.
-        past = ([b[:rows].transpose(0, 3, 1, 2) for b in k_cache[layer][:n_blocks]],
-                [b[:rows].transpose(0, 3, 1, 2) for b in v_cache[layer][:n_blocks]], past_mask_Rx1xS)
+        past_k, past_v = ([cached(b[:rows], cfg).transpose(0, 3, 1, 2) for b in k_cache[layer][:n_blocks]],
+                          [cached(b[:rows], cfg).transpose(0, 3, 1, 2) for b in v_cache[layer][:n_blocks]])
+        h_Rx1xD, (layer_params, past_k, past_v) = in_turn(h_Rx1xD, (layer_params, past_k, past_v))
+        past = (past_k, past_v, past_mask_Rx1xS)
         h_Rx1xD, (k_Rx1xHxK, v_Rx1xHxK) = layers.block(h_Rx1xD, layer_params, cfg.head_dim, sincos, new_mask_Rx1x1,
                                                        tp_axis, past)
         # Only the one new key and value per slot go back, so the cache is updated in place. The write must come
         # after attention's reads of the cache, else XLA copies the whole cache to keep them apart: adding 0 * h
         # (which attention produced) makes it depend on them.
-        after_Rx1x1 = 0 * h_Rx1xD[:, :, :1, None].astype(k_cache[layer][0].dtype)
-        k_cache[layer] = write(k_cache[layer], (k_Rx1xHxK + after_Rx1x1)[:, 0])
-        v_cache[layer] = write(v_cache[layer], (v_Rx1xHxK + after_Rx1x1)[:, 0])
-    logits_RxV = gather_vocab(layers.head(h_Rx1xD, params["ln_f"], params["lm_head"])[:, 0], tp_axis)
+        after_Rx1x1 = 0 * h_Rx1xD[:, :, :1, None].astype(k_Rx1xHxK.dtype)
+        k_cache[layer] = write(k_cache[layer], (k_Rx1xHxK + after_Rx1x1)[:, 0].astype(past_k[0].dtype))
+        v_cache[layer] = write(v_cache[layer], (v_Rx1xHxK + after_Rx1x1)[:, 0].astype(past_k[0].dtype))
+    h_Rx1xD, lm_head = in_turn(h_Rx1xD, params["lm_head"])
+    logits_RxV = gather_vocab(layers.head(h_Rx1xD, params["ln_f"], lm_head)[:, 0], tp_axis)
     return logits_RxV, KVCache(k_cache, v_cache)
 
 
@@ -278,7 +318,7 @@ class Programs:
 
     def _zero_cache(self, n_slots: int, sizes: tuple[int, ...]):
         cfg = self.layout.cfg
-        dtype = gptj.DTYPES[cfg.compute_dtype]
+        dtype = cache_dtype(cfg)
 
         def zeros():
             return [[jnp.zeros((n_slots, cfg.n_heads, cfg.head_dim, size), dtype) for size in sizes]

@@ -71,27 +71,41 @@ def test_greedy_equals_hf_generate_with_left_padding(hf_model, greedy):
         np.testing.assert_allclose(result.logprobs, hf_logprobs[row, np.arange(10), hf_tokens[row]], atol=1e-4)
 
 
-def test_kv_cache_logits_equal_full_forward_at_every_step(params):
+@pytest.mark.parametrize("dtype, atol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_kv_cache_logits_equal_full_forward_at_every_step(params, dtype, atol):
+    cfg = dataclasses.replace(CFG, compute_dtype=dtype)
     prompts, fed = [[7, 8, 9], [1, 2, 3, 4, 5, 6]], np.array([[11, 12, 13], [21, 22, 23]])
     width = 8  # the prompt bucket; the cache holds 8 + 4 positions in two blocks
     ids = right_pad(prompts + [[0] * width])[:2]
     length = np.array([len(p) for p in prompts], np.int32)
-    decode_params = infer_params.place_params(params, make_inference_layout(CFG, mesh=make_dp_mp(1, 1)))
-    cache = decode.KVCache(*([[jnp.zeros((2, CFG.n_heads, CFG.head_dim, size)) for size in (8, 4)]
-                              for _ in range(CFG.layers)] for _ in range(2)))
-    prefill = jax.jit(lambda p, c: decode.prefill_logits(p, c, ids, length, np.arange(2, dtype=np.int32), CFG))
-    step = jax.jit(lambda p, c, token, position: decode.decode_logits(p, c, token, position, CFG, n_blocks=2))
+    decode_params = infer_params.place_params(params, make_inference_layout(cfg, mesh=make_dp_mp(1, 1)))
+    cache = decode.KVCache(*([[jnp.zeros((2, cfg.n_heads, cfg.head_dim, size), decode.cache_dtype(cfg))
+                               for size in (8, 4)]
+                              for _ in range(cfg.layers)] for _ in range(2)))
+    prefill = jax.jit(lambda p, c: decode.prefill_logits(p, c, ids, length, np.arange(2, dtype=np.int32), cfg))
+    step = jax.jit(lambda p, c, token, position: decode.decode_logits(p, c, token, position, cfg, n_blocks=2))
     # Right-padded rows in one causal forward: padding after a position does not change its logits.
     rows = [p + f.tolist() for p, f in zip(prompts, fed)]
-    full = np.asarray(jax.jit(lambda p, x: model.forward(p, x, CFG))(params, right_pad(rows)))
+    full = np.asarray(jax.jit(lambda p, x: model.forward(p, x, cfg))(params, right_pad(rows)))
     expected = [full[row, len(p) - 1:] for row, p in enumerate(prompts)]
 
     logits, cache = prefill(decode_params, cache)
     for i in range(fed.shape[1] + 1):
         for row in range(2):
-            np.testing.assert_allclose(logits[row], expected[row][i], atol=1e-5)
+            np.testing.assert_allclose(logits[row], expected[row][i], atol=atol)
         if i < fed.shape[1]:
             logits, cache = step(decode_params, cache, fed[:, i].astype(np.int32), length + i)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_the_cache_scatter_on_bits_equals_a_plain_scatter(dtype):
+    cfg = dataclasses.replace(CFG, compute_dtype=dtype)
+    block = jax.random.normal(jax.random.PRNGKey(0), (3, 2, 4, 8)).astype(dtype)
+    values = jax.random.normal(jax.random.PRNGKey(1), (3, 2, 4)).astype(dtype)
+    index = (jnp.array([2, 0, 3]), slice(None), slice(None), jnp.array([5, 7, 1]))  # row 3: out of range, dropped
+    bits = jax.lax.bitcast_convert_type(block, decode.cache_dtype(cfg))
+    written = jax.jit(lambda b, v: decode.cached(decode.scatter(b, index, v), cfg))(bits, values)
+    np.testing.assert_array_equal(written, block.at[index].set(values, mode="drop"))
 
 
 @pytest.mark.parametrize("dp, mp", [(2, 4), (1, 8)], ids=["dp2-mp4", "dp1-mp8"])
