@@ -169,10 +169,9 @@ def prefill_logits(params: dict, cache: KVCache, ids_RxT: jax.Array, length_R: j
     n_slots = cache.k[0][0].shape[0]
     h_RxTxD = layers.embed(ids_RxT, params["embed"]["wte"], tp_axis)
     sincos = layers.rotary_sincos(jnp.arange(width)[None], cfg.pe_rotary_dims)
-    mask_1xTxT = layers.causal_mask(width)
     kv = []
     for layer_params in params["layers"]:
-        h_RxTxD, kv_layer = layers.block(h_RxTxD, layer_params, cfg.head_dim, sincos, mask_1xTxT, tp_axis)
+        h_RxTxD, kv_layer = layers.block(h_RxTxD, layer_params, cfg.head_dim, sincos, None, tp_axis)
         kv.append(kv_layer)
     last_Rx1xD = jnp.take_along_axis(h_RxTxD, (length_R - 1)[:, None, None], axis=1)
     logits_RxV = gather_vocab(layers.head(last_Rx1xD, params["ln_f"], params["lm_head"])[:, 0], tp_axis)

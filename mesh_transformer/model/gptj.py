@@ -150,10 +150,9 @@ def hidden(params: dict, ids_BxT: jax.Array, cfg: Config, tp_axis: str | None, c
     h_BxTxD = constrain(layers.embed(ids_BxT, params["embed"]["wte"], tp_axis), HIDDEN_AXES)
     positions_1xT = jnp.arange(ids_BxT.shape[1])[None]
     sincos = layers.rotary_sincos(positions_1xT, cfg.pe_rotary_dims)
-    mask_1xTxT = layers.causal_mask(ids_BxT.shape[1])
 
     def step(h_BxTxD, layer_params):
-        h_BxTxD = layers.block(h_BxTxD, layer_params, cfg.head_dim, sincos, mask_1xTxT, tp_axis)[0]
+        h_BxTxD = layers.block(h_BxTxD, layer_params, cfg.head_dim, sincos, None, tp_axis)[0]
         return constrain(h_BxTxD, HIDDEN_AXES), None
 
     if cfg.remat:
