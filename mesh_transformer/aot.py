@@ -100,7 +100,7 @@ def _inference_layout(train_layout: Layout) -> Layout:
 def _abstract_decode_params(layout: Layout) -> dict:
     """The decode programs' params (fused per layer, in the compute dtype) as sharded ShapeDtypeStructs."""
     cfg = layout.cfg
-    shapes = gptj.param_shapes(cfg, gptj.DTYPES[cfg.compute_dtype])
+    shapes = gptj.param_shapes(cfg, gptj.compute_dtype(cfg))
     layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes["layers"])
     fused = jax.eval_shape(partial(layers.fuse_layer, tp_size=layout.mesh.shape[MP]), layer)
     shardings = jax.tree.map(partial(NamedSharding, layout.mesh), decode_specs(cfg), is_leaf=lambda x: isinstance(x, P))
@@ -112,7 +112,7 @@ def _abstract_slots(programs: Programs, n_slots: int, sizes: list[int]) -> tuple
     """(cache, last tokens, Steps) of n_slots slots whose cache blocks have these lengths, abstract."""
     cfg = programs.layout.cfg
     row = programs.row_sharding
-    block = [jax.ShapeDtypeStruct((n_slots, cfg.n_heads, cfg.head_dim, size), gptj.DTYPES[cfg.compute_dtype],
+    block = [jax.ShapeDtypeStruct((n_slots, cfg.n_heads, cfg.head_dim, size), gptj.compute_dtype(cfg),
                                   sharding=programs.cache_sharding) for size in sizes]
     ints = jax.ShapeDtypeStruct((n_slots,), jnp.int32, sharding=row)
     steps = Steps(ints, ints, _abstract_sampling(row, n_slots))

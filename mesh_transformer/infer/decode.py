@@ -277,7 +277,7 @@ class Programs:
 
     def _zero_cache(self, n_slots: int, sizes: tuple[int, ...]):
         cfg = self.layout.cfg
-        dtype = gptj.DTYPES[cfg.compute_dtype]
+        dtype = gptj.compute_dtype(cfg)
 
         def zeros():
             return [[jnp.zeros((n_slots, cfg.n_heads, cfg.head_dim, size), dtype) for size in sizes]
