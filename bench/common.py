@@ -15,6 +15,11 @@ def emit(**record) -> None:
     print(json.dumps(record), flush=True)
 
 
+def figure(x: float, digits: int = 4) -> float:
+    """x to `digits` significant digits, for a JSON record (a small figure keeps its digits, unlike round)."""
+    return float(f"{x:.{digits}g}")
+
+
 def best_time_s(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
     """Best wall time of `fn` over `repeats` runs, after `warmup` runs (compile, caches)."""
     for _ in range(warmup):
