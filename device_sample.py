@@ -11,7 +11,7 @@ import sys
 import time
 from functools import partial
 
-from mesh_transformer.cli import (Parser, add_inference_args, keep_host_memory, load_for_inference, run_main,
+from mesh_transformer.cli import (Parser, add_inference_args, platform_setup, load_for_inference, run_main,
                                   stdin_lines)
 from mesh_transformer.config import ConfigError
 
@@ -85,5 +85,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    keep_host_memory()
+    platform_setup()
     sys.exit(main())

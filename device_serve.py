@@ -10,7 +10,7 @@ import logging
 import sys
 from functools import partial
 
-from mesh_transformer.cli import Parser, add_inference_args, keep_host_memory, load_for_inference, run_main
+from mesh_transformer.cli import Parser, add_inference_args, platform_setup, load_for_inference, run_main
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,5 +62,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    keep_host_memory()
+    platform_setup()
     sys.exit(main())

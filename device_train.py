@@ -38,5 +38,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    cli.keep_host_memory()
+    cli.platform_setup()
     sys.exit(main())

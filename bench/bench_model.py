@@ -19,7 +19,7 @@ import torch
 from transformers import GPTJConfig, GPTJForCausalLM
 
 from bench.common import best_time_s, emit, matmul_peak_flop_per_s, train_flops_per_token
-from mesh_transformer.cli import keep_host_memory
+from mesh_transformer.cli import platform_setup
 from mesh_transformer import config
 from mesh_transformer.store import hf
 from mesh_transformer.model import gptj as model
@@ -29,27 +29,30 @@ from mesh_transformer.train import state as state_lib
 from mesh_transformer.parallel.mesh import make_dp_mp
 
 
-def ours(cfg, ids_BxT1, repeats):
-    """Seconds per forward+backward and per full train step, on one device."""
+def our_steps(cfg, ids_BxT1):
+    """(forward+backward, full train step, the params in HF names): the steps as callables that wait for the
+    device, on one device."""
     layout = make_layout(cfg, mesh=make_dp_mp(1, 1))
     opt = optim.make_optimizer(cfg)
     state = state_lib.init_train_state(layout, opt, jax.random.PRNGKey(0))
     hf_state = hf.params_to_hf(jax.tree.map(np.asarray, state["params"]), cfg.layers)
     grad_fn = jax.jit(jax.value_and_grad(lambda p, x: model.loss_fn(p, x, cfg)))
-    fwd_bwd_s = best_time_s(lambda: jax.block_until_ready(grad_fn(state["params"], ids_BxT1)), repeats)
     train_step = state_lib.make_train_step(layout, opt, optim.lr_schedule(cfg))
     batch = jax.device_put(ids_BxT1[None], layout.batch_sharding())
     box = [state]
+
+    def fwd_bwd():
+        jax.block_until_ready(grad_fn(box[0]["params"], ids_BxT1))
 
     def step():
         box[0], metrics = train_step(box[0], batch)
         jax.block_until_ready(metrics)
 
-    return hf_state, fwd_bwd_s, best_time_s(step, repeats)
+    return fwd_bwd, step, hf_state
 
 
-def hf_torch(cfg, hf_state, ids_BxT1, repeats):
-    """Seconds per forward+backward and per full train step (torch AdamW, same hyperparameters)."""
+def hf_steps(cfg, hf_state, ids_BxT1):
+    """(forward+backward, full train step with torch AdamW, same hyperparameters) of HF GPTJForCausalLM."""
     hf_cfg = GPTJConfig(**hf.hf_config(cfg))
     hf_cfg._attn_implementation = "sdpa"
     hf_model = GPTJForCausalLM(hf_cfg)
@@ -67,7 +70,7 @@ def hf_torch(cfg, hf_state, ids_BxT1, repeats):
         torch.nn.utils.clip_grad_norm_(hf_model.parameters(), 1.0)
         torch_opt.step()
 
-    return best_time_s(fwd_bwd, repeats), best_time_s(step, repeats)
+    return fwd_bwd, step
 
 
 def main() -> None:
@@ -83,8 +86,9 @@ def main() -> None:
     # flatter every MFU figure.
     before = matmul_peak_flop_per_s()
     ids_BxT1 = np.random.default_rng(0).integers(0, cfg.n_vocab, (args.batch, cfg.seq + 1)).astype(np.int32)
-    hf_state, *ours_s = ours(cfg, ids_BxT1, args.repeats)
-    hf_s = hf_torch(cfg, hf_state, ids_BxT1, args.repeats)
+    *ours, hf_state = our_steps(cfg, ids_BxT1)
+    ours_s = [best_time_s(fn, args.repeats) for fn in ours]
+    hf_s = [best_time_s(fn, args.repeats) for fn in hf_steps(cfg, hf_state, ids_BxT1)]
     after = matmul_peak_flop_per_s()
     peak = max(before, after)
     emit(bench="matmul_peak_f32", gflop_per_s=round(peak / 1e9, 1), before=round(before / 1e9, 1),
@@ -97,5 +101,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    keep_host_memory()
+    platform_setup()
     main()

@@ -15,13 +15,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 from transformers import GPTJConfig, GPTJForCausalLM
 
-from bench.common import best_time_s, emit
-from mesh_transformer.cli import keep_host_memory
+from bench.common import best_time_s, emit, read_bandwidth_bytes_per_s
+from mesh_transformer.cli import platform_setup
 from mesh_transformer import config
 from mesh_transformer.store import hf
 from mesh_transformer.model import gptj as model
@@ -34,13 +33,11 @@ BANDWIDTH_BYTES = 512 * 2 ** 20
 
 def memory_bandwidth_bytes_per_s() -> dict[str, float]:
     """Streaming rates of a 512 MiB array: jax sum (reads) and numpy copy (reads + writes)."""
-    x = jnp.ones(BANDWIDTH_BYTES // 4, jnp.float32)
-    total = jax.jit(jnp.sum)
-    read_s = best_time_s(lambda: total(x).block_until_ready(), repeats=10)
     a = np.ones(BANDWIDTH_BYTES // 4, np.float32)
     b = np.ones_like(a)
     copy_s = best_time_s(lambda: np.copyto(b, a), repeats=10)
-    return {"jax_sum_read": BANDWIDTH_BYTES / read_s, "numpy_copy_read_write": 2 * BANDWIDTH_BYTES / copy_s}
+    return {"jax_sum_read": read_bandwidth_bytes_per_s(BANDWIDTH_BYTES),
+            "numpy_copy_read_write": 2 * BANDWIDTH_BYTES / copy_s}
 
 
 def weight_bytes_per_token(cfg: config.Config, itemsize: int) -> int:
@@ -92,7 +89,7 @@ def main() -> None:
     hf_model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in hf.params_to_hf(params, cfg.layers).items()},
                              strict=False)
     hf_model.generation_config.eos_token_id = None  # random weights: decode all tokens on both sides
-    itemsize = jnp.dtype(model.DTYPES[cfg.compute_dtype]).itemsize
+    itemsize = model.compute_dtype(cfg).itemsize
     bytes_per_token = weight_bytes_per_token(cfg, itemsize)
     rng = np.random.default_rng(0)
     decode_steps = args.new_tokens - 1
@@ -125,5 +122,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    keep_host_memory()
+    platform_setup()
     main()

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from bench.common import emit
-from mesh_transformer.cli import keep_host_memory
+from mesh_transformer.cli import platform_setup
 from mesh_transformer import config
 from mesh_transformer.model import gptj as model
 from mesh_transformer.serve import engine as serving, server
@@ -143,5 +143,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    keep_host_memory()
+    platform_setup()
     main()

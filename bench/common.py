@@ -15,6 +15,11 @@ def emit(**record) -> None:
     print(json.dumps(record), flush=True)
 
 
+def figure(x: float, digits: int = 4) -> float:
+    """x to `digits` significant digits, for a JSON record (a small figure keeps its digits, unlike round)."""
+    return float(f"{x:.{digits}g}")
+
+
 def best_time_s(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
     """Best wall time of `fn` over `repeats` runs, after `warmup` runs (compile, caches)."""
     for _ in range(warmup):
@@ -27,12 +32,20 @@ def best_time_s(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> 
     return min(times)
 
 
-def matmul_peak_flop_per_s(n: int = 2048, dtype=jnp.float32) -> float:
-    """The f32 matmul rate XLA reaches on this machine: the roofline the MFU figures are measured against."""
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
-    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), dtype)
+def matmul_peak_flop_per_s(n: int = 2048, dtype=jnp.float32, device: jax.Device | None = None) -> float:
+    """The matmul rate XLA reaches on this machine (f32 by default): the roofline MFU figures are measured against."""
+    device = device or jax.devices()[0]
+    a = jax.device_put(jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype), device)
+    b = jax.device_put(jax.random.normal(jax.random.PRNGKey(1), (n, n), dtype), device)
     dot = jax.jit(lambda x, y: x @ y)
     return 2 * n ** 3 / best_time_s(lambda: dot(a, b).block_until_ready(), repeats=10)
+
+
+def read_bandwidth_bytes_per_s(n_bytes: int, device: jax.Device | None = None) -> float:
+    """The rate a jitted sum streams an f32 array of n_bytes from the device's memory."""
+    x = jax.device_put(jnp.ones(n_bytes // 4, jnp.float32), device or jax.devices()[0])
+    total = jax.jit(jnp.sum)
+    return n_bytes / best_time_s(lambda: total(x).block_until_ready(), repeats=10)
 
 
 def train_flops_per_token(cfg: Config) -> float:

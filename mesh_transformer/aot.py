@@ -101,7 +101,7 @@ def _inference_layout(train_layout: Layout) -> Layout:
 def _abstract_decode_params(layout: Layout) -> dict:
     """The decode programs' params (fused per layer, in the compute dtype) as sharded ShapeDtypeStructs."""
     cfg = layout.cfg
-    shapes = gptj.param_shapes(cfg, gptj.DTYPES[cfg.compute_dtype])
+    shapes = gptj.param_shapes(cfg, gptj.compute_dtype(cfg))
     layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes["layers"])
     fused = jax.eval_shape(partial(layers.fuse_layer, tp_size=layout.mesh.shape[MP]), layer)
     shardings = jax.tree.map(partial(NamedSharding, layout.mesh), decode_specs(cfg), is_leaf=lambda x: isinstance(x, P))

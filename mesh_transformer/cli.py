@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import platform
 import sys
@@ -163,6 +164,44 @@ def run_main(fn: Callable[[], int]) -> int:
         return 2
 
 
+def expected_platform() -> str:
+    """The backend JAX will start on ("cpu", "gpu", "tpu"), told without starting it, for what must happen before it
+    starts: JAX_PLATFORMS when set; else "tpu" where libtpu is installed, "gpu" where a CUDA plugin is installed and
+    an NVIDIA device is present; else "cpu"."""
+    requested = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
+    if requested:
+        return {"cuda": "gpu", "rocm": "gpu"}.get(requested, requested)
+    if _installed("libtpu"):
+        return "tpu"
+    if os.path.exists("/dev/nvidiactl") and any(_installed(f"jax_plugins.xla_cuda{v}") for v in (12, 13)):
+        return "gpu"
+    return "cpu"
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is not installed
+        return False
+
+
+# XLA's flags for GPUs, set here and nowhere else (`platform_setup`): the latency-hiding scheduler moves collectives
+# and their waits so they overlap compute (NVIDIA's JAX images set it), and collectives get the highest-priority
+# stream, so a compute kernel does not hold one back. A flag the user set in XLA_FLAGS is left as the user set it.
+GPU_XLA_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",
+                 "--xla_gpu_enable_highest_priority_async_stream=true")
+
+
+def platform_setup() -> None:
+    """What every script does first thing in its `__main__`, before JAX starts: on CPU the glibc restart
+    (`keep_host_memory`), on GPU XLA's GPU flags (GPU_XLA_FLAGS) added to XLA_FLAGS."""
+    if expected_platform() == "gpu":
+        flags = os.environ.get("XLA_FLAGS", "")
+        missing = [f for f in GPU_XLA_FLAGS if f.partition("=")[0] not in flags]
+        os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
+    keep_host_memory()
+
+
 # glibc malloc told to keep freed memory: no mmap'd blocks, no trimming, one arena for every thread.
 KEEP_HOST_MEMORY = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776:glibc.malloc.arena_max=1"
 
@@ -174,10 +213,11 @@ def keep_host_memory() -> None:
     glibc returns such blocks to the kernel when they are freed (mmap'd chunks, per-thread arenas), so each step
     page-faults them all in again: an elementwise pass over the bench config's [1024, 50400] logits takes 0.105 s
     that way and 0.017 s with the memory kept. GLIBC_TUNABLES is only read at process start, hence the re-exec.
-    Nothing happens when GLIBC_TUNABLES is already set (set it to anything, even empty, to opt out) or the C
-    library is not glibc. The cost: the process keeps its peak host memory until it exits.
+    Nothing happens when GLIBC_TUNABLES is already set (set it to anything, even empty, to opt out), the C library
+    is not glibc, or JAX will run on an accelerator (its buffers are on the device, and the restart would cost a
+    second start of the interpreter). The cost: the process keeps its peak host memory until it exits.
     """
-    if "GLIBC_TUNABLES" in os.environ or platform.libc_ver()[0] != "glibc":
+    if "GLIBC_TUNABLES" in os.environ or platform.libc_ver()[0] != "glibc" or expected_platform() != "cpu":
         return
     os.environ["GLIBC_TUNABLES"] = KEEP_HOST_MEMORY
     os.execv(sys.executable, sys.orig_argv)

@@ -51,8 +51,9 @@ class Config:
     wandb_project: str | None = None
     comment: str = ""
     # New keys.
-    compute_dtype: str = "float32"
+    compute_dtype: str = "auto"
     remat: bool = True
+    join_projections: bool = False
     seed: int = 0
     tokenizer: str = "gpt2"
     parallelism: str = "shard_map"
@@ -83,7 +84,7 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 _CHOICES = {
     "norm": ("layernorm",),
     "pe": ("rotary",),
-    "compute_dtype": ("float32", "bfloat16"),
+    "compute_dtype": ("auto", "float32", "bfloat16"),
     "parallelism": ("shard_map", "dp", "fsdp", "tp", "fsdp_tp"),
 }
 

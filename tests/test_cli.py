@@ -36,6 +36,39 @@ def test_keep_host_memory_leaves_a_users_tunables_alone(tmp_path):
     assert [line[1] for line in lines] == ["glibc.malloc.arena_max=2"] * 2
 
 
+def test_keep_host_memory_does_not_restart_for_an_accelerator(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    lines = run(tmp_path, {**env, "JAX_PLATFORMS": "cuda"})
+    assert [line[1] for line in lines] == ["None", "None"]
+
+
+def test_platform_setup_adds_the_gpu_flags_on_gpu_only(tmp_path):
+    from mesh_transformer.cli import GPU_XLA_FLAGS
+
+    script = tmp_path / "flags.py"
+    script.write_text(f"import os, sys\nsys.path.insert(0, {os.getcwd()!r})\nfrom mesh_transformer import cli\n"
+                      "cli.platform_setup()\nprint(os.environ.get('XLA_FLAGS'))\n")
+    env = {**os.environ, "GLIBC_TUNABLES": "", "XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"}
+
+    def flags(platform):
+        return subprocess.run([sys.executable, str(script)], env={**env, "JAX_PLATFORMS": platform},
+                              capture_output=True, text=True, check=True, timeout=60).stdout.split()
+
+    assert flags("cpu") == ["--xla_gpu_enable_latency_hiding_scheduler=false"]
+    assert flags("cuda") == ["--xla_gpu_enable_latency_hiding_scheduler=false", *GPU_XLA_FLAGS[1:]]  # user's wins
+
+
+def test_the_gpu_flags_are_known_to_this_jaxlib():
+    """XLA aborts on an unknown flag; its GPU flags are registered in every build, so a CPU run catches a renamed
+    one before it reaches a GPU."""
+    from mesh_transformer.cli import GPU_XLA_FLAGS
+
+    env = {**os.environ, "XLA_FLAGS": " ".join(GPU_XLA_FLAGS), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; print(int(jnp.ones(3).sum()))"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "3", out.stderr[-500:]
+
+
 def test_device_out_of_memory_is_one_line_saying_what_was_asked_and_what_to_change():
     import jax
 

@@ -23,7 +23,7 @@ def test_original_configs_load_unchanged():
 
 def test_defaults_fill_missing_keys_and_config_is_frozen(tmp_path):
     cfg = config.load(write(tmp_path, {"layers": 2}))
-    assert cfg.layers == 2 and cfg.compute_dtype == "float32" and cfg.remat is True
+    assert cfg.layers == 2 and cfg.compute_dtype == "auto" and cfg.remat is True
     with pytest.raises(AttributeError):
         cfg.layers = 3
 

@@ -183,7 +183,7 @@ def cache_dtype(cfg: Config) -> jnp.dtype:
     """What the cache stores: the bits of compute-dtype values, as unsigned integers of the same width. XLA's CPU
     scatter has no bf16 kernel: on bf16 values it rewrote each whole block in f32 where only the new positions
     change, and a bitcast of a whole block is a copy there; on integers a write touches only its positions."""
-    return jnp.dtype(f"uint{8 * jnp.dtype(gptj.DTYPES[cfg.compute_dtype]).itemsize}")
+    return jnp.dtype(f"uint{8 * jnp.dtype(gptj.compute_dtype(cfg)).itemsize}")
 
 
 def scatter(block: jax.Array, index: tuple, values: jax.Array) -> jax.Array:
@@ -193,7 +193,7 @@ def scatter(block: jax.Array, index: tuple, values: jax.Array) -> jax.Array:
 
 def cached(block: jax.Array, cfg: Config) -> jax.Array:
     """A block of bits read as values of the compute dtype."""
-    return lax.bitcast_convert_type(block, gptj.DTYPES[cfg.compute_dtype])
+    return lax.bitcast_convert_type(block, gptj.compute_dtype(cfg))
 
 
 def prefill_logits(params: dict, cache: KVCache, ids_RxT: jax.Array, length_R: jax.Array, slot_R: jax.Array,
@@ -204,11 +204,10 @@ def prefill_logits(params: dict, cache: KVCache, ids_RxT: jax.Array, length_R: j
     n_slots = cache.k[0][0].shape[0]
     h_RxTxD = layers.embed(ids_RxT, params["embed"]["wte"], tp_axis)
     sincos = layers.rotary_sincos(jnp.arange(width)[None], cfg.pe_rotary_dims)
-    mask_1xTxT = layers.causal_mask(width)
     kv = []
     for layer_params in params["layers"]:
         h_RxTxD, layer_params = in_turn(h_RxTxD, layer_params)
-        h_RxTxD, kv_layer = layers.block(h_RxTxD, layer_params, cfg.head_dim, sincos, mask_1xTxT, tp_axis)
+        h_RxTxD, kv_layer = layers.block(h_RxTxD, layer_params, cfg.head_dim, sincos, None, tp_axis)
         kv.append(kv_layer)
     last_Rx1xD, lm_head = in_turn(jnp.take_along_axis(h_RxTxD, (length_R - 1)[:, None, None], axis=1),
                                   params["lm_head"])
@@ -216,7 +215,7 @@ def prefill_logits(params: dict, cache: KVCache, ids_RxT: jax.Array, length_R: j
     target_R = jnp.where(slot_R >= 0, slot_R, n_slots)  # past the end: the scatter drops it
 
     def write(blocks, new_RxTxHxK):
-        new_RxHxKxT = new_RxTxHxK.transpose(0, 2, 3, 1).astype(gptj.DTYPES[cfg.compute_dtype])
+        new_RxHxKxT = new_RxTxHxK.transpose(0, 2, 3, 1).astype(gptj.compute_dtype(cfg))
         written = []
         for start, block_NxHxKxS in zip(_starts(blocks), blocks):
             n = min(block_NxHxKxS.shape[-1], width - start)

@@ -98,7 +98,7 @@ def place_params(params: dict, layout: Layout) -> dict:
     if is_placed(params):
         return params
     cfg, mesh = layout.cfg, layout.mesh
-    dtype = gptj.DTYPES[cfg.compute_dtype]
+    dtype = gptj.compute_dtype(cfg)
     shardings = layout.param_shardings()
     placed = jax.tree.map(partial(_placed, dtype=dtype), {k: v for k, v in params.items() if k != "layers"},
                           {k: v for k, v in shardings.items() if k != "layers"})
@@ -124,7 +124,7 @@ def read_params(layout: Layout, source: str) -> dict:
     only its shard. The device ends up holding one copy of the model; the host, about one layer besides the
     embedding and head."""
     cfg = layout.cfg
-    dtype = np.dtype(gptj.DTYPES[cfg.compute_dtype])
+    dtype = np.dtype(gptj.compute_dtype(cfg))
     shardings = layout.param_shardings()
     layer_shardings = jax.tree.map(partial(NamedSharding, layout.mesh), decode_specs(cfg)["layers"][0],
                                    is_leaf=lambda x: isinstance(x, P))

@@ -17,6 +17,8 @@ from mesh_transformer.model import layers
 from mesh_transformer.config import Config
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# compute_dtype "auto": bf16 where the matrix units are (GPU, TPU); f32 on CPU, where XLA's bf16 matmul is slower.
+AUTO_COMPUTE_DTYPE = {"gpu": "bfloat16", "tpu": "bfloat16", "cpu": "float32"}
 Path = tuple[str, ...]  # a param's keys from the root of the tree, e.g. ("layers", "attn", "q")
 HIDDEN_AXES = ("batch", "length", "embed")
 LOGITS_AXES = ("batch", "length", "vocab")
@@ -128,8 +130,16 @@ def init_unsharded(cfg: Config, key: jax.Array) -> dict:
     return jax.jit(partial(init_params, cfg))(key)
 
 
+def compute_dtype(cfg: Config, platform: str | None = None) -> jnp.dtype:
+    """The dtype matmuls run in: cfg.compute_dtype, with "auto" resolved for `platform` (default: JAX's backend)."""
+    name = cfg.compute_dtype
+    if name == "auto":
+        name = AUTO_COMPUTE_DTYPE.get(platform or jax.default_backend(), "float32")
+    return jnp.dtype(DTYPES[name])
+
+
 def cast_for_compute(params: dict, cfg: Config) -> dict:
-    return jax.tree.map(lambda x: x.astype(DTYPES[cfg.compute_dtype]), params)
+    return jax.tree.map(lambda x: x.astype(compute_dtype(cfg)), params)
 
 
 def forward(params: dict, ids_BxT: jax.Array, cfg: Config, tp_axis: str | None = None,
@@ -150,10 +160,10 @@ def hidden(params: dict, ids_BxT: jax.Array, cfg: Config, tp_axis: str | None, c
     h_BxTxD = constrain(layers.embed(ids_BxT, params["embed"]["wte"], tp_axis), HIDDEN_AXES)
     positions_1xT = jnp.arange(ids_BxT.shape[1])[None]
     sincos = layers.rotary_sincos(positions_1xT, cfg.pe_rotary_dims)
-    mask_1xTxT = layers.causal_mask(ids_BxT.shape[1])
 
     def step(h_BxTxD, layer_params):
-        h_BxTxD = layers.block(h_BxTxD, layer_params, cfg.head_dim, sincos, mask_1xTxT, tp_axis)[0]
+        h_BxTxD = layers.block(h_BxTxD, layer_params, cfg.head_dim, sincos, None, tp_axis,
+                               join=cfg.join_projections)[0]
         return constrain(h_BxTxD, HIDDEN_AXES), None
 
     if cfg.remat:

@@ -11,10 +11,14 @@ P rotary dims (P2 = P / 2), r LoRA rank.
 """
 from __future__ import annotations
 
+import logging
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+log = logging.getLogger(__name__)
 
 LN_EPS = 1e-5
 F32 = jnp.float32
@@ -88,25 +92,60 @@ def causal_mask(length: int) -> jax.Array:
     return jnp.tril(jnp.ones((1, length, length), bool))
 
 
+def self_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array,
+                   length_B: jax.Array | None = None) -> jax.Array:
+    """Causal self-attention for training and prefill, through `jax.nn.dot_product_attention`; returns [B, T, H*K].
+
+    On GPU, cuDNN's fused (flash) kernel where it takes the dtype and head dim (bf16 or fp16; head dim a multiple
+    of 8, at most 128, 256 from Hopper on), else XLA's implementation, as on CPU and TPU. Scores and softmax in f32,
+    as in `attend`. With `length_B` (right-padded rows), keys at or after a row's length are masked.
+    """
+    lengths_B = None if length_B is None else length_B.astype(jnp.int32)
+    run = partial(jax.nn.dot_product_attention, q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, is_causal=True,
+                  key_value_seq_lengths=lengths_B)
+    ctx_BxTxHxK = None
+    if jax.default_backend() == "gpu" and q_BxTxHxK.dtype in (jnp.bfloat16, jnp.float16):
+        try:
+            ctx_BxTxHxK = run(implementation="cudnn")
+        except Exception as e:  # refused when traced (dtype, head dim, cuDNN version, layout): XLA's is always there
+            log.warning("cuDNN attention not used for q %s %s: %s", q_BxTxHxK.shape, q_BxTxHxK.dtype, e)
+    if ctx_BxTxHxK is None:
+        ctx_BxTxHxK = run(implementation=None)
+    return ctx_BxTxHxK.reshape(*ctx_BxTxHxK.shape[:2], -1)
+
+
+def _attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask_BxTxT, past) -> jax.Array:
+    """`self_attention` when the mask is None (causal) and there is no cache; else `attend` (the block cache)."""
+    if mask_BxTxT is None and past is None:
+        return self_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK)
+    mask_BxTxT = causal_mask(q_BxTxHxK.shape[1]) if mask_BxTxT is None else mask_BxTxT
+    return attend(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask_BxTxT, past)
+
+
 def mlp(n_BxTxD: jax.Array, p: dict) -> jax.Array:
     """This device's part of the MLP, before the reduction and without fc_out's bias (added once, after it)."""
     h_BxTxF = jax.nn.gelu(n_BxTxD @ p["fc_in"]["kernel"] + p["fc_in"]["bias"], approximate=True)
     return h_BxTxF @ p["fc_out"]["kernel"]
 
 
-def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, mask_BxTxT, tp_axis: str | None = None,
-          past: tuple | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, mask_BxTxT: jax.Array | None = None,
+          tp_axis: str | None = None, past: tuple | None = None,
+          join: bool = False) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """One GPT-J block: h + Attn(LN(h)) + MLP(LN(h)), with one all-reduce of attn + mlp under tensor parallelism.
 
-    Returns the new h and this block's keys and values [B, T, H, K], for a caller that keeps a KV cache. With
-    `past=(k_blocks, v_blocks, mask_BxTxS)` attention also sees those cached keys (see `attend`). `p` is a layer
-    of the param tree, or one whose projections `fuse_layer` joined (for inference).
+    Returns the new h and this block's keys and values [B, T, H, K], for a caller that keeps a KV cache. A mask of
+    None is causal self-attention (`self_attention`: training, prefill). With `past=(k_blocks, v_blocks,
+    mask_BxTxS)` attention also sees those cached keys (see `attend`). `p` is a layer of the param tree, or one
+    whose projections `fuse_layer` joined (for inference). With `join`, a param-tree layer's projections are joined
+    inside the computation (`_joined_block`).
     """
     n_BxTxD = layer_norm(h_BxTxD, p["ln_1"])
     if "fused" in p:
         return _fused_block(h_BxTxD, n_BxTxD, p["fused"], head_dim, sincos, mask_BxTxT, tp_axis, past)
+    if join:
+        return _joined_block(h_BxTxD, n_BxTxD, p, head_dim, sincos, mask_BxTxT, tp_axis, past)
     q, k, v = qkv(n_BxTxD, p["attn"], head_dim, sincos)
-    out_BxTxD = attend(q, k, v, mask_BxTxT, past) @ p["attn"]["out"] + mlp(n_BxTxD, p["mlp"])
+    out_BxTxD = _attention(q, k, v, mask_BxTxT, past) @ p["attn"]["out"] + mlp(n_BxTxD, p["mlp"])
     return _residual(h_BxTxD, out_BxTxD, p["mlp"]["fc_out"]["bias"], tp_axis), (k, v)
 
 
@@ -152,15 +191,34 @@ def _fused_block(h_BxTxD, n_BxTxD, p: dict, head_dim: int, sincos, mask_BxTxT, t
     d = p["in"].shape[-1]
     d_local = (p["in"].shape[1] - p["out"].shape[-1]) // 2  # in: 3 * D/tp + F/tp rows, out: D/tp + F/tp columns
     y = _by_rows(n_BxTxD, p["in"].reshape(-1, d)) + p["in_bias"].reshape(-1)
+    joined, kv = _attention_and_mlp(y, d_local, None, head_dim, sincos, mask_BxTxT, past)
+    return _residual(h_BxTxD, _by_rows(joined, p["out"].reshape(d, -1)), p["out_bias"], tp_axis), kv
 
+
+def _joined_block(h_BxTxD, n_BxTxD, p: dict, head_dim: int, sincos, mask_BxTxT, tp_axis, past):
+    """`block` with q, k, v and fc_in (which all read LN(h)) joined into one matrix product, and out and fc_out
+    (whose outputs are summed) into another: the joined matrices are made from a param-tree layer inside the
+    computation, so training keeps its params as they are and autodiff splits the joined gradients back."""
+    attn, mlp_p = p["attn"], p["mlp"]
+    in_DxN = jnp.concatenate([attn["q"], attn["k"], attn["v"], mlp_p["fc_in"]["kernel"]], -1)
+    joined, kv = _attention_and_mlp(n_BxTxD @ in_DxN, attn["q"].shape[-1], mlp_p["fc_in"]["bias"], head_dim,
+                                    sincos, mask_BxTxT, past)
+    out_MxD = jnp.concatenate([attn["out"], mlp_p["fc_out"]["kernel"]], 0)
+    return _residual(h_BxTxD, joined @ out_MxD, mlp_p["fc_out"]["bias"], tp_axis), kv
+
+
+def _attention_and_mlp(y, width: int, fc_in_bias, head_dim: int, sincos, mask_BxTxT, past):
+    """From the joined input product y [B, T, 3 * width + F] (q, k, v, fc_in; `width` = this device's H*K, fc_in's
+    bias added here unless None): attention's output and the MLP's activation side by side [B, T, width + F], and
+    the new keys and values."""
     def heads(i):
-        part = y[..., i * d_local:(i + 1) * d_local]
+        part = y[..., i * width:(i + 1) * width]
         return part.reshape(*part.shape[:-1], -1, head_dim)
 
     q, k, v = apply_rotary(heads(0), *sincos), apply_rotary(heads(1), *sincos), heads(2)
-    act = jax.nn.gelu(y[..., 3 * d_local:], approximate=True)
-    joined = jnp.concatenate([attend(q, k, v, mask_BxTxT, past), act], -1)
-    return _residual(h_BxTxD, _by_rows(joined, p["out"].reshape(d, -1)), p["out_bias"], tp_axis), (k, v)
+    pre_act = y[..., 3 * width:] if fc_in_bias is None else y[..., 3 * width:] + fc_in_bias
+    act = jax.nn.gelu(pre_act, approximate=True)
+    return jnp.concatenate([_attention(q, k, v, mask_BxTxT, past), act], -1), (k, v)
 
 
 def embed(ids_BxT: jax.Array, wte_VxD: jax.Array, tp_axis: str | None = None) -> jax.Array:

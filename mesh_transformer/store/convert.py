@@ -219,7 +219,7 @@ def load_params(layout: Layout, source: str, dtype: Any = None) -> dict:
     formats are read one global array at a time on the host.
     """
     cfg = layout.cfg
-    dtype = parse_dtype(dtype if dtype is not None else cfg.compute_dtype)
+    dtype = parse_dtype(dtype if dtype is not None else model.compute_dtype(cfg))
     fmt = detect_format(source)
     if fmt == CHECKPOINT:
         root, step = checkpoint.find_step(source)

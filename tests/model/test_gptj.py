@@ -128,3 +128,36 @@ def test_init_follows_the_original_scales(params):
     assert float(jnp.abs(params["layers"]["attn"]["q"]).max()) <= 2 / D ** 0.5
     np.testing.assert_array_equal(params["layers"]["ln_1"]["scale"], 1.0)
     np.testing.assert_array_equal(params["lm_head"]["bias"], 0.0)
+
+
+def test_auto_compute_dtype_is_bf16_on_accelerators_and_f32_on_cpu():
+    auto = dataclasses.replace(CFG, compute_dtype="auto")
+    assert config.Config().compute_dtype == "auto"
+    assert model.compute_dtype(auto, "gpu") == jnp.bfloat16 and model.compute_dtype(auto, "tpu") == jnp.bfloat16
+    assert model.compute_dtype(auto, "cpu") == jnp.float32 and model.compute_dtype(auto) == jnp.float32  # tests: CPU
+    assert model.compute_dtype(dataclasses.replace(CFG, compute_dtype="bfloat16"), "cpu") == jnp.bfloat16
+
+
+@pytest.mark.parametrize("parallelism, dp, mp", [("shard_map", 1, 1), ("shard_map", 2, 4), ("fsdp", 8, 1)],
+                         ids=["single", "dp2-mp4", "fsdp8"])
+def test_train_step_with_joined_projections_equals_the_unjoined_step(tokens, parallelism, dp, mp):
+    """Joining q, k, v, fc_in and out, fc_out inside the step changes neither the loss nor the gradients (f32), and
+    the train step's loss and gradient norm with them."""
+    from mesh_transformer.parallel.mesh import make_mesh
+    from mesh_transformer.train import optim, state as state_lib
+
+    def one_step(join):
+        cfg = dataclasses.replace(CFG, cores_per_replica=mp, remat=True, join_projections=join, warmup_steps=0,
+                                  parallelism=parallelism, mesh_fsdp=dp if parallelism == "fsdp" else 1)
+        mesh = make_dp_mp(dp, mp) if parallelism == "shard_map" else make_mesh({"data": 1, "fsdp": dp, "tensor": 1})
+        layout = make_layout(cfg, mesh=mesh)
+        opt = optim.make_optimizer(cfg)
+        state = state_lib.init_train_state(layout, opt, jax.random.PRNGKey(0))
+        grads = jax.jit(layout.loss_and_grad_fn())(state["params"], tokens)[1]
+        batch = jax.device_put(tokens[None], layout.batch_sharding())
+        return grads, state_lib.make_train_step(layout, opt, optim.lr_schedule(cfg))(state, batch)[1]
+
+    (joined_grads, joined), (plain_grads, plain) = one_step(True), one_step(False)
+    assert max_diff(joined_grads, plain_grads) < 1e-6
+    np.testing.assert_allclose(joined["loss"], plain["loss"], rtol=1e-6)
+    np.testing.assert_allclose(joined["grad_norm"], plain["grad_norm"], rtol=1e-5)

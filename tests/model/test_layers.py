@@ -1,0 +1,61 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mesh_transformer.model import layers
+
+B, T, H, K = 3, 12, 4, 16
+
+
+def qkv(dtype):
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    return [jax.random.normal(k, (B, T, H, K)).astype(dtype) for k in keys]
+
+
+def reference(q, k, v, length_B=None):
+    """Today's `attend` with the causal mask, and keys at or after each row's length masked."""
+    mask_BxTxT = jnp.broadcast_to(layers.causal_mask(T), (B, T, T))
+    if length_B is not None:
+        mask_BxTxT = mask_BxTxT & (jnp.arange(T) < length_B[:, None])[:, None, :]
+    return layers.attend(q, k, v, mask_BxTxT)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["causal", "causal+padding"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_dot_product_attention_equals_attend_with_its_gradients(dtype, padded):
+    q, k, v = qkv(dtype)
+    length_B = jnp.array([T, 5, 1]) if padded else None
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    weights = jax.random.normal(jax.random.PRNGKey(1), (B, T, H * K))
+
+    def loss(fn):
+        return lambda q, k, v: (fn(q, k, v, length_B).astype(jnp.float32) * weights).sum()
+
+    got = jax.jit(layers.self_attention)(q, k, v, length_B)
+    want = jax.jit(reference)(q, k, v, length_B)
+    assert got.dtype == want.dtype == dtype and got.shape == (B, T, H * K)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
+    got_grads = jax.jit(jax.grad(loss(layers.self_attention), (0, 1, 2)))(q, k, v)
+    want_grads = jax.jit(jax.grad(loss(reference), (0, 1, 2)))(q, k, v)
+    for a, b in zip(got_grads, want_grads):
+        scale = float(jnp.abs(b.astype(jnp.float32)).max())
+        assert float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max()) <= tol * scale
+
+
+def test_block_without_a_mask_is_causal_attention_as_before():
+    """`block` with mask None (the training and prefill path) equals the same block given the causal mask (the
+    block-cache path, `attend`)."""
+    D = H * K
+    keys = jax.random.split(jax.random.PRNGKey(2), 8)
+    p = {"ln_1": {"scale": jnp.ones(D), "bias": jnp.zeros(D)},
+         "attn": {name: jax.random.normal(key, (D, D)) / D ** 0.5 for name, key in zip("qkv", keys)}
+         | {"out": jax.random.normal(keys[3], (D, D)) / D ** 0.5},
+         "mlp": {"fc_in": {"kernel": jax.random.normal(keys[4], (D, 4 * D)) / D ** 0.5, "bias": jnp.zeros(4 * D)},
+                 "fc_out": {"kernel": jax.random.normal(keys[5], (4 * D, D)) / D ** 0.5, "bias": jnp.zeros(D)}}}
+    h = jax.random.normal(keys[6], (B, T, D))
+    sincos = layers.rotary_sincos(jnp.arange(T)[None], 8)
+    got, (k, v) = jax.jit(lambda h: layers.block(h, p, K, sincos))(h)
+    want, (k_ref, v_ref) = jax.jit(lambda h: layers.block(h, p, K, sincos, layers.causal_mask(T)))(h)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_array_equal(k, k_ref)
