@@ -220,3 +220,19 @@ def task_metrics(results: dict, prefix: str = "eval") -> dict[str, float]:
                 name, _, filt = key.partition(",")
                 out[f"{prefix}/{task}/{name if filt in ('', 'none') else f'{name}_{filt}'}"] = float(value)
     return out
+
+
+def tracker(output_path: str | None) -> Any:
+    """lm-eval's EvaluationTracker, which names and writes the results files as `lm_eval --output_path` does."""
+    from lm_eval.loggers import EvaluationTracker
+
+    return EvaluationTracker(output_path=output_path)
+
+
+def save_results(evaluation_tracker: Any, results: dict, log_samples: bool) -> None:
+    """The results JSON, and with log_samples one samples JSONL per task, as lm_eval's CLI writes them."""
+    samples = results.pop("samples", None) if log_samples else None
+    evaluation_tracker.save_results_aggregated(results=results, samples=samples)
+    if samples is not None:
+        for task_name in results["configs"]:
+            evaluation_tracker.save_results_samples(task_name=task_name, samples=samples[task_name])

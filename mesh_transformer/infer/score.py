@@ -92,14 +92,21 @@ def _greedy(logits_RxTxV: jax.Array, targets_RxT: jax.Array, tp_axis: str | None
     return lax.pmin(candidate_RxT, tp_axis) == targets_RxT
 
 
+def _gather_shards(x_RxTxk: jax.Array, tp_axis: str) -> jax.Array:
+    """Every shard's [R, T, k] side by side [R, T, k * tp], the same on every device: a psum of each placed in
+    zeros, as decode.gather_vocab does, so that the result is typed as replicated (check_vma)."""
+    k = x_RxTxk.shape[-1]
+    full = jnp.zeros((*x_RxTxk.shape[:2], k * lax.axis_size(tp_axis)), x_RxTxk.dtype)
+    return lax.psum(lax.dynamic_update_slice_in_dim(full, x_RxTxk, lax.axis_index(tp_axis) * k, 2), tp_axis)
+
+
 def _top(logits_RxTxV: jax.Array, k: int, tp_axis: str | None) -> tuple[jax.Array, jax.Array]:
     """The k most likely ids and their log-probs [R, T, k] over the whole vocab: each shard's top k, gathered, then
     the top k of those."""
     values_RxTxk, ids_RxTxk = lax.top_k(logits_RxTxV, k)
     ids_RxTxk = ids_RxTxk.astype(jnp.int32) + _vocab_offset(logits_RxTxV, tp_axis)
     if tp_axis is not None:
-        values_RxTxk = lax.all_gather(values_RxTxk, tp_axis, axis=2, tiled=True)
-        ids_RxTxk = lax.all_gather(ids_RxTxk, tp_axis, axis=2, tiled=True)
+        values_RxTxk, ids_RxTxk = _gather_shards(values_RxTxk, tp_axis), _gather_shards(ids_RxTxk, tp_axis)
         values_RxTxk, order_RxTxk = lax.top_k(values_RxTxk, k)
         ids_RxTxk = jnp.take_along_axis(ids_RxTxk, order_RxTxk, -1)
     lse_RxT = jax.nn.logsumexp(logits_RxTxV, -1)
@@ -151,15 +158,20 @@ class Scorer:
         return bucket(longest, maximum=self.cfg.seq)
 
     def run(self, rows: Rows, top_k: int = 0) -> Scores:
-        """Scores of packed rows (padded here to a multiple of batch_rows)."""
+        """Scores of packed rows (padded here to a multiple of batch_rows), with the top_k (at most MAX_TOP)
+        alternatives: one program finds MAX_TOP for every k, so k does not add compiles."""
+        if not 0 <= top_k <= MAX_TOP:
+            raise ValueError(f"top_k must be in [0, {MAX_TOP}], got {top_k}")
         n = rows.ids.shape[0]
         padded = -(-n // self.batch_rows) * self.batch_rows
         out = []
         for start in range(0, padded, self.batch_rows):
             chunk = Rows(*[_pad_rows(x[start:start + self.batch_rows], self.batch_rows, fill)
                            for x, fill in zip(rows, PAD)])
-            out.append(self._program(self.params, chunk, top_k=top_k))
-        return Scores(*[np.concatenate([np.asarray(o[i]) for o in out])[:n] for i in range(4)])
+            out.append(self._program(self.params, chunk, top_k=MAX_TOP if top_k else 0))
+        logprob, greedy, top_ids, top_logprobs = (np.concatenate([np.asarray(o[i]) for o in out])[:n]
+                                                  for i in range(4))
+        return Scores(logprob, greedy, top_ids[..., :top_k], top_logprobs[..., :top_k])
 
 
 PAD = Rows(0, 0, -1, -1, -1)  # what a padding token holds in each field
@@ -202,11 +214,15 @@ def pack(units: Sequence[Unit], width: int) -> tuple[Rows, list[list[Placed]]]:
         _lay(arrays[row], col, ctx[:-1], range(len(ctx) - 1), group, 0, ctx[1:])
         col += len(ctx) - 1
         for i, cont in enumerate(unit.continuations):
+            if not cont:  # nothing to score: the sum is 0
+                placed[u][first + i] = Placed(row, col, 0)
+                continue
             tokens = (ctx[-1], *cont[:-1])
             _lay(arrays[row], col, tokens, range(len(ctx) - 1, len(ctx) - 1 + len(cont)), group, i + 1, cont)
             placed[u][first + i] = Placed(row, col, len(cont))
             col += len(cont)
         fill[row] = col
+    arrays = arrays or [np.full((5, width), -1, np.int32)]
     stacked = [np.stack([a[i] for a in arrays]) for i in range(5)]
     return Rows(*[np.where(x < 0, fill, x) for x, fill in zip(stacked, PAD)]), placed
 
@@ -219,3 +235,25 @@ def _lay(row_5xT: np.ndarray, col: int, tokens: Sequence[int], positions: range,
     row_5xT[2, col:end], row_5xT[3, col:end] = group, segment
     scored = list(targets)[:len(tokens)]
     row_5xT[4, col:col + len(scored)] = scored
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenScores:
+    """A sequence's tokens after the first: each one's log-prob, and the k most likely (id, log-prob) before it."""
+    logprobs: list[float]
+    alternatives: list[list[tuple[int, float]]]
+
+
+def score_sequences(scorer: Scorer, sequences: Sequence[Sequence[int]], top_k: int = 0) -> list[TokenScores]:
+    """Per-token scores of whole sequences (an echoed prompt and its completion), packed like any units."""
+    units = [Unit(tuple(s[:1]), (tuple(s[1:]),)) for s in sequences]
+    width = scorer.width(max((u.length for u in units), default=1))
+    rows, placed = pack(units, width)
+    scores = scorer.run(rows, top_k=top_k)
+    out = []
+    for (p,) in placed:
+        span = slice(p.start, p.start + p.length)
+        top = [list(zip(ids.tolist(), lps.tolist())) for ids, lps in
+               zip(scores.top_ids[p.row, span], scores.top_logprobs[p.row, span])]
+        out.append(TokenScores(scores.logprob[p.row, span].tolist(), top))
+    return out

@@ -1,81 +1,57 @@
 """The lm-eval adapter against lm-eval's own `hf` model on the same weights exported to HF, on test-written tasks."""
-import jax
-import numpy as np
+import json
+
 import pytest
 
-from mesh_transformer import config
+from mesh_transformer.config import ConfigError
 from mesh_transformer.infer import harness
 from mesh_transformer.infer.params import make_inference_layout, read_params
-from mesh_transformer.model import gptj as model
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.tokenizer import load_tokenizer
-from tests.helpers import TASKS, write_hf_dir, write_tasks
-
-CFG = config.from_dict({"layers": 2, "d_model": 32, "n_heads": 4, "n_vocab": 50304, "pe_rotary_dims": 4, "seq": 64,
-                        "cores_per_replica": 4, "remat": False})
-
-
-def random_params(cfg, seed=0):
-    """Random weights made with numpy (nothing to compile), large enough that the argmax is rarely a near-tie."""
-    rng = np.random.default_rng(seed)
-
-    def leaf(path, shape):
-        name = jax.tree_util.keystr(path)
-        if "scale" in name:
-            return np.ones(shape.shape, np.float32)
-        return (rng.standard_normal(shape.shape) * (0.05 if "bias" in name else 0.2)).astype(np.float32)
-
-    return jax.tree_util.tree_map_with_path(leaf, model.param_shapes(cfg))
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    return write_hf_dir(str(tmp_path_factory.mktemp("hf")), random_params(CFG), CFG)
-
-
-@pytest.fixture(scope="module")
-def tasks_dir(tmp_path_factory):
-    return write_tasks(str(tmp_path_factory.mktemp("tasks")))
+from tests.helpers import EVAL_CFG, EVAL_OPTIONS, TASKS, assert_same_eval, run_script
 
 
 def native(hf_dir, dp, mp):
-    layout = make_inference_layout(CFG, mesh=make_dp_mp(dp, mp))
+    layout = make_inference_layout(EVAL_CFG, mesh=make_dp_mp(dp, mp))
     return harness.MeshTransformerLM(layout, read_params(layout, hf_dir), load_tokenizer(), batch_size=4)
 
 
-def run(lm, tasks_dir):
-    return harness.evaluate(lm, list(TASKS), include_path=tasks_dir, log_samples=True, bootstrap_iters=0)
+def test_adapter_matches_hf_model_on_dp_mp_mesh(eval_hf_dir, eval_tasks, hf_eval_results):
+    lm = native(eval_hf_dir, 2, 4)
+    assert_same_eval(harness.evaluate(lm, TASKS, manager=eval_tasks[1], **EVAL_OPTIONS), hf_eval_results)
+    assert lm.scorer.traces <= 2  # one program per width bucket: 32 (questions) and 64 (perplexity windows)
 
 
-@pytest.fixture(scope="module")
-def hf_results(hf_dir, tasks_dir):
-    """lm-eval's own HF model on the export: the reference."""
-    return harness.evaluate("hf", list(TASKS), include_path=tasks_dir, log_samples=True, bootstrap_iters=0,
-                            model_args=f"pretrained={hf_dir},dtype=float32", device="cpu", batch_size=4)
+def test_unknown_task_names_the_nearest(eval_tasks):
+    with pytest.raises(ConfigError, match="unknown lm-eval task 'tiny_mcc'; nearest: tiny_mc"):
+        harness.check_tasks(eval_tasks[1], ["tiny_mcc"])
 
 
-def per_sample(results):
-    """task -> [(doc_id, filtered response)] in doc order."""
-    return {task: [(s["doc_id"], s["filtered_resps"]) for s in sorted(samples, key=lambda s: s["doc_id"])]
-            for task, samples in results["samples"].items()}
+def test_device_eval_writes_lm_evals_results_and_samples(eval_hf_dir, eval_tasks, hf_eval_results, tmp_path):
+    out = tmp_path / "out"
+    result = run_script("device_eval.py", "--ckpt", eval_hf_dir, "--tasks", "tiny_mc", "--include_path",
+                        eval_tasks[0], "--batch_size", "4", "--output_path", str(out), "--log_samples")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "tiny_mc" in result.stdout and "Running loglikelihood requests" in result.stderr  # table, progress bar
+    (model_dir,) = out.iterdir()
+    results_file = next(model_dir.glob("results_*.json"))
+    assert json.loads(results_file.read_text())["results"]["tiny_mc"]["acc,none"] == \
+        hf_eval_results["results"]["tiny_mc"]["acc,none"]
+    samples = [json.loads(line) for line in next(model_dir.glob("samples_tiny_mc_*.jsonl")).read_text().splitlines()]
+    assert len(samples) == len(hf_eval_results["samples"]["tiny_mc"])
 
 
-def assert_same(ours, ref):
-    a, b = per_sample(ours), per_sample(ref)
-    for task in TASKS:
-        for (doc_a, resp_a), (doc_b, resp_b) in zip(a[task], b[task], strict=True):
-            assert doc_a == doc_b
-            if task == "tiny_gen":
-                assert resp_a == resp_b
-            elif task == "tiny_mc":
-                np.testing.assert_allclose([r[0] for r in resp_a], [r[0] for r in resp_b], atol=1e-4, rtol=0)
-                assert [r[1] for r in resp_a] == [r[1] for r in resp_b]
-            else:
-                np.testing.assert_allclose(resp_a, resp_b, atol=1e-4, rtol=0)
-    for task in TASKS:
-        metrics = {k: v for k, v in ours["results"][task].items() if k.startswith(("acc", "exact_match"))}
-        assert metrics == {k: ref["results"][task][k] for k in metrics}, task
+@pytest.mark.parametrize("flags, message", [(["--tasks", ","], "--tasks names no task"),
+                                            (["--tasks", "x", "--log_samples"], "--log_samples needs --output_path"),
+                                            (["--tasks", "x", "--seed", "1,2"], "--seed")])
+def test_device_eval_bad_flags_are_one_line_errors(flags, message):
+    result = run_script("device_eval.py", "--ckpt", "nowhere", *flags)
+    assert result.returncode == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
-def test_adapter_matches_hf_model_on_dp_mp_mesh(hf_dir, tasks_dir, hf_results):
-    assert_same(run(native(hf_dir, 2, 4), tasks_dir), hf_results)
+def test_dataset_not_available_offline_is_one_line_config_error(eval_hf_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    (tmp_path / "t.yaml").write_text("task: tiny_remote\ndataset_path: nobody/no_such_dataset\ntest_split: test\n"
+                                     "output_type: loglikelihood\ndoc_to_text: 'a'\ndoc_to_target: 'b'\n")
+    with pytest.raises(ConfigError, match="cannot be loaded"):
+        harness.evaluate(native(eval_hf_dir, 1, 1), ["tiny_remote"], include_path=str(tmp_path), limit=1)
