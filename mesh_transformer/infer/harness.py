@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import difflib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lm_eval.models  # noqa: F401  (lm-eval's own models register first: it only loads them into an empty registry)
@@ -22,12 +22,12 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from mesh_transformer.config import ConfigError
-from mesh_transformer.infer.params import place_params
+from mesh_transformer.config import Config, ConfigError
+from mesh_transformer.infer.params import make_inference_layout, place_params
 from mesh_transformer.infer.sampler import Sampler
 from mesh_transformer.infer.score import Scorer, Unit, pack
 from mesh_transformer.parallel.layout import Layout
-from mesh_transformer.tokenizer import EOS_ID
+from mesh_transformer.tokenizer import EOS_ID, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,11 @@ class MeshTransformerLM(TemplateLM):
         self.sampler = Sampler(layout, self.params)
         self.batch_size = self.scorer.batch_rows
         self.max_gen_toks = min(int(max_gen_toks), self.cfg.seq - 1)
+
+    def use_params(self, params: dict) -> None:
+        """Evaluate these params from now on (of the same shapes: the compiled programs are kept)."""
+        self.params = place_params(params, self.layout)
+        self.scorer.params = self.sampler.params = self.params
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> MeshTransformerLM:
@@ -236,3 +241,34 @@ def save_results(evaluation_tracker: Any, results: dict, log_samples: bool) -> N
     if samples is not None:
         for task_name in results["configs"]:
             evaluation_tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
+
+
+def training_evaluator(cfg: Config, include_path: str | None = None) -> Callable[[dict], dict[str, float]]:
+    """The trainer's `evaluate` hook for cfg.eval_harness_tasks (at most cfg.eval_harness_limit examples each):
+    params -> {"eval/<task>/<metric>": value}. It runs on process 0's devices, on process 0's view of the params
+    (gathered to its host first when there are several processes; the others return {}). Tasks are checked now,
+    so a typo fails before training starts."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    tasks, limit = list(cfg.eval_harness_tasks), cfg.eval_harness_limit
+    if limit is not None and limit < 1:
+        raise ConfigError(f"config key 'eval_harness_limit' must be at least 1 (or null), got {limit}")
+    manager = task_manager(include_path, tasks)
+    check_tasks(manager, tasks)
+    layout = make_inference_layout(cfg, devices=[d for d in jax.devices() if d.process_index == 0])
+    state: dict[str, MeshTransformerLM] = {}
+
+    def evaluate_params(params: dict) -> dict[str, float]:
+        if jax.process_count() > 1:
+            params = multihost_utils.process_allgather(params)
+            if jax.process_index() != 0:
+                return {}
+        if "lm" in state:
+            state["lm"].use_params(params)
+        else:
+            state["lm"] = MeshTransformerLM(layout, params, load_tokenizer(cfg.tokenizer))
+        results = evaluate(state["lm"], tasks, manager=manager, limit=limit, bootstrap_iters=0, log_samples=False)
+        return task_metrics(results)
+
+    return evaluate_params
