@@ -114,21 +114,21 @@ class MeshTransformerLM(TemplateLM):
         width = self.scorer.width(max((u.length for u in units), default=1))
         rows, placed = pack(units, width)
         step = self.scorer.batch_rows
-        logprob_RxT, greedy_RxT = np.zeros(rows.ids.shape, np.float64), np.zeros(rows.ids.shape, bool)
+        logprob_RxC, greedy_RxC = np.zeros(rows.targets.shape), np.zeros(rows.targets.shape, bool)
         bar = tqdm(total=len(pairs), desc="Running loglikelihood requests", disable=disable_tqdm)
         done_rows = np.zeros(rows.ids.shape[0] + 1, np.int64)  # requests whose last row is r, for the bar
         for places in placed:
             done_rows[max(p.row for p in places)] += len(places)
         for start in range(0, rows.ids.shape[0], step):
             scores = self.scorer.run(type(rows)(*[x[start:start + step] for x in rows]))
-            logprob_RxT[start:start + step], greedy_RxT[start:start + step] = scores.logprob, scores.greedy
+            logprob_RxC[start:start + step], greedy_RxC[start:start + step] = scores.logprob, scores.greedy
             bar.update(int(done_rows[start:start + step].sum()))
         bar.close()
         results: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)
         for members, places in zip(by_context.values(), placed):
             for i, p in zip(members, places):
                 span = slice(p.start, p.start + p.length)
-                results[i] = (float(logprob_RxT[p.row, span].sum()), bool(greedy_RxT[p.row, span].all()))
+                results[i] = (float(logprob_RxC[p.row, span].sum()), bool(greedy_RxC[p.row, span].all()))
         return results
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:

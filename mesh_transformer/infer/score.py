@@ -32,18 +32,20 @@ MAX_TOP = 5  # the most alternatives a position reports (OpenAI's limit for comp
 
 
 class Rows(NamedTuple):
-    """Packed rows [R, T] (numpy, int32): token ids, rotary positions, unit and segment of each token (-1: padding)
-    and the token each position is scored against (-1: none)."""
+    """Packed rows (numpy, int32): token ids, rotary positions, unit and segment of each token (-1: padding) [R, T];
+    the columns that are scored, in order, and the token each is scored against [R, C] (-1: padding). Only the
+    scored columns go through the LM head, the largest matrix product by far: a shared context is not scored."""
     ids: np.ndarray
     positions: np.ndarray
     groups: np.ndarray
     segments: np.ndarray
+    columns: np.ndarray
     targets: np.ndarray
 
 
 class Scores(NamedTuple):
-    """Per position [R, T]: the target's log-prob and whether it is the argmax; the top k ids and log-probs
-    [R, T, k] (k = 0 unless asked)."""
+    """Per scored column [R, C]: the target's log-prob and whether it is the argmax; the top k ids and log-probs
+    [R, C, k] (k = 0 unless asked)."""
     logprob: np.ndarray
     greedy: np.ndarray
     top_ids: np.ndarray
@@ -63,7 +65,7 @@ class Unit:
 
 @dataclasses.dataclass(frozen=True)
 class Placed:
-    """Where one continuation's scored positions lie: row, first column, token count."""
+    """Where one continuation's scores lie: row, first scored column (an index into Rows.columns), token count."""
     row: int
     start: int
     length: int
@@ -123,7 +125,8 @@ def score_local(params: dict, rows: Rows, *, cfg: Config, top_k: int, tp_axis: s
     mask_RxTxT = packed_mask(rows.groups, rows.segments)
     for layer_params in params["layers"]:
         h_RxTxD = layers.block(h_RxTxD, layer_params, cfg.head_dim, sincos, mask_RxTxT, tp_axis)[0]
-    logits_RxTxV = layers.head(h_RxTxD, params["ln_f"], params["lm_head"])
+    h_RxCxD = jnp.take_along_axis(h_RxTxD, rows.columns[..., None], axis=1)
+    logits_RxTxV = layers.head(h_RxCxD, params["ln_f"], params["lm_head"])
     targets_RxT = jnp.maximum(rows.targets, 0)
     logprob_RxT = -layers.cross_entropy(logits_RxTxV, targets_RxT, tp_axis)
     greedy_RxT = _greedy(logits_RxTxV, targets_RxT, tp_axis)
@@ -150,7 +153,7 @@ class Scorer:
         row = self.layout.spec(("batch", "length"))
         top = self.layout.spec(("batch", "length", None))
         fn = partial(score_local, cfg=self.cfg, top_k=top_k, tp_axis=self.layout.tp_axis)
-        return jax.shard_map(fn, mesh=self.layout.mesh, in_specs=(decode_specs(self.cfg), Rows(*[row] * 5)),
+        return jax.shard_map(fn, mesh=self.layout.mesh, in_specs=(decode_specs(self.cfg), Rows(*[row] * 6)),
                              out_specs=(row, row, top, top), check_vma=True)(params, rows)
 
     def width(self, longest: int) -> int:
@@ -174,7 +177,7 @@ class Scorer:
         return Scores(logprob, greedy, top_ids[..., :top_k], top_logprobs[..., :top_k])
 
 
-PAD = Rows(0, 0, -1, -1, -1)  # what a padding token holds in each field
+PAD = Rows(0, 0, -1, -1, 0, -1)  # what a padding token holds in each field
 
 
 def _pad_rows(x_RxT: np.ndarray, rows: int, fill: int) -> np.ndarray:
@@ -211,7 +214,7 @@ def pack(units: Sequence[Unit], width: int) -> tuple[Rows, list[list[Placed]]]:
             arrays.append(np.full((5, width), -1, np.int32))
         col = fill[row]
         ctx = unit.context
-        _lay(arrays[row], col, ctx[:-1], range(len(ctx) - 1), group, 0, ctx[1:])
+        _lay(arrays[row], col, ctx[:-1], range(len(ctx) - 1), group, 0, ())
         col += len(ctx) - 1
         for i, cont in enumerate(unit.continuations):
             if not cont:  # nothing to score: the sum is 0
@@ -223,13 +226,21 @@ def pack(units: Sequence[Unit], width: int) -> tuple[Rows, list[list[Placed]]]:
             col += len(cont)
         fill[row] = col
     arrays = arrays or [np.full((5, width), -1, np.int32)]
-    stacked = [np.stack([a[i] for a in arrays]) for i in range(5)]
-    return Rows(*[np.where(x < 0, fill, x) for x, fill in zip(stacked, PAD)]), placed
+    ids, positions, groups, segments, targets_RxT = (np.stack([a[i] for a in arrays]) for i in range(5))
+    scored = [np.flatnonzero(t >= 0) for t in targets_RxT]
+    columns_RxC = np.full((len(arrays), bucket(max(map(len, scored)), minimum=1, maximum=width)), -1, np.int32)
+    targets_RxC = np.full(columns_RxC.shape, -1, np.int32)
+    for r, cols in enumerate(scored):
+        columns_RxC[r, :len(cols)], targets_RxC[r, :len(cols)] = cols, targets_RxT[r, cols]
+    placed = [[dataclasses.replace(p, start=int(np.searchsorted(scored[p.row], p.start))) for p in unit]
+              for unit in placed]
+    rows = Rows(ids, positions, groups, segments, columns_RxC, targets_RxC)
+    return Rows(*[np.where(x < 0, fill, x) for x, fill in zip(rows, PAD)]), placed
 
 
 def _lay(row_5xT: np.ndarray, col: int, tokens: Sequence[int], positions: range, group: int, segment: int,
          targets: Sequence[int]) -> None:
-    """Write one stretch of tokens into a row: ids, positions, unit, segment, targets (-1 past the context)."""
+    """Write one stretch of tokens into a row: ids, positions, unit, segment, targets (-1: not scored)."""
     end = col + len(tokens)
     row_5xT[0, col:end], row_5xT[1, col:end] = tokens, list(positions)
     row_5xT[2, col:end], row_5xT[3, col:end] = group, segment
