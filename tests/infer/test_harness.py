@@ -3,6 +3,7 @@ import json
 
 import numpy as np
 import pytest
+from lm_eval.api.registry import get_model
 
 from mesh_transformer import config
 from mesh_transformer.config import ConfigError
@@ -56,8 +57,11 @@ def test_dataset_not_available_offline_is_one_line_config_error(eval_hf_dir, tmp
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     (tmp_path / "t.yaml").write_text("task: tiny_remote\ndataset_path: nobody/no_such_dataset\ntest_split: test\n"
                                      "output_type: loglikelihood\ndoc_to_text: 'a'\ndoc_to_target: 'b'\n")
+    # Built the way `lm_eval --model mesh-transformer --model_args ckpt=...` builds it.
+    lm = get_model(harness.MODEL_NAME).create_from_arg_string(f"ckpt={eval_hf_dir}", {"batch_size": 4})
+    assert lm.layout.mesh.shape == {"dp": 2, "mp": 4}
     with pytest.raises(ConfigError, match="cannot be loaded"):
-        harness.evaluate(native(eval_hf_dir, 1, 1), ["tiny_remote"], include_path=str(tmp_path), limit=1)
+        harness.evaluate(lm, ["tiny_remote"], include_path=str(tmp_path), limit=1)
 
 
 def test_training_logs_task_metrics_at_val_every(tmp_path, eval_tasks):

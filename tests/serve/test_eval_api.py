@@ -75,13 +75,25 @@ def test_echo_with_one_token_gives_prompt_then_the_greedy_token(http, torch_logp
     assert list(choice["logprobs"]["top_logprobs"][-1].values()) == [choice["logprobs"]["token_logprobs"][-1]]
 
 
-def test_echo_streams_the_prompt_first(http):
-    body = {"prompt": PROMPTS[1], "max_tokens": 3, "echo": True, "stream": True, "temperature": 0}
+def test_echo_streams_the_prompt_first_and_each_piece_with_its_top_logprobs(http):
+    body = {"prompt": PROMPTS[1], "max_tokens": 3, "echo": True, "stream": True, "temperature": 0, "logprobs": 2}
     with http.stream("POST", "/v1/completions", json=body) as response:
         chunks = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     assert chunks[-1] == "[DONE]"
-    first = httpx.Response(200, content=chunks[0]).json()["choices"][0]
-    assert first["text"] == load_tokenizer().decode(PROMPTS[1])
+    choices = [httpx.Response(200, content=c).json()["choices"][0] for c in chunks[:-1]]
+    whole = http.post("/v1/completions", json={**body, "stream": False}).json()["choices"][0]
+    assert choices[0]["text"] == load_tokenizer().decode(PROMPTS[1])
+    assert "".join(c["text"] for c in choices) == whole["text"]
+    streamed = [top for c in choices for top in c["logprobs"]["top_logprobs"]]
+    assert [t and list(t) for t in streamed] == [t and list(t) for t in whole["logprobs"]["top_logprobs"]]
+
+
+def test_echo_with_n_choices_echoes_each(http):
+    body = {"prompt": [PROMPTS[1], PROMPTS[2]], "max_tokens": 0, "echo": True, "n": 2, "logprobs": 0}
+    choices = http.post("/v1/completions", json=body).json()["choices"]
+    tokenizer = load_tokenizer()
+    assert [c["text"] for c in choices] == [tokenizer.decode(p) for p in (PROMPTS[1],) * 2 + (PROMPTS[2],) * 2]
+    assert choices[0]["logprobs"]["token_logprobs"] == choices[1]["logprobs"]["token_logprobs"]
 
 
 @pytest.mark.parametrize("body, param", [({"logprobs": 6}, "logprobs"), ({"max_tokens": 0}, "max_tokens"),
