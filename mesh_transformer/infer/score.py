@@ -157,8 +157,9 @@ class Scorer:
                              out_specs=(row, row, top, top), check_vma=True)(params, rows)
 
     def width(self, longest: int) -> int:
-        """The row width a batch whose longest unit has `longest` tokens is padded to."""
-        return bucket(longest, maximum=self.cfg.seq)
+        """The row width for units of at most `longest` tokens: a power of two, at most seq (a longer unit is cut
+        into pieces that each repeat its context)."""
+        return bucket(min(longest, self.cfg.seq), maximum=self.cfg.seq)
 
     def run(self, rows: Rows, top_k: int = 0) -> Scores:
         """Scores of packed rows (padded here to a multiple of batch_rows), with the top_k (at most MAX_TOP)
