@@ -22,8 +22,9 @@ def native(hf_dir, dp, mp):
     return harness.MeshTransformerLM(layout, read_params(layout, hf_dir), load_tokenizer(), batch_size=4)
 
 
-def test_adapter_matches_hf_model_on_dp_mp_mesh(eval_hf_dir, eval_tasks, hf_eval_results):
-    lm = native(eval_hf_dir, 2, 4)
+@pytest.mark.parametrize("dp, mp", [(1, 1), (2, 4)], ids=["one_device", "dp2-mp4"])
+def test_adapter_matches_hf_model(eval_hf_dir, eval_tasks, hf_eval_results, dp, mp):
+    lm = native(eval_hf_dir, dp, mp)
     assert_same_eval(harness.evaluate(lm, TASKS, manager=eval_tasks[1], **EVAL_OPTIONS), hf_eval_results)
     assert lm.scorer.traces <= 2  # one program per width bucket: 32 (questions) and 64 (perplexity windows)
 
