@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_distributed_args(parser)
     parser.add_argument("--tune-model-path", help="start from this checkpoint's params, with a fresh schedule")
     parser.add_argument("--fresh-opt", action="store_true", help="reset the optimizer state when resuming")
+    parser.add_argument("--include_path", help="a directory of extra lm-eval task YAML files for eval_harness_tasks")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -27,8 +28,14 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = cli.load_config(args)
         cli.start_distributed(args)
+        evaluate = None
+        if cfg.eval_harness_tasks:  # lm-eval is imported only then
+            from mesh_transformer.infer import harness
+
+            evaluate = harness.training_evaluator(cfg, args.include_path)
         with trainer.StopFlag() as stop:
-            t = trainer.Trainer(cfg, tune_model_path=args.tune_model_path, fresh_opt=args.fresh_opt)
+            t = trainer.Trainer(cfg, tune_model_path=args.tune_model_path, fresh_opt=args.fresh_opt,
+                                evaluate=evaluate)
             step = t.run(stop.event)
         if jax.process_index() == 0:
             print(f"stopped at step {step}; checkpoints and metrics in {cfg.model_path}", flush=True)

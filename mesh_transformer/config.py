@@ -43,6 +43,7 @@ class Config:
     train_set: str | list | None = None
     val_set: dict = dataclasses.field(default_factory=dict)
     eval_harness_tasks: list = dataclasses.field(default_factory=list)
+    eval_harness_limit: int | None = None  # new key: examples per eval_harness_tasks task at most (None: all)
     val_batches: int = 100
     val_every: int = 500
     ckpt_every: int = 500

@@ -62,6 +62,7 @@ class CompletionParams:
     seed: int = 0
     logprobs: int | None = None
     include_usage: bool = False
+    echo: bool = False  # the prompt comes back first, with its tokens' log-probs (the first null) if asked
 
 
 # --------------------------------------------------------------------------------------------------------- parsing
@@ -174,7 +175,7 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 def _check_context(prompts: Sequence[Sequence[int]], max_tokens: int, context: int) -> None:
     longest = max(map(len, prompts))
-    if longest >= context:
+    if longest > context or (longest == context and max_tokens > 0):
         raise ApiError(400, f"This model's maximum context length is {context} tokens; the prompt has {longest} "
                             f"tokens and leaves no room for a completion. Please shorten the prompt.", "prompt")
     if longest + max_tokens > context:
@@ -185,7 +186,6 @@ def _check_context(prompts: Sequence[Sequence[int]], max_tokens: int, context: i
 
 # Known OpenAI fields that this server accepts only at their defaults: (is it the default?, what to say).
 _DEFAULT_ONLY = {
-    "echo": (lambda v: v is None or v is False, "only false is supported"),
     "presence_penalty": (lambda v: v is None or (_is_number(v) and v == 0), "only 0 is supported"),
     "frequency_penalty": (lambda v: v is None or (_is_number(v) and v == 0), "only 0 is supported"),
     "best_of": (lambda v: v is None or (_is_int(v) and v == 1), "only 1 (or null) is supported"),
@@ -194,7 +194,7 @@ _DEFAULT_ONLY = {
     "user": (lambda v: v is None or isinstance(v, str), "it must be a string"),
 }
 _FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop",
-           "seed", "logprobs", *_DEFAULT_ONLY}
+           "seed", "logprobs", "echo", *_DEFAULT_ONLY}
 
 
 def parse_completion(body: dict, tokenizer: Any, limits: Limits) -> CompletionParams:
@@ -206,7 +206,7 @@ def parse_completion(body: dict, tokenizer: Any, limits: Limits) -> CompletionPa
         if name in body and not is_default(body[name]):
             raise ApiError(400, f"'{name}' is not supported with value {json.dumps(body[name])[:50]}: {meaning}",
                            name)
-    if "model" in body and not isinstance(body["model"], str):
+    if body.get("model") is not None and not isinstance(body["model"], str):
         raise ApiError(400, "'model' must be a string", "model")
     if "prompt" not in body:
         raise ApiError(400, "'prompt' is required", "prompt")
@@ -215,7 +215,10 @@ def parse_completion(body: dict, tokenizer: Any, limits: Limits) -> CompletionPa
     if len(prompts) * n > limits.max_choices:
         raise ApiError(400, f"{len(prompts)} prompts x n={n} is {len(prompts) * n} completions; at most "
                             f"{limits.max_choices} fit in one request", "n")
-    max_tokens = _integer(body, "max_tokens", DEFAULT_MAX_TOKENS, 1, limits.context)
+    echo = _boolean(body, "echo")
+    max_tokens = _integer(body, "max_tokens", DEFAULT_MAX_TOKENS, 0, limits.context)
+    if max_tokens == 0 and not echo:
+        raise ApiError(400, "'max_tokens' must be at least 1 unless 'echo' is true", "max_tokens")
     stream = _boolean(body, "stream")
     options = _get(body, "stream_options", {})
     if not isinstance(options, dict) or set(options) - {"include_usage"} or not isinstance(
@@ -226,7 +229,8 @@ def parse_completion(body: dict, tokenizer: Any, limits: Limits) -> CompletionPa
         prompts=prompts, max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True), top_k=_integer(body, "top_k", 0, 0, limits.vocab),
         n=n, stream=stream, stop=_stop(body), seed=secrets.randbits(32) if seed is None else seed,
-        logprobs=_integer(body, "logprobs", None, 0, MAX_LOGPROBS), include_usage=options.get("include_usage", False))
+        logprobs=_integer(body, "logprobs", None, 0, MAX_LOGPROBS), include_usage=options.get("include_usage", False),
+        echo=echo)
     _check_context(prompts, max_tokens, limits.context)
     return params
 
@@ -248,26 +252,50 @@ def parse_complete(body: dict, tokenizer: Any, limits: Limits) -> CompletionPara
 
 
 # ------------------------------------------------------------------------------------------------------- responses
-def logprobs_object(tokenizer: Any, tokens: Sequence[int], logprobs: Sequence[float], text_offset: int,
-                    top: bool) -> dict:
-    """The legacy completions `logprobs`: chosen tokens as text, their log-probs, and where each starts.
+Alternatives = Sequence[tuple[int, float]]  # the k most likely (token id, log-prob) at a position, best first
 
-    Offsets count from the start of the completion; top_logprobs lists only the chosen token (or is null).
-    """
+
+def top_dicts(tokenizer: Any, tokens: Sequence[int], logprobs: Sequence[float | None],
+              alternatives: Sequence[Alternatives | None]) -> list[dict | None]:
+    """`top_logprobs` entries: {token text: log-prob} of the k most likely tokens at each position (null where the
+    log-prob is, at an echoed prompt's first token). The chosen token, when among them, carries its own log-prob
+    (the same number as token_logprobs), so a client's "was it the argmax" test is exact."""
+    out: list[dict | None] = []
+    for token, logprob, top in zip(tokens, logprobs, alternatives):
+        if logprob is None or top is None:
+            out.append(None)
+            continue
+        entry: dict[str, float] = {}
+        for alt_id, alt_logprob in top:
+            entry.setdefault(tokenizer.decode([alt_id]), logprob if alt_id == token else alt_logprob)
+        out.append(entry)
+    return out
+
+
+def logprobs_object(tokenizer: Any, tokens: Sequence[int], logprobs: Sequence[float | None], text_offset: int,
+                    top: Sequence[dict | None] | None) -> dict:
+    """The legacy completions `logprobs`: chosen tokens as text, their log-probs, the top alternatives and where
+    each token starts. Offsets count from the start of the choice's text (the echoed prompt's, with echo)."""
     pieces = [tokenizer.decode([t]) for t in tokens]
     offsets = []
     for piece in pieces:
         offsets.append(text_offset)
         text_offset += len(piece)
-    return {"tokens": pieces, "token_logprobs": list(logprobs),
-            "top_logprobs": [{p: lp} for p, lp in zip(pieces, logprobs)] if top else None, "text_offset": offsets}
+    return {"tokens": pieces, "token_logprobs": list(logprobs), "top_logprobs": None if top is None else list(top),
+            "text_offset": offsets}
 
 
-def choice(index: int, event: Event, tokenizer: Any, want_logprobs: int | None, text_offset: int = 0) -> dict:
-    """One entry of `choices` (a whole completion, or one streamed piece of it)."""
+def choice(index: int, event: Event, tokenizer: Any, want_logprobs: int | None, text_offset: int = 0,
+           alternatives: Sequence[Alternatives | None] | None = None) -> dict:
+    """One entry of `choices` (a whole completion, or one streamed piece of it); `alternatives` per token when
+    want_logprobs > 0 (without them top_logprobs lists the chosen token only)."""
     logprobs = None
     if want_logprobs is not None:
-        logprobs = logprobs_object(tokenizer, event.tokens, event.logprobs, text_offset, want_logprobs > 0)
+        top = None
+        if want_logprobs > 0:
+            top = (top_dicts(tokenizer, event.tokens, event.logprobs, alternatives) if alternatives is not None
+                   else [{tokenizer.decode([t]): lp} for t, lp in zip(event.tokens, event.logprobs)])
+        logprobs = logprobs_object(tokenizer, event.tokens, event.logprobs, text_offset, top)
     return {"text": event.text, "index": index, "logprobs": logprobs, "finish_reason": event.finish_reason}
 
 

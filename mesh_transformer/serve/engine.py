@@ -14,10 +14,11 @@ request that ends on a stop token or string so costs one step of its slot that i
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -77,14 +78,14 @@ class Engine:
                  programs: Programs | None = None):
         if max_batch < 1 or max_queue < 1:
             raise ValueError(f"max_batch and max_queue must be at least 1, got {max_batch} and {max_queue}")
-        self.cfg, self.tokenizer, self.max_queue = layout.cfg, tokenizer, max_queue
+        self.layout, self.cfg, self.tokenizer, self.max_queue = layout, layout.cfg, tokenizer, max_queue
         cfg = self.cfg
         self.min_span = min_span or default_block(cfg.seq)
         self.stop_token_ids = frozenset(stop_token_ids)
         self._dp = layout.mesh.shape[DP]
         self.n_slots = -(-max_batch // self._dp) * self._dp
         self._n_local = self.n_slots // self._dp
-        self._params = place_params(params, layout)
+        self.params = place_params(params, layout)
         self._programs = programs or Programs(layout)
         self._block_sizes = block_sizes(cfg.seq, min(self.min_span, cfg.seq))
         self._cache = self._programs.new_cache(self.n_slots, self._block_sizes)
@@ -92,6 +93,7 @@ class Engine:
         self._last_tokens = self._programs.new_last_tokens(self.n_slots)
         self._slots: list[Completion | None] = [None] * self.n_slots
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
+        self._calls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
         self.error: str | None = None
@@ -124,6 +126,17 @@ class Engine:
                              f"the context of {seq} tokens, with max_tokens at least 1")
         check_sampling([request.temperature], [request.top_k], [request.top_p])
 
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn` on the engine thread between two decode steps (other programs on the same devices, such as
+        scoring, so that one thread dispatches to them); its result or exception comes in the future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping or self.error:
+                raise EngineStopped(self.error or "the engine is shutting down")
+            self._calls.append((fn, future))
+            self._cond.notify()
+        return future
+
     def cancel(self, requests: Sequence[GenerationRequest]) -> None:
         """Stop generating for these requests (e.g. the client went away); no further events are sent."""
         with self._cond:
@@ -154,11 +167,14 @@ class Engine:
         try:
             while True:
                 with self._cond:
-                    while not (self._stopping or self._waiting or any(self._slots) or in_flight):
+                    while not (self._stopping or self._waiting or any(self._slots) or in_flight or self._calls):
                         self._cond.wait()
                     if self._stopping:
                         break
                     admitted = self._take_admissions()
+                    calls, self._calls = list(self._calls), collections.deque()
+                for fn, future in calls:
+                    _run_call(fn, future)
                 for rows_per_group, batch in self._prefill_batches(admitted):
                     in_flight.append(self._prefill(rows_per_group, batch))
                 self._drop_cancelled()
@@ -229,13 +245,13 @@ class Engine:
         """Dispatch a prefill of R prompts (R split over dp like the slots; each row's slot local to its group, -1
         for a padding row). Returns the first tokens and log-probs [R], still on the device."""
         tokens, logprobs, self._last_tokens, self._cache = self._programs.prefill(
-            self._params, self._cache, self._last_tokens, ids_RxT, length_R, slot_R, sampling_R)
+            self.params, self._cache, self._last_tokens, ids_RxT, length_R, slot_R, sampling_R)
         return tokens, logprobs
 
     def _run_decode(self, steps: Steps, rows: int, n_blocks: int) -> tuple[jax.Array, jax.Array]:
         """Dispatch a decode step of the first `rows` slots of each dp group."""
         tokens, logprobs, self._last_tokens, _, self._cache = self._programs.decode(
-            self._params, self._cache, self._last_tokens, steps, rows=rows, n_blocks=n_blocks)
+            self.params, self._cache, self._last_tokens, steps, rows=rows, n_blocks=n_blocks)
         return tokens, logprobs
 
     def _prefill(self, rows_per_group: int, batch: list[tuple[int, int]]) -> _Step:
@@ -304,6 +320,19 @@ class Engine:
             requests = [slot.request for slot in self._slots if slot is not None] + list(self._waiting)
             self._slots = [None] * self.n_slots
             self._waiting.clear()
+            calls, self._calls = list(self._calls), collections.deque()
+        for _, future in calls:
+            future.set_exception(EngineStopped(message))
         for request in requests:
             if not request.cancelled.is_set():
                 self._emit(request, Event(error=message))
+
+
+def _run_call(fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
+    """A `call`'s function, its result or exception delivered to the caller (it must not stop the engine)."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(fn())
+    except Exception as e:
+        future.set_exception(e)

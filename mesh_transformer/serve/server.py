@@ -5,6 +5,7 @@ engine's thread owns the device, and its events reach the event loop through cal
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -21,6 +22,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mesh_transformer.infer.score import Scorer, TokenScores, score_sequences
 from mesh_transformer.serve import api
 from mesh_transformer.serve.api import ApiError, CompletionParams
 from mesh_transformer.serve.completion import Event, GenerationRequest
@@ -157,16 +159,83 @@ async def _run(engine: Engine, request: Request, params: CompletionParams) -> tu
         job.cancel()  # frees the slots of a client that went away; a no-op once finished
 
 
-async def _stream(job: _Job, params: CompletionParams, tokenizer: Any, meta: dict,
-                  prompt_tokens: int) -> AsyncIterator[str]:
-    """A streamed completion as server-sent events, ending with [DONE]."""
-    offsets, completion_tokens = [0] * len(job.requests), 0
+class _Scoring:
+    """Log-probs and top alternatives of echoed prompts and of completions (logprobs > 0), from one forward over
+    prompt + completion, run on the engine thread between decode steps."""
+
+    def __init__(self, engine: Engine, scorer: Scorer):
+        self.engine, self.scorer = engine, scorer
+
+    async def __call__(self, sequences: list[list[int]], top_k: int) -> list[TokenScores]:
+        try:
+            future = self.engine.call(partial(score_sequences, self.scorer, sequences, top_k))
+        except EngineStopped as e:
+            raise ApiError(503, str(e), type="server_error") from None
+        return await asyncio.wrap_future(future)
+
+    def wanted(self, params: CompletionParams) -> bool:
+        return params.logprobs is not None and (params.echo or params.logprobs > 0)
+
+
+def _choice_prompts(params: CompletionParams) -> list[list[int]]:
+    return [list(p) for p in params.prompts for _ in range(params.n)]
+
+
+def _scored(event: Event, prompt: list[int], done: int, scores: TokenScores | None,
+            echo: bool) -> tuple[Event, list | None]:
+    """The event with the prompt in front when echoing (its first token's log-prob null) and, with scores of
+    prompt + completion, its tokens' log-probs and alternatives from them; `done` completion tokens came before."""
+    alternatives = None
+    if scores is not None:
+        start = len(prompt) - 1 + done
+        span = slice(start, start + len(event.tokens))
+        event = dataclasses.replace(event, logprobs=tuple(scores.logprobs[span]))
+        alternatives = scores.alternatives[span]
+        if echo:
+            alternatives = [None, *scores.alternatives[:len(prompt) - 1], *alternatives]
+            event = dataclasses.replace(event, logprobs=(None, *scores.logprobs[:len(prompt) - 1], *event.logprobs))
+    if echo:
+        event = dataclasses.replace(event, tokens=(*prompt, *event.tokens))
+    return event, alternatives
+
+
+async def _echoed(scoring: _Scoring, params: CompletionParams, tokenizer: Any,
+                  events: list[Event]) -> list[tuple[Event, list | None]]:
+    """Whole choices with the prompt echoed and log-probs re-scored as the request asks."""
+    prompts = _choice_prompts(params)
+    scores = [None] * len(events)
+    if scoring.wanted(params):
+        scores = await scoring([p + list(e.tokens) for p, e in zip(prompts, events)], params.logprobs)
+    out = []
+    for prompt, event, score in zip(prompts, events, scores):
+        text = tokenizer.decode(prompt) + event.text if params.echo else event.text
+        out.append(_scored(dataclasses.replace(event, text=text), prompt, 0, score, params.echo))
+    return out
+
+
+async def _stream(job: _Job | None, params: CompletionParams, tokenizer: Any, meta: dict, prompt_tokens: int,
+                  scoring: _Scoring) -> AsyncIterator[str]:
+    """A streamed completion as server-sent events, ending with [DONE]; with echo, each prompt comes first."""
+    prompts = _choice_prompts(params)
+    offsets, made, completion_tokens = [0] * len(prompts), [[] for _ in prompts], 0
     try:
-        async for index, event in job.events():
+        if params.echo:
+            echoes = await _echoed(scoring, params, tokenizer, [Event(finish_reason=None if job else "length")
+                                                                for _ in prompts])
+            for index, (event, alternatives) in enumerate(echoes):
+                yield _sse(api.completion(**meta, choices=[api.choice(index, event, tokenizer, params.logprobs, 0,
+                                                                      alternatives)]))
+                offsets[index] = len(event.text)
+        async for index, event in (job.events() if job else _nothing()):
             if event.error:
                 yield _sse(api.error_body(event.error, "server_error"))
                 return
-            chunk = api.choice(index, event, tokenizer, params.logprobs, offsets[index])
+            alternatives = None
+            if params.logprobs:
+                scores = (await scoring([prompts[index] + made[index] + list(event.tokens)], params.logprobs))[0]
+                event, alternatives = _scored(event, prompts[index], len(made[index]), scores, False)
+            made[index] += event.tokens
+            chunk = api.choice(index, event, tokenizer, params.logprobs, offsets[index], alternatives)
             offsets[index] += len(event.text)
             completion_tokens += len(event.tokens)
             yield _sse(api.completion(**meta, choices=[chunk]))
@@ -174,17 +243,25 @@ async def _stream(job: _Job, params: CompletionParams, tokenizer: Any, meta: dic
             yield _sse(api.completion(**meta, choices=[], usage=api.usage(prompt_tokens, completion_tokens)))
         yield _sse("[DONE]")
     finally:
-        job.cancel()  # the client went away (or all is done): free the slots at the next step
+        if job:
+            job.cancel()  # the client went away (or all is done): free the slots at the next step
+
+
+async def _nothing() -> AsyncIterator[tuple[int, Event]]:
+    for item in ():
+        yield item
 
 
 def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The HTTP app over a running engine. With `api_key`, every route but /health needs `Authorization: Bearer`."""
+               max_body_bytes: int = MAX_BODY_BYTES, scorer: Scorer | None = None) -> FastAPI:
+    """The HTTP app over a running engine. With `api_key`, every route but /health needs `Authorization: Bearer`.
+    `scorer` (by default one over the engine's params) scores echoed prompts and finds top_logprobs."""
     app = FastAPI(title="mesh-transformer serving", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
     vocab = min(len(tokenizer), engine.cfg.n_vocab)
     limits = api.Limits(context=engine.cfg.seq, vocab=vocab, max_choices=min(api.MAX_PROMPTS, engine.max_queue))
     authorized = [Depends(_authorizer(api_key))]
+    scoring = _Scoring(engine, scorer or Scorer(engine.layout, engine.params, batch_rows=4))
     _add_error_handlers(app)
 
     @app.post("/v1/completions", dependencies=authorized)
@@ -194,16 +271,21 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
         prompt_tokens = sum(map(len, params.prompts))
         if params.stream:
-            job = _Job(engine, params, asyncio.get_running_loop())
-            job.submit()
-            return StreamingResponse(_stream(job, params, tokenizer, meta, prompt_tokens),
+            job = None
+            if params.max_tokens > 0:
+                job = _Job(engine, params, asyncio.get_running_loop())
+                job.submit()
+            return StreamingResponse(_stream(job, params, tokenizer, meta, prompt_tokens, scoring),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        done = await _run(engine, request, params)
-        if done is None:
-            return Response(status_code=499)  # nobody is listening
-        events, _ = done
-        choices = [api.choice(i, event, tokenizer, params.logprobs) for i, event in enumerate(events)]
+        events = [Event(finish_reason="length")] * len(params.prompts) * params.n
+        if params.max_tokens > 0:
+            done = await _run(engine, request, params)
+            if done is None:
+                return Response(status_code=499)  # nobody is listening
+            events = done[0]
         usage = api.usage(prompt_tokens, sum(len(e.tokens) for e in events))
+        choices = [api.choice(i, event, tokenizer, params.logprobs, 0, alternatives)
+                   for i, (event, alternatives) in enumerate(await _echoed(scoring, params, tokenizer, events))]
         return JSONResponse(api.completion(**meta, choices=choices, usage=usage))
 
     @app.post("/complete", dependencies=authorized)

@@ -7,7 +7,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -71,9 +71,12 @@ class StopFlag:
 class Trainer:
     """Owns the Layout, the compiled steps, the train state and the data iterator of one run."""
 
-    def __init__(self, cfg: Config, *, tune_model_path: str | None = None, fresh_opt: bool = False):
+    def __init__(self, cfg: Config, *, tune_model_path: str | None = None, fresh_opt: bool = False,
+                 evaluate: Callable[[dict], dict[str, float]] | None = None):
+        """`evaluate(params) -> metrics` runs every val_every besides validation (device_train.py passes the
+        lm-eval tasks of eval_harness_tasks there; train/ does not import infer/)."""
         _check_inputs(cfg)
-        self.cfg = cfg
+        self.cfg, self.evaluate = cfg, evaluate
         self.root = cfg.model_path
         self.checkpointer = checkpoint.Checkpointer(self.root, keep_last=cfg.keep_last, keep_every=cfg.keep_every)
         self.layout = make_layout(cfg)
@@ -172,13 +175,13 @@ class Trainer:
                     bar.set_postfix(loss=f"{shown['loss']:.3f}", tok_s=f"{shown['tokens_per_s']:.0f}")
                 pending, last_time = (self.step, metrics, now - last_time), now
                 bar.update(1)
-                due_val = cfg.val_every and self.step % cfg.val_every == 0 and cfg.val_set
+                due_val = cfg.val_every and self.step % cfg.val_every == 0 and (cfg.val_set or self.evaluate)
                 due_ckpt = self.step % cfg.ckpt_every == 0 or self.step == cfg.total_steps
                 if due_val or due_ckpt:
                     self._log(*pending)  # never save or validate past an unchecked loss
                     pending = None
                 if due_val:
-                    val = self.validate()
+                    val = {**self.validate(), **(self.evaluate(self.state["params"]) if self.evaluate else {})}
                     self.metrics.write(self.step, val)
                     log.info("step %d validation: %s", self.step, val)
                 if due_ckpt:

@@ -195,7 +195,7 @@ def test_request_arriving_mid_generation_finishes_before_the_running_one(http):
 
 WRONG_TYPES = [{}, [], "x", {"a": 1}, [1]]
 BAD_VALUES = {
-    "model": [1, True, [], {}, None],
+    "model": [1, True, [], {}],
     "prompt": ["", [], [""], ["a", ""], ["", "ü"], [[]], [1, "a"], [[1], "a"], [-1], [50257], [10 ** 12], [1.5],
                [True], {}, 3, None, [[1, -2]], ["a"] * 65, "word " * 200, [7] * 200, [[7] * 200], "\ud800"],
     "max_tokens": [0, -1, 10 ** 30, 1.5, "16", True, CFG.seq + 1, 1e400, CFG.seq, *WRONG_TYPES],
@@ -207,7 +207,7 @@ BAD_VALUES = {
     "stop": [1, "", ["a", ""], ["a", "b", "c", "d", "e"], [1], {"a": 1}, "x" * 300, [None], True],
     "seed": [1.5, "7", True, 2 ** 64, -(2 ** 64), *WRONG_TYPES],
     "logprobs": [-1, 6, 1.5, True, "1", 10 ** 10, *WRONG_TYPES],
-    "echo": [True, 1, "no", *WRONG_TYPES],
+    "echo": [1, "no", *WRONG_TYPES],
     "presence_penalty": [0.5, -1, "0", True, *WRONG_TYPES],
     "frequency_penalty": [1, -0.5, "0", *WRONG_TYPES],
     "best_of": [2, 0, "1", 1.5, *WRONG_TYPES],
