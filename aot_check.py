@@ -1,5 +1,8 @@
 """Ahead-of-time fit check: compile the train step and a decode step for faked CPU devices, report per-device memory.
 
+With `--set lora_rank=N` (and base_dtype, lora_targets) the train step is the LoRA one: adapters and their optimizer
+state trained, the base held frozen in base_dtype.
+
 Prints JSON lines (params and optimizer bytes, XLA's arguments / outputs / temporaries, compile times) and one human
 line. Exit status 0: fits in --device-memory; 1: does not fit; 2: bad input.
 
