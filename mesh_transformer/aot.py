@@ -74,10 +74,17 @@ def _abstract(shape, dtype, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
-def _compile(fn, *args, **static) -> tuple[object, float]:
+# XLA's CPU backend multiplies bf16 by upcasting both operands to f32, and its loop-invariant code motion then
+# hoists the f32 copy of the whole stacked [L, ...] weights out of the layer loop: a bf16 base gets an f32 twice its
+# size in temporaries that a GPU or TPU (native bf16 matmuls) never holds. `no_loop_hoisting` measures without it.
+NO_LOOP_HOISTING = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+
+
+def _compile(fn, *args, options: dict | None = None, **static) -> tuple[object, float]:
     start = time.perf_counter()
     # Only XLA's buffer assignment matters here, which comes before code generation: skip LLVM's optimizations.
-    compiled = fn.lower(*args, **static).compile(compiler_options={"xla_backend_optimization_level": 0})
+    compiled = fn.lower(*args, **static).compile(compiler_options={"xla_backend_optimization_level": 0,
+                                                                   **(options or {})})
     return compiled, time.perf_counter() - start
 
 
@@ -183,15 +190,16 @@ def training_programs(cfg: Config, mode: str, devices: list, sizes: dict) -> dic
             "frozen": frozen, "train": state.make_train_step(layout, optimizer, optim.lr_schedule(cfg))}
 
 
-def _train_record(compiled: dict, common: dict) -> dict:
+def _train_record(compiled: dict, common: dict, no_loop_hoisting: bool = False) -> dict:
     """The train step's record: the full step's, or the LoRA step's (params = the frozen base, plus adapters)."""
     train_state, frozen = compiled["state"], compiled["frozen"]
-    train, train_s = _compile(compiled["train"], train_state, compiled["tokens"], *frozen)
+    options = NO_LOOP_HOISTING if no_loop_hoisting else None
+    train, train_s = _compile(compiled["train"], train_state, compiled["tokens"], *frozen, options=options)
     params = frozen[0] if frozen else train_state["params"]
     record = {"check": "lora_train_step" if frozen else "train_step", **common,
               "params": sum(x.size for x in jax.tree.leaves(params)), "tokens": list(compiled["tokens"].shape),
               "compile_s": round(train_s, 1), "params_bytes": shard_bytes(params),
-              "opt_state_bytes": shard_bytes(train_state["opt_state"])}
+              "opt_state_bytes": shard_bytes(train_state["opt_state"]), "no_loop_hoisting": no_loop_hoisting}
     if frozen:
         cfg = compiled["layout"].cfg
         record.update(adapter_params=sum(x.size for x in jax.tree.leaves(train_state["params"])),
@@ -200,12 +208,13 @@ def _train_record(compiled: dict, common: dict) -> dict:
     return {**record, **_memory(train)}
 
 
-def measure(cfg: Config, mode: str, devices: list, sizes: dict, n_slots: int = 8) -> list[dict]:
+def measure(cfg: Config, mode: str, devices: list, sizes: dict, n_slots: int = 8,
+            no_loop_hoisting: bool = False) -> list[dict]:
     """Compile the train step of `mode` and the inference programs on the same devices and measure their
     per-device memory: one JSON record each."""
     compiled = training_programs(cfg, mode, devices, sizes)
     common = {"mode": mode, "mesh": dict(compiled["layout"].mesh.shape), "devices": len(devices)}
-    return [_train_record(compiled, common), *_measure_inference(compiled["layout"], n_slots, common)]
+    return [_train_record(compiled, common, no_loop_hoisting), *_measure_inference(compiled["layout"], n_slots, common)]
 
 
 def verdict(records: list[dict], device_memory: int) -> dict:
@@ -236,12 +245,12 @@ def human_line(records: list[dict]) -> str:
 
 
 def run(cfg: Config, mode: str | None, mesh_text: str, n_devices: int, device_memory_text: str,
-        n_slots: int = 8) -> list[dict]:
+        n_slots: int = 8, no_loop_hoisting: bool = False) -> list[dict]:
     """The JSON records of a fit check (train step, serving decode step and prefill, sampler decode step, verdict);
     the last says whether it fits."""
     mode = mode or cfg.parallelism
     if mode == "shard_map" and mesh_text:
         raise ConfigError("--mesh is for the GSPMD modes; the shard_map path takes mp from cores_per_replica")
     device_memory, sizes = parse_bytes(device_memory_text), parse_mesh(mesh_text)
-    records = measure(cfg, mode, start_devices(n_devices), sizes, n_slots)
+    records = measure(cfg, mode, start_devices(n_devices), sizes, n_slots, no_loop_hoisting)
     return [*records, verdict(records, device_memory)]

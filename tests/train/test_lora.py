@@ -9,7 +9,6 @@ import pytest
 from mesh_transformer import config
 from mesh_transformer.config import ConfigError
 from mesh_transformer.model import gptj as model
-from mesh_transformer.model import lora
 from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.parallel.mesh import make_dp_mp, make_mesh
 from mesh_transformer.train import optim
