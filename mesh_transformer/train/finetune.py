@@ -31,9 +31,10 @@ def _sample(x: jax.Array) -> jax.Array:
     return x[strides].astype(jnp.bfloat16).astype(jnp.float32)
 
 
-def fingerprint(params: dict) -> str:
+def fingerprint(params: dict, replicated: jax.sharding.Sharding) -> str:
     """sha256 of a strided sample of every param: equal for equal weights on any mesh and in f32 or bf16."""
-    flat = jax.tree_util.tree_flatten_with_path(jax.jit(lambda p: jax.tree.map(_sample, p))(params))[0]
+    samples = jax.jit(lambda p: jax.tree.map(_sample, p), out_shardings=replicated)(params)  # on every process
+    flat = jax.tree_util.tree_flatten_with_path(samples)[0]
     digest = hashlib.sha256()
     for path, sample in flat:
         digest.update(jax.tree_util.keystr(path).encode())
@@ -65,7 +66,7 @@ def load_base(layout: Layout, path: str) -> tuple[dict, dict]:
     if not storage.is_gcs(path):
         path = os.path.abspath(path)
     identity = {"path": path, "format": fmt, "step": step, "shapes": _shapes_hash(params),
-                "fingerprint": fingerprint(params)}
+                "fingerprint": fingerprint(params, layout.replicated)}
     log.info("LoRA base %s (%s, step %s, fingerprint %s) held in %s", path, fmt, step, identity["fingerprint"],
              layout.cfg.base_dtype)
     return params, identity
