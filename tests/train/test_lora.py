@@ -111,6 +111,8 @@ def test_bad_lora_config_is_a_one_line_error(overrides, message):
 
 
 def test_lora_step_needs_under_half_the_memory_of_a_full_fine_tune():
+    """The bench config's model at batch 1 x 128 tokens, where the model state outweighs the activations (as for
+    GPT-J-6B at batch 1): at its own batch 4 x 256 the [B, T, V] logits, alike in both steps, dominate."""
     cfg = config.load("configs/bench.json", ["lora_rank=8", "per_replica_batch=1", "seq=128"])
 
     def compiled_bytes(cfg):
