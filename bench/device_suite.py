@@ -117,12 +117,12 @@ def model_config(model: dict, **overrides) -> config.Config:
     return config.from_dict({**model, "cores_per_replica": 1, "warmup_steps": 0, **overrides})
 
 
-def time_steps_s(step, state, batch, repeats: int) -> tuple[float, dict]:
+def time_steps_s(step, state, batch, repeats: int, *extra) -> tuple[float, dict]:
     """Best seconds per train step over `repeats` (after one untimed), and the state after them."""
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        state, metrics = step(state, batch)
+        state, metrics = step(state, batch, *extra)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
     return min(times[1:]), state
@@ -130,19 +130,25 @@ def time_steps_s(step, state, batch, repeats: int) -> tuple[float, dict]:
 
 def train_record(name: str, cfg: config.Config, batch: int, repeats: int, peaks: Peaks, device: jax.Device,
                  flops_per_token: float) -> dict:
-    """Tokens/s and MFU of the one train step on this config, compiled ahead and timed."""
+    """Tokens/s and MFU of the one train step on this config (with LoRA: over a random base in base_dtype),
+    compiled ahead and timed."""
     layout = make_layout(cfg, mesh=make_dp_mp(1, 1, [device]))
     opt = optim.make_optimizer(cfg)
     state = state_lib.init_train_state(layout, opt, jax.random.PRNGKey(0))
+    base = ()
+    if cfg.lora_rank:
+        dtype = gptj.DTYPES[cfg.base_dtype]
+        base = (jax.jit(lambda key: jax.tree.map(lambda x: x.astype(dtype), gptj.init_params(cfg, key)),
+                        out_shardings=layout.param_shardings())(jax.random.PRNGKey(1)),)
     tokens = np.random.default_rng(0).integers(0, cfg.n_vocab, (1, batch, cfg.seq + 1)).astype(np.int32)
     tokens = jax.device_put(tokens, layout.batch_sharding())
     start = time.perf_counter()
-    step = state_lib.make_train_step(layout, opt, optim.lr_schedule(cfg)).lower(state, tokens).compile()
+    step = state_lib.make_train_step(layout, opt, optim.lr_schedule(cfg)).lower(state, tokens, *base).compile()
     compile_s = time.perf_counter() - start
-    step_s, _ = time_steps_s(step, state, tokens, repeats)
+    step_s, _ = time_steps_s(step, state, tokens, repeats, *base)
     tokens_per_s = batch * cfg.seq / step_s
     record = {"bench": name, "layers": cfg.layers, "d_model": cfg.d_model, "seq": cfg.seq, "batch": batch,
-              "compute_dtype": gptj.compute_dtype(cfg).name, "remat": cfg.remat,
+              "compute_dtype": gptj.compute_dtype(cfg).name, "remat": cfg.remat, "lora_rank": cfg.lora_rank,
               "join_projections": cfg.join_projections, "compile_s": figure(compile_s),
               "step_s": figure(step_s), "tokens_per_s": figure(tokens_per_s),
               "model_tflop_per_s": figure(tokens_per_s * flops_per_token / 1e12),
@@ -153,12 +159,12 @@ def train_record(name: str, cfg: config.Config, batch: int, repeats: int, peaks:
 
 
 def train_lora_record(sizes: Sizes, peaks: Peaks, device: jax.Device) -> dict:
-    """The GPT-J-6B LoRA step (rank 16, base bf16), or a skipped record saying why not."""
-    if "lora_rank" not in {f.name for f in dataclasses.fields(config.Config)}:
-        return {"bench": "train_lora_6b", "skipped": "this checkout's config has no lora_rank key (LoRA is issue 14)"}
-    # To be wired after the LoRA branch is merged: its step, and LoRA's FLOPs (no weight gradients of the base).
-    return {"bench": "train_lora_6b", "skipped": "config has lora_rank, but the LoRA step is not wired into the "
-                                                 "suite yet (bench/device_suite.py train_lora_record)"}
+    """The GPT-J-6B LoRA step (rank 16, all targets, base bf16, remat). Its FLOPs: the full step's less the base's
+    weight gradients (a third of the matmul work), adapters' own work ignored."""
+    cfg = model_config(sizes.lora_model, remat=True, lora_rank=16, base_dtype="bfloat16")
+    full = train_flops_per_token(cfg)
+    matmul_params = cfg.layers * (4 * cfg.d_model ** 2 + 2 * cfg.d_model * cfg.d_ff) + cfg.d_model * cfg.n_vocab
+    return train_record("train_lora_6b", cfg, 1, sizes.repeats, peaks, device, full - 2 * matmul_params)
 
 
 def run_section(name: str, device: jax.Device, sizes: Sizes, state: dict) -> list[dict]:

@@ -1,5 +1,5 @@
-"""Ahead-of-time fit check: compile the train step and the serving decode step for faked CPU devices, report
-per-device memory.
+"""Ahead-of-time fit check: compile the train step (full, or LoRA when cfg.lora_rank > 0) and the serving decode step
+for faked CPU devices, report per-device memory.
 
 Nothing is allocated: params, optimizer state, batch and KV cache are ShapeDtypeStructs with shardings. Reports
 params and optimizer bytes from the arrays' shard sizes; arguments, outputs and temporaries from XLA's memory
@@ -75,10 +75,17 @@ def _abstract(shape, dtype, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
-def _compile(fn, *args, **static) -> tuple[object, float]:
+# XLA's CPU backend multiplies bf16 by upcasting both operands to f32, and its loop-invariant code motion then
+# hoists the f32 copy of the whole stacked [L, ...] weights out of the layer loop: a bf16 base gets an f32 twice its
+# size in temporaries that a GPU or TPU (native bf16 matmuls) never holds. `no_loop_hoisting` measures without it.
+NO_LOOP_HOISTING = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+
+
+def _compile(fn, *args, options: dict | None = None, **static) -> tuple[object, float]:
     start = time.perf_counter()
     # Only XLA's buffer assignment matters here, which comes before code generation: skip LLVM's optimizations.
-    compiled = fn.lower(*args, **static).compile(compiler_options={"xla_backend_optimization_level": 0})
+    compiled = fn.lower(*args, **static).compile(compiler_options={"xla_backend_optimization_level": 0,
+                                                                   **(options or {})})
     return compiled, time.perf_counter() - start
 
 
@@ -179,24 +186,36 @@ def training_programs(cfg: Config, mode: str, devices: list, sizes: dict) -> dic
     optimizer = optim.make_optimizer(cfg)
     tokens = jax.ShapeDtypeStruct((cfg.gradient_accumulation_steps, layout.global_batch, cfg.seq + 1), jnp.int32,
                                   sharding=layout.batch_sharding())
+    frozen = (layout.abstract_params(gptj.DTYPES[cfg.base_dtype]),) if cfg.lora_rank else ()
     return {"layout": layout, "state": state.abstract_train_state(layout, optimizer), "tokens": tokens,
-            "train": state.make_train_step(layout, optimizer, optim.lr_schedule(cfg))}
+            "frozen": frozen, "train": state.make_train_step(layout, optimizer, optim.lr_schedule(cfg))}
 
 
-def measure(cfg: Config, mode: str, devices: list, sizes: dict, n_slots: int = 8) -> list[dict]:
+def _train_record(compiled: dict, common: dict, no_loop_hoisting: bool = False) -> dict:
+    """The train step's record: the full step's, or the LoRA step's (params = the frozen base, plus adapters)."""
+    train_state, frozen = compiled["state"], compiled["frozen"]
+    options = NO_LOOP_HOISTING if no_loop_hoisting else None
+    train, train_s = _compile(compiled["train"], train_state, compiled["tokens"], *frozen, options=options)
+    params = frozen[0] if frozen else train_state["params"]
+    record = {"check": "lora_train_step" if frozen else "train_step", **common,
+              "params": sum(x.size for x in jax.tree.leaves(params)), "tokens": list(compiled["tokens"].shape),
+              "compile_s": round(train_s, 1), "params_bytes": shard_bytes(params),
+              "opt_state_bytes": shard_bytes(train_state["opt_state"]), "no_loop_hoisting": no_loop_hoisting}
+    if frozen:
+        cfg = compiled["layout"].cfg
+        record.update(adapter_params=sum(x.size for x in jax.tree.leaves(train_state["params"])),
+                      adapters_bytes=shard_bytes(train_state["params"]), lora_rank=cfg.lora_rank,
+                      lora_targets=list(cfg.lora_targets), base_dtype=cfg.base_dtype)
+    return {**record, **_memory(train)}
+
+
+def measure(cfg: Config, mode: str, devices: list, sizes: dict, n_slots: int = 8,
+            no_loop_hoisting: bool = False) -> list[dict]:
     """Compile the train step of `mode` and the inference programs on the same devices and measure their
     per-device memory: one JSON record each."""
     compiled = training_programs(cfg, mode, devices, sizes)
-    train_state = compiled["state"]
     common = {"mode": mode, "mesh": dict(compiled["layout"].mesh.shape), "devices": len(devices)}
-    train, train_s = _compile(compiled["train"], train_state, compiled["tokens"])
-    return [
-        {"check": "train_step", **common, "params": sum(x.size for x in jax.tree.leaves(train_state["params"])),
-         "tokens": list(compiled["tokens"].shape), "compile_s": round(train_s, 1),
-         "params_bytes": shard_bytes(train_state["params"]), "opt_state_bytes": shard_bytes(train_state["opt_state"]),
-         **_memory(train)},
-        *_measure_inference(compiled["layout"], n_slots, common),
-    ]
+    return [_train_record(compiled, common, no_loop_hoisting), *_measure_inference(compiled["layout"], n_slots, common)]
 
 
 def verdict(records: list[dict], device_memory: int) -> dict:
@@ -217,7 +236,8 @@ def _size(n_bytes: int) -> str:
 def human_line(records: list[dict]) -> str:
     train, decode, fit = records[0], records[1], records[-1]
     mesh = " x ".join(f"{k}{v}" for k, v in fit["mesh"].items())
-    return (f"{fit['mode']} on {mesh}: train step {_size(train['total_bytes'])} per device (params "
+    kind = f"LoRA rank {train['lora_rank']} train step" if "lora_rank" in train else "train step"
+    return (f"{fit['mode']} on {mesh}: {kind} {_size(train['total_bytes'])} per device (params "
             f"{_size(train['params_bytes'])}, optimizer {_size(train['opt_state_bytes'])}, temporaries "
             f"{_size(train['temp_bytes'])}; compiled in {train['compile_s']:.0f} s), serving decode step "
             f"{_size(decode['total_bytes'])} for {decode['slots']} slots (params {_size(decode['params_bytes'])}, KV "
@@ -226,12 +246,12 @@ def human_line(records: list[dict]) -> str:
 
 
 def run(cfg: Config, mode: str | None, mesh_text: str, n_devices: int, device_memory_text: str,
-        n_slots: int = 8) -> list[dict]:
+        n_slots: int = 8, no_loop_hoisting: bool = False) -> list[dict]:
     """The JSON records of a fit check (train step, serving decode step and prefill, sampler decode step, verdict);
     the last says whether it fits."""
     mode = mode or cfg.parallelism
     if mode == "shard_map" and mesh_text:
         raise ConfigError("--mesh is for the GSPMD modes; the shard_map path takes mp from cores_per_replica")
     device_memory, sizes = parse_bytes(device_memory_text), parse_mesh(mesh_text)
-    records = measure(cfg, mode, start_devices(n_devices), sizes, n_slots)
+    records = measure(cfg, mode, start_devices(n_devices), sizes, n_slots, no_loop_hoisting)
     return [*records, verdict(records, device_memory)]

@@ -35,6 +35,8 @@ def add_inference_args(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--ckpt", help="our checkpoint (root or step dir), an original mesh-transformer-jax one or an "
                                        "HF GPT-J directory; default: the config's model_dir")
     source.add_argument("--hf", help="an HF GPT-J directory (config.json and safetensors weights); as --ckpt")
+    parser.add_argument("--lora", help="LoRA adapters merged into the weights at load: a LoRA run of ours or an HF "
+                                       "PEFT adapter directory (a LoRA run given as --ckpt needs none)")
     parser.add_argument("--mp", type=int, help="model-parallel width (default: the checkpoint's cores_per_replica "
                                                "where it divides the devices, else the widest that fits)")
     parser.add_argument("--dtype", choices=tuple(INFERENCE_DTYPES), help="compute dtype the weights are held in "
@@ -110,7 +112,7 @@ def load_for_inference(args: argparse.Namespace) -> tuple:
         tokenizer = load_tokenizer(cfg.tokenizer)
     except ValueError as e:
         raise config.ConfigError(str(e)) from None
-    return layout, tokenizer, infer_params.read_params(layout, source)
+    return layout, tokenizer, infer_params.read_params(layout, source, lora=args.lora)
 
 
 def stdin_lines() -> Iterator[str]:

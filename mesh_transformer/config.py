@@ -10,6 +10,9 @@ from typing import Any
 from collections.abc import Sequence
 
 
+LORA_TARGETS = ("q", "k", "v", "out", "fc_in", "fc_out")
+
+
 class ConfigError(ValueError):
     """A config file or override that cannot be used; the message names the key."""
 
@@ -61,6 +64,11 @@ class Config:
     mesh_fsdp: int = 1
     mesh_tensor: int = 1
     keep_last: int = 3
+    # LoRA fine-tuning (model/lora.py): rank 0 is off.
+    lora_rank: int = 0
+    lora_alpha: float | None = None
+    lora_targets: list = dataclasses.field(default_factory=lambda: list(LORA_TARGETS))
+    base_dtype: str = "float32"
 
     @property
     def head_dim(self) -> int:
@@ -87,6 +95,7 @@ _CHOICES = {
     "pe": ("rotary",),
     "compute_dtype": ("auto", "float32", "bfloat16"),
     "parallelism": ("shard_map", "dp", "fsdp", "tp", "fsdp_tp"),
+    "base_dtype": ("float32", "bfloat16"),
 }
 
 
@@ -134,10 +143,26 @@ def _check_values(cfg: Config) -> None:
         if getattr(cfg, key) % cfg.cores_per_replica:
             raise ConfigError(f"config key '{key}' ({getattr(cfg, key)}) must be divisible by "
                               f"cores_per_replica ({cfg.cores_per_replica})")
+    _check_lora(cfg)
     rot = cfg.pe_rotary_dims
     if rot < 0 or rot % 2 or rot > cfg.head_dim:
         raise ConfigError(f"config key 'pe_rotary_dims' ({rot}) must be even, at least 0 and at most the head "
                           f"dimension d_model/n_heads ({cfg.head_dim})")
+
+
+def _check_lora(cfg: Config) -> None:
+    if cfg.lora_rank < 0:
+        raise ConfigError(f"config key 'lora_rank' must be at least 0 (0 = no LoRA), got {cfg.lora_rank}")
+    if cfg.lora_alpha is not None and cfg.lora_alpha <= 0:
+        raise ConfigError(f"config key 'lora_alpha' must be greater than 0, got {cfg.lora_alpha}")
+    targets = cfg.lora_targets
+    unknown = [t for t in targets if t not in LORA_TARGETS]
+    if unknown or (cfg.lora_rank and not targets) or len(set(map(repr, targets))) < len(targets):
+        raise ConfigError(f"config key 'lora_targets' must list distinct names from {', '.join(LORA_TARGETS)}, "
+                          f"got {cfg.lora_targets!r}")
+    if cfg.lora_rank and cfg.join_projections:
+        raise ConfigError("config key 'join_projections' joins the base weights, which LoRA adapts one by one: "
+                          "set it false with lora_rank > 0")
 
 
 def from_dict(raw: dict) -> Config:

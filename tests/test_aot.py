@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import subprocess
 import sys
@@ -48,3 +49,12 @@ def test_bf16_inference_programs_hold_one_layer_in_f32_at_a_time_not_the_model()
     records = aot.measure(cfg, "shard_map", aot.start_devices(1), {})
     for record in records[1:]:
         assert record["temp_bytes"] < 0.7 * record["params_bytes"], record  # untied: 2.8x
+
+
+def test_aot_check_reports_the_lora_train_step():
+    cfg = dataclasses.replace(CFG, lora_rank=4, base_dtype="bfloat16", cores_per_replica=2)
+    train, *_ = aot.run(cfg, "shard_map", "", 8, "16GiB", no_loop_hoisting=True)
+    assert train["check"] == "lora_train_step" and train["lora_rank"] == 4 and train["base_dtype"] == "bfloat16"
+    assert train["params_bytes"] == pytest.approx(2 * train["params"] / 2, rel=0.1)  # the base in bf16, mp 2
+    assert train["adapters_bytes"] < train["params_bytes"] / 4 and train["opt_state_bytes"] < train["params_bytes"]
+    assert "LoRA rank 4 train step" in aot.human_line([train, *_])

@@ -118,11 +118,12 @@ def place_params(params: dict, layout: Layout) -> dict:
     return {**unstacked_params, "layers": [fuse(layer_list.pop(0)) for _ in range(cfg.layers)]}
 
 
-def read_params(layout: Layout, source: str) -> dict:
+def read_params(layout: Layout, source: str, lora: str | None = None) -> dict:
     """A checkpoint of any format read straight into the decode programs' form, one layer at a time: each param
     slice is read on the host in the compute dtype, a layer's projections are joined there, and each device receives
     only its shard. The device ends up holding one copy of the model; the host, about one layer besides the
-    embedding and head."""
+    embedding and head. LoRA adapters (a LoRA run as `source`, or `lora`: a LoRA run or a PEFT directory) are
+    merged into each weight on the host before its layer is joined."""
     cfg = layout.cfg
     dtype = np.dtype(gptj.compute_dtype(cfg))
     shardings = layout.param_shardings()
@@ -130,7 +131,7 @@ def read_params(layout: Layout, source: str) -> dict:
                                    is_leaf=lambda x: isinstance(x, P))
     stacked = [path for path, _ in gptj.param_paths(cfg) if path[0] == "layers"]
     params: dict = {}
-    with convert.open_params(source, cfg) as reader:
+    with convert.open_params(source, cfg, lora=lora) as reader:
         for path, _ in gptj.param_paths(cfg):
             if path[0] != "layers":
                 gptj.set_path(params, path, jax.device_put(reader.read(path).astype(dtype, copy=False),

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mesh_transformer.model import layers
+from mesh_transformer.model import layers, lora
 from mesh_transformer.config import Config
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -139,7 +139,10 @@ def compute_dtype(cfg: Config, platform: str | None = None) -> jnp.dtype:
 
 
 def cast_for_compute(params: dict, cfg: Config) -> dict:
-    return jax.tree.map(lambda x: x.astype(compute_dtype(cfg)), params)
+    """The params in the compute dtype, except the stacked layers: `hidden` casts one layer at a time inside its
+    scan, so a base held in another dtype is never copied whole."""
+    return {k: v if k == "layers" else jax.tree.map(lambda x: x.astype(compute_dtype(cfg)), v)
+            for k, v in params.items()}
 
 
 def forward(params: dict, ids_BxT: jax.Array, cfg: Config, tp_axis: str | None = None,
@@ -156,12 +159,14 @@ def forward(params: dict, ids_BxT: jax.Array, cfg: Config, tp_axis: str | None =
 
 
 def hidden(params: dict, ids_BxT: jax.Array, cfg: Config, tp_axis: str | None, constrain: Constrain) -> jax.Array:
-    """The last block's output [B, T, D], before the final LayerNorm; params already in the compute dtype."""
+    """The last block's output [B, T, D], before the final LayerNorm; each layer (and its adapters, if any: see
+    model/lora.py) cast to the compute dtype as the scan reaches it."""
     h_BxTxD = constrain(layers.embed(ids_BxT, params["embed"]["wte"], tp_axis), HIDDEN_AXES)
     positions_1xT = jnp.arange(ids_BxT.shape[1])[None]
     sincos = layers.rotary_sincos(positions_1xT, cfg.pe_rotary_dims)
 
     def step(h_BxTxD, layer_params):
+        layer_params = lora.adapt_layer(jax.tree.map(lambda x: x.astype(compute_dtype(cfg)), layer_params), cfg)
         h_BxTxD = layers.block(h_BxTxD, layer_params, cfg.head_dim, sincos, None, tp_axis,
                                join=cfg.join_projections)[0]
         return constrain(h_BxTxD, HIDDEN_AXES), None

@@ -52,10 +52,15 @@ def apply_rotary(x_BxTxHxK: jax.Array, sin_BxTxP: jax.Array, cos_BxTxP: jax.Arra
     return jnp.concatenate([x_rot.astype(x_BxTxHxK.dtype), x_pass], -1)
 
 
+def dense(x: jax.Array, w) -> jax.Array:
+    """x @ w; a LoRA-adapted weight (model/lora.py's `Adapted`, a callable) adds its low-rank path itself."""
+    return w(x) if callable(w) else x @ w
+
+
 def qkv(n_BxTxD: jax.Array, p: dict, head_dim: int, sincos: tuple[jax.Array, jax.Array]):
     """Project to queries, keys and values [B, T, H, K], rotary applied to q and k."""
     def heads(w):
-        y = n_BxTxD @ w
+        y = dense(n_BxTxD, w)
         return y.reshape(*y.shape[:-1], -1, head_dim)
 
     q, k, v = heads(p["q"]), heads(p["k"]), heads(p["v"])
@@ -124,8 +129,8 @@ def _attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask_BxTxT, past) -> jax.Array:
 
 def mlp(n_BxTxD: jax.Array, p: dict) -> jax.Array:
     """This device's part of the MLP, before the reduction and without fc_out's bias (added once, after it)."""
-    h_BxTxF = jax.nn.gelu(n_BxTxD @ p["fc_in"]["kernel"] + p["fc_in"]["bias"], approximate=True)
-    return h_BxTxF @ p["fc_out"]["kernel"]
+    h_BxTxF = jax.nn.gelu(dense(n_BxTxD, p["fc_in"]["kernel"]) + p["fc_in"]["bias"], approximate=True)
+    return dense(h_BxTxF, p["fc_out"]["kernel"])
 
 
 def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, mask_BxTxT: jax.Array | None = None,
@@ -145,7 +150,7 @@ def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, mask_BxTxT: jax.Ar
     if join:
         return _joined_block(h_BxTxD, n_BxTxD, p, head_dim, sincos, mask_BxTxT, tp_axis, past)
     q, k, v = qkv(n_BxTxD, p["attn"], head_dim, sincos)
-    out_BxTxD = _attention(q, k, v, mask_BxTxT, past) @ p["attn"]["out"] + mlp(n_BxTxD, p["mlp"])
+    out_BxTxD = dense(_attention(q, k, v, mask_BxTxT, past), p["attn"]["out"]) + mlp(n_BxTxD, p["mlp"])
     return _residual(h_BxTxD, out_BxTxD, p["mlp"]["fc_out"]["bias"], tp_axis), (k, v)
 
 

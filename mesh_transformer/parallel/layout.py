@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mesh_transformer.config import Config, ConfigError, check_devices
-from mesh_transformer.model import gptj
+from mesh_transformer.model import gptj, lora
 from mesh_transformer.parallel.mesh import DATA, DP, FSDP, MP, TENSOR, make_mesh
 
 Rules = list[tuple[str, str | tuple[str, ...] | None]]
@@ -138,6 +138,20 @@ class Layout:
         `gptj.init_unsharded` with the same key."""
         return jax.jit(partial(gptj.init_params, self.cfg), out_shardings=self.param_shardings())(key)
 
+    def lora_specs(self) -> dict:
+        """PartitionSpecs of the adapters (model/lora.py) under the same rules as the params."""
+        return jax.tree.map(self.spec, lora.lora_axes(self.cfg), is_leaf=gptj.is_axes)
+
+    def abstract_lora(self) -> dict:
+        """Shapes, dtypes (f32) and shardings of the adapters, allocating nothing."""
+        return jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(
+            self.mesh, spec)), lora.lora_shapes(self.cfg), self.lora_specs())
+
+    def init_lora(self, key: jax.Array) -> dict:
+        """Fresh adapters (A normal, B zeros) made in their shards."""
+        shardings = jax.tree.map(lambda s: s.sharding, self.abstract_lora())
+        return jax.jit(partial(lora.init_lora, self.cfg), out_shardings=shardings)(key)
+
     def follow_params(self, abstract_tree, abstract_params: dict):
         """Shardings of a tree of optimizer leaves: a leaf at a param's path and of its shape (an Adam moment) sits
         like that param; the rest (counters) is replicated."""
@@ -173,33 +187,50 @@ class Layout:
     def _constrain(self, x: jax.Array, logical_axes: Sequence[str]) -> jax.Array:
         return lax.with_sharding_constraint(x, self.sharding(logical_axes))
 
-    def loss_fn(self) -> Callable:
-        """(params, tokens [B, T+1]) -> mean loss (not jitted)."""
-        cfg = self.cfg
+    def _loss(self, model_loss: Callable, arg_specs: tuple) -> Callable:
+        """(*param trees, tokens [B, T+1]) -> mean loss of `model_loss(*trees, tokens, cfg, ...)` (not jitted)."""
+        cfg, tokens_spec = self.cfg, self.spec(ACTIVATION_AXES["tokens"])
         if self.tp_axis is not None:
-            fn = partial(gptj.loss_fn, cfg=cfg, tp_axis=self.tp_axis, dp_axis=self.dp_axis)
-            return self._per_device(fn, (self.param_specs(), self.spec(ACTIVATION_AXES["tokens"])), P())
+            fn = partial(model_loss, cfg=cfg, tp_axis=self.tp_axis, dp_axis=self.dp_axis)
+            return self._per_device(fn, (*arg_specs, tokens_spec), P())
 
-        def loss(params, tokens_BxT1):
+        def loss(*args):
+            *trees, tokens_BxT1 = args
             tokens_BxT1 = self._constrain(tokens_BxT1, ACTIVATION_AXES["tokens"])
-            return gptj.loss_fn(params, tokens_BxT1, cfg, constrain=self._constrain)
+            return model_loss(*trees, tokens_BxT1, cfg, constrain=self._constrain)
 
         return loss
 
-    def loss_and_grad_fn(self) -> Callable:
-        """(params, tokens [B, T+1]) -> (loss, grads), grads placed like their params (FSDP reduce-scatters them)."""
+    def _loss_and_grad(self, model_loss: Callable, arg_specs: tuple) -> Callable:
+        """`_loss` with the gradients w.r.t. its first tree only, placed like that tree."""
         if self.tp_axis is not None:
-            specs = self.param_specs()
-            fn = jax.value_and_grad(partial(gptj.loss_fn, cfg=self.cfg, tp_axis=self.tp_axis, dp_axis=self.dp_axis))
-            return self._per_device(fn, (specs, self.spec(ACTIVATION_AXES["tokens"])), (P(), specs))
-        value_and_grad = jax.value_and_grad(self.loss_fn())
-        shardings = self.param_shardings()
+            fn = jax.value_and_grad(partial(model_loss, cfg=self.cfg, tp_axis=self.tp_axis, dp_axis=self.dp_axis))
+            return self._per_device(fn, (*arg_specs, self.spec(ACTIVATION_AXES["tokens"])), (P(), arg_specs[0]))
+        value_and_grad = jax.value_and_grad(self._loss(model_loss, arg_specs))
+        shardings = jax.tree.map(partial(NamedSharding, self.mesh), arg_specs[0])
 
-        def fn(params, tokens_BxT1):
-            loss, grads = value_and_grad(params, tokens_BxT1)
+        def fn(*args):
+            loss, grads = value_and_grad(*args)
             return loss, lax.with_sharding_constraint(grads, shardings)
 
         return fn
+
+    def loss_fn(self) -> Callable:
+        """(params, tokens [B, T+1]) -> mean loss (not jitted)."""
+        return self._loss(gptj.loss_fn, (self.param_specs(),))
+
+    def loss_and_grad_fn(self) -> Callable:
+        """(params, tokens [B, T+1]) -> (loss, grads), grads placed like their params (FSDP reduce-scatters them)."""
+        return self._loss_and_grad(gptj.loss_fn, (self.param_specs(),))
+
+    def lora_loss_fn(self) -> Callable:
+        """(adapters, base params, tokens [B, T+1]) -> mean loss of the adapted model (not jitted)."""
+        return self._loss(_adapted_loss, (self.lora_specs(), self.param_specs()))
+
+    def lora_loss_and_grad_fn(self) -> Callable:
+        """(adapters, base params, tokens) -> (loss, grads of the adapters): the base is a constant of the loss,
+        never differentiated. Under shard_map the adapters' partial sums join each block's one psum."""
+        return self._loss_and_grad(_adapted_loss, (self.lora_specs(), self.param_specs()))
 
     def logits_fn(self) -> Callable:
         """Jitted (params, ids [B, T]) -> logits [B, T, V] in f32, placed by the rules (batch and vocab split)."""
@@ -215,6 +246,10 @@ class Layout:
 
         return jax.jit(logits, in_shardings=(self.param_shardings(), self.sharding(ACTIVATION_AXES["tokens"])),
                        out_shardings=NamedSharding(self.mesh, logits_spec))
+
+
+def _adapted_loss(adapters: dict, base: dict, tokens_BxT1: jax.Array, cfg: Config, **kw) -> jax.Array:
+    return gptj.loss_fn(lora.attach(base, adapters), tokens_BxT1, cfg, **kw)
 
 
 def _check_gspmd(cfg: Config, mesh: Mesh, rules: Rules) -> None:

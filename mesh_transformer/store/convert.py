@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from mesh_transformer.store import checkpoint, hf, mtj_v1, safetensors_io, storage
+from mesh_transformer.store import adapters, checkpoint, hf, mtj_v1, safetensors_io, storage
 from mesh_transformer import config
 from mesh_transformer.model import gptj as model
 from mesh_transformer.model.gptj import Path, get_path, param_paths, set_path
@@ -179,10 +179,21 @@ def _hf_shape(shape: tuple[int, ...], layer: int | None, transpose: bool) -> tup
 
 
 @contextlib.contextmanager
-def open_params(path: str, cfg: Config, fmt: str | None = None) -> Iterator[Any]:
-    """An open param source of any format: `.read(path, layer=None)` gives one param (or one layer) as numpy."""
+def open_params(path: str, cfg: Config, fmt: str | None = None, lora: str | None = None) -> Iterator[Any]:
+    """An open param source of any format: `.read(path, layer=None)` gives one param (or one layer) as numpy.
+
+    A LoRA run of ours reads as its base with the run's adapters merged into the weights; `lora` (a LoRA run or a
+    PEFT directory) merges those adapters into the weights of `path`.
+    """
     fmt = fmt or detect_format(path)
+    run = adapters.run_metadata(path) if fmt == CHECKPOINT and lora is None else None
+    if run is not None:
+        lora, path = path, run[adapters.BASE_KEY]["path"]
+        fmt = detect_format(path)
     reader = {CHECKPOINT: CheckpointReader, MTJ_V1: mtj_v1.Reader, HF: HFReader}[fmt](path.rstrip("/"), cfg)
+    if lora is not None:
+        reader = adapters.MergedReader(reader, *adapters.read_adapters(lora, cfg))
+        log.info("merging the LoRA adapters of %s into the weights", lora)
     log.info("reading %s checkpoint %s (step %d)", fmt, path, reader.step)
     try:
         yield reader
@@ -286,7 +297,7 @@ def write_checkpoint(source: str, cfg: Config, output: str, *, cores_per_replica
         metadata = {"config": out_cfg.to_dict(),
                     "converted_from": {"path": source, "format": fmt, "step": reader.step}}
         extra: list[str] = []
-        if not slim and fmt == CHECKPOINT:
+        if not slim and isinstance(reader, CheckpointReader):
             metadata = {**reader.metadata, **metadata}
             extra = reader.other_leaves()
         elif not slim:

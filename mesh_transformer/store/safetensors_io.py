@@ -68,10 +68,10 @@ def _header_bytes(group: list[Entry]) -> bytes:
 
 
 def write_dir(directory: str, entries: list[Entry], arrays: Iterator[tuple[str, np.ndarray]],
-              max_file_bytes: int) -> list[str]:
+              max_file_bytes: int, single_file: str = SINGLE_FILE) -> list[str]:
     """Writes `arrays` (arriving in `entries` order, one at a time) as safetensors files; returns the file names."""
     groups = plan_files(entries, max_file_bytes)
-    names = [SINGLE_FILE] if len(groups) == 1 else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+    names = [single_file] if len(groups) == 1 else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
                                                     for i in range(len(groups))]
     weight_map = {}
     for file_name, group in zip(names, groups):
@@ -103,16 +103,16 @@ def _read_header(f: IO) -> tuple[dict, int]:
 class DirReader:
     """The tensors of a safetensors directory (one file, or several with an index), read one at a time."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, single_file: str = SINGLE_FILE):
         self.directory = directory
         index_path = storage.join(directory, INDEX_FILE)
         if storage.exists(index_path):
             weight_map = json.loads(storage.read_bytes(index_path))["weight_map"]
             files = sorted(set(weight_map.values()))
-        elif storage.exists(storage.join(directory, SINGLE_FILE)):
-            files = [SINGLE_FILE]
+        elif storage.exists(storage.join(directory, single_file)):
+            files = [single_file]
         else:
-            raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {directory}")
+            raise FileNotFoundError(f"no {single_file} or {INDEX_FILE} in {directory}")
         self._handles: dict[str, IO] = {}
         self._tensors: dict[str, tuple[str, dict, int]] = {}  # name -> (file, header entry, data start)
         for file_name in files:
@@ -126,6 +126,9 @@ class DirReader:
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._tensors[name][1]["shape"])

@@ -2,6 +2,8 @@
 
 Every function takes a Layout and works the same for each parallelism mode: the Layout places the leaves and
 supplies loss and gradients; this file adds the optimizer, gradient accumulation and the jit boundaries.
+With LoRA (cfg.lora_rank > 0) the state's "params" are the adapters alone, and the steps take the frozen base
+params as one more argument: read, never donated, never differentiated.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ def shardings_of(abstract):
 
 def abstract_train_state(layout: Layout, optimizer: optax.GradientTransformation) -> dict:
     """Shapes, dtypes and shardings of {"step", "params", "opt_state"}, allocating nothing (restore, AOT)."""
-    params = layout.abstract_params()
+    params = layout.abstract_lora() if layout.cfg.lora_rank else layout.abstract_params()
     opt_state = jax.eval_shape(optimizer.init, params)
     opt_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt_state,
                              layout.follow_params(opt_state, params))
@@ -37,8 +39,8 @@ def init_opt_state(layout: Layout, params: dict, optimizer: optax.GradientTransf
 
 
 def init_train_state(layout: Layout, optimizer: optax.GradientTransformation, key: jax.Array) -> dict:
-    """{"step": 0, "params", "opt_state"} with random params, every leaf made in its shards."""
-    params = layout.init_params(key)
+    """{"step": 0, "params", "opt_state"} with random params (or fresh adapters), every leaf made in its shards."""
+    params = layout.init_lora(key) if layout.cfg.lora_rank else layout.init_params(key)
     step = jax.device_put(jnp.zeros((), jnp.int32), layout.replicated)
     return {"step": step, "params": params, "opt_state": init_opt_state(layout, params, optimizer)}
 
@@ -69,14 +71,29 @@ def accumulated_train_step(loss_and_grad: Callable, optimizer: optax.GradientTra
 
 def make_train_step(layout: Layout, optimizer: optax.GradientTransformation, schedule: Callable) -> Callable:
     """Jitted (state, tokens [G, B, T+1]) -> (state, metrics): the state's shardings in and out, the state donated,
-    metrics replicated."""
-    step = accumulated_train_step(layout.loss_and_grad_fn(), optimizer, schedule)
+    metrics replicated. With LoRA: (state, tokens, base params) -> (state, metrics)."""
     shardings = shardings_of(abstract_train_state(layout, optimizer))
-    return jax.jit(step, in_shardings=(shardings, layout.batch_sharding()),
-                   out_shardings=(shardings, layout.replicated), donate_argnums=0)
+    in_shardings = (shardings, layout.batch_sharding())
+    if not layout.cfg.lora_rank:
+        step = accumulated_train_step(layout.loss_and_grad_fn(), optimizer, schedule)
+    else:
+        lora_loss_and_grad = layout.lora_loss_and_grad_fn()
+        in_shardings += (layout.param_shardings(),)
+
+        def step(train_state, tokens_GxBxT1, base):
+            def loss_and_grad(adapters, tokens_BxT1):
+                return lora_loss_and_grad(adapters, base, tokens_BxT1)
+
+            return accumulated_train_step(loss_and_grad, optimizer, schedule)(train_state, tokens_GxBxT1)
+
+    return jax.jit(step, in_shardings=in_shardings, out_shardings=(shardings, layout.replicated), donate_argnums=0)
 
 
 def make_eval_step(layout: Layout) -> Callable:
-    """Jitted (params, tokens [B, T+1]) -> mean loss."""
-    return jax.jit(layout.loss_fn(), in_shardings=(layout.param_shardings(), layout.batch_sharding(False)),
-                   out_shardings=layout.replicated)
+    """Jitted (params, tokens [B, T+1]) -> mean loss; with LoRA (adapters, tokens, base params) -> mean loss."""
+    params, batch = layout.param_shardings(), layout.batch_sharding(False)
+    if not layout.cfg.lora_rank:
+        return jax.jit(layout.loss_fn(), in_shardings=(params, batch), out_shardings=layout.replicated)
+    lora_loss = layout.lora_loss_fn()
+    return jax.jit(lambda adapters, tokens_BxT1, base: lora_loss(adapters, base, tokens_BxT1),
+                   in_shardings=(shardings_of(layout.abstract_lora()), batch, params), out_shardings=layout.replicated)

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.store import checkpoint, storage
-from mesh_transformer.train import data, optim, state
+from mesh_transformer.train import data, finetune, optim, state
 from mesh_transformer.config import Config, ConfigError
 from mesh_transformer.train.metrics import MetricsWriter
 
@@ -83,9 +83,13 @@ class Trainer:
         self.mesh, self.global_batch = self.layout.mesh, self.layout.global_batch
         self.optimizer = optim.make_optimizer(cfg)
         self.schedule = optim.lr_schedule(cfg)
-        self.train_step = state.make_train_step(self.layout, self.optimizer, self.schedule)
-        self.eval_step = state.make_eval_step(self.layout)
+        self.frozen: tuple = ()  # the steps' last arguments: (the LoRA base params,) or none
+        self.base_identity: dict | None = None
         self.state, data_state = self._start_state(tune_model_path, fresh_opt)
+        train_step = state.make_train_step(self.layout, self.optimizer, self.schedule)
+        eval_step = state.make_eval_step(self.layout)
+        self.train_step = lambda train_state, tokens: train_step(train_state, tokens, *self.frozen)
+        self.eval_step = lambda params, tokens: eval_step(params, tokens, *self.frozen)
         self.step = int(self.state["step"])
         self.dataset = data.TokenDataset(
             _train_sources(cfg), cfg.seq, self.global_batch, seed=cfg.seed, state=data_state,
@@ -96,24 +100,37 @@ class Trainer:
         self.last_saved_step: int | None = self.step if data_state is not None else None
 
     def _start_state(self, tune_model_path: str | None, fresh_opt: bool) -> tuple[dict, dict | None]:
-        """Resume from the latest valid checkpoint of model_dir, else start from tune_model_path or random init."""
+        """Resume from the latest valid checkpoint of model_dir, else start from tune_model_path (any format, no
+        random init first) or random init. LoRA: the base from tune_model_path, else from the run's metadata."""
         abstract = state.abstract_train_state(self.layout, self.optimizer)
         found = checkpoint.restore_latest_valid(self.root, abstract)
         if found is not None:
             step, train_state, metadata = found
             log.info("resuming from %s at step %d", self.root, step)
+            if self.cfg.lora_rank:
+                self._load_base(tune_model_path, metadata.get(finetune.BASE_KEY))
             if fresh_opt:
                 train_state["opt_state"] = state.init_opt_state(self.layout, train_state["params"], self.optimizer)
             return train_state, metadata.get("data_state")
-        train_state = state.init_train_state(self.layout, self.optimizer, jax.random.PRNGKey(self.cfg.seed))
-        if tune_model_path:
-            tune_step = checkpoint.latest_step(tune_model_path)
-            if tune_step is None:
-                raise ConfigError(f"--tune-model-path {tune_model_path} holds no complete checkpoint")
-            params, _ = checkpoint.restore(tune_model_path, tune_step, abstract["params"], paths_prefix="params")
-            log.info("fine-tuning from %s step %d with a fresh schedule", tune_model_path, tune_step)
-            train_state["params"] = params
-        return train_state, None
+        if self.cfg.lora_rank:
+            self._load_base(tune_model_path, None)
+        elif tune_model_path:
+            params = finetune.tuned_params(self.layout, tune_model_path)
+            step = jax.device_put(np.zeros((), np.int32), self.layout.replicated)
+            opt_state = state.init_opt_state(self.layout, params, self.optimizer)
+            return {"step": step, "params": params, "opt_state": opt_state}, None
+        return state.init_train_state(self.layout, self.optimizer, jax.random.PRNGKey(self.cfg.seed)), None
+
+    def _load_base(self, path: str | None, saved: dict | None) -> None:
+        """The frozen base of a LoRA run: `path`, else the one the run's checkpoints name; checked against them."""
+        path = path or (saved or {}).get("path")
+        if not path:
+            raise ConfigError("LoRA (lora_rank > 0) needs a base model: give --tune-model-path (ours, an original "
+                              "mesh-transformer-jax checkpoint or an HF directory)")
+        base, self.base_identity = finetune.load_base(self.layout, path)
+        if saved is not None:
+            finetune.check_base(saved, self.base_identity)
+        self.frozen = (base,)
 
     def _global_batch(self, local_GxBxT1: np.ndarray) -> jax.Array:
         return jax.make_array_from_process_local_data(self.layout.batch_sharding(), local_GxBxT1)
@@ -122,6 +139,8 @@ class Trainer:
         if self.last_saved_step == self.step:
             return
         metadata = {"config": self.cfg.to_dict(), "data_state": self.dataset.state()}
+        if self.base_identity is not None:
+            metadata[finetune.BASE_KEY] = self.base_identity
         self.checkpointer.save(self.step, self.state, metadata, blocking=blocking)
         self.last_saved_step = self.step
 

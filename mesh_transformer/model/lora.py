@@ -1,0 +1,122 @@
+"""Low-rank adapters (LoRA): their params, how a layer applies them, and the merged weights.
+
+An adapter on a weight W [in, out] is A [in, r] and B [r, out], stacked over the layers like W; the adapted
+projection is y = x @ W + ((x @ A) @ B) * scale with scale = lora_alpha / lora_rank. A starts normal with std
+1/sqrt(in) and B at zero, so step 0 equals the base model. The adapters tree is {target: {"a", "b"}} and rides in
+the param tree at params["layers"]["lora"] (`attach`), so the layer scan hands each block its own slices.
+
+Under the Megatron rules the logical axes place them so that no collective is added: for a column-split W (q, k, v,
+fc_in) A is replicated and B split like W's columns; for a row-split W (out, fc_out) A is split like W's rows and B
+replicated, so each device's (x_local @ A_local) @ B is a partial sum that joins the block's one psum.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from mesh_transformer.config import Config
+
+# target -> (its weight's path inside one layer, the weight's (in, out) logical axes); HF module names in peft.py.
+TARGETS: dict[str, tuple[tuple[str, ...], tuple[str, str]]] = {
+    "q": (("attn", "q"), ("embed", "heads")),
+    "k": (("attn", "k"), ("embed", "heads")),
+    "v": (("attn", "v"), ("embed", "heads")),
+    "out": (("attn", "out"), ("heads", "embed")),
+    "fc_in": (("mlp", "fc_in", "kernel"), ("embed", "mlp")),
+    "fc_out": (("mlp", "fc_out", "kernel"), ("mlp", "embed")),
+}
+LORA_KEY = "lora"  # where the adapters sit inside params["layers"]
+
+
+class Adapted(NamedTuple):
+    """A frozen weight with its adapter, as a layer sees it: calling it on x gives x @ W + ((x @ A) @ B) * scale."""
+    w: jax.Array
+    a: jax.Array
+    b: jax.Array
+    scale: float
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x @ self.w + ((x @ self.a) @ self.b) * jnp.asarray(self.scale, x.dtype)
+
+
+def scale(cfg: Config) -> float:
+    return (cfg.lora_alpha if cfg.lora_alpha is not None else cfg.lora_rank) / cfg.lora_rank
+
+
+def lora_axes(cfg: Config) -> dict:
+    """The adapters' logical axes, {target: {"a": (layers, in, lora), "b": (layers, lora, out)}}."""
+    return {t: {"a": ("layers", TARGETS[t][1][0], "lora"), "b": ("layers", "lora", TARGETS[t][1][1])}
+            for t in cfg.lora_targets}
+
+
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
+
+
+def lora_shapes(cfg: Config, dtype=jnp.float32) -> dict:
+    """The adapters as ShapeDtypeStructs (global shapes)."""
+    from mesh_transformer.model.gptj import axis_sizes
+
+    sizes = {**axis_sizes(cfg), "lora": cfg.lora_rank}
+    return jax.tree.map(lambda axes: jax.ShapeDtypeStruct(tuple(sizes[a] for a in axes), dtype), lora_axes(cfg),
+                        is_leaf=_is_axes)
+
+
+def init_lora(cfg: Config, key: jax.Array) -> dict:
+    """Fresh adapters: A normal with std 1/sqrt(in), B zeros (jit it with out_shardings to make them sharded)."""
+    shapes = lora_shapes(cfg)
+    keys = jax.random.split(key, len(shapes))
+    adapters = {}
+    for k, (target, s) in zip(keys, shapes.items()):
+        fan_in = s["a"].shape[1]
+        adapters[target] = {"a": jax.random.normal(k, s["a"].shape, s["a"].dtype) / math.sqrt(fan_in),
+                            "b": jnp.zeros(s["b"].shape, s["b"].dtype)}
+    return adapters
+
+
+def attach(base: dict, adapters: dict) -> dict:
+    """The param tree with the adapters at params["layers"]["lora"] (works on trees of specs or shapes too)."""
+    return {**base, "layers": {**base["layers"], LORA_KEY: adapters}}
+
+
+def _replaced(tree: dict, path: tuple[str, ...], value: Any) -> dict:
+    """A copy of the nested dict `tree` with `value` at `path` (the dicts on the way copied, nothing else)."""
+    if not path:
+        return value
+    return {**tree, path[0]: _replaced(tree[path[0]], path[1:], value)}
+
+
+def _at(tree: dict, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def adapt_layer(layer: dict, cfg: Config) -> dict:
+    """One layer's params with each adapted weight replaced by its `Adapted`; unchanged without adapters."""
+    if LORA_KEY not in layer:
+        return layer
+    adapters = layer[LORA_KEY]
+    layer = {k: v for k, v in layer.items() if k != LORA_KEY}
+    for target, ab in adapters.items():
+        path = TARGETS[target][0]
+        layer = _replaced(layer, path, Adapted(_at(layer, path), ab["a"], ab["b"], scale(cfg)))
+    return layer
+
+
+def delta(a_xr, b_rxy, scale_: float, xp=jnp):
+    """The merged weight's change A @ B * scale for one layer ([in, r] @ [r, out]) or stacked ([L, in, r])."""
+    return xp.matmul(a_xr, b_rxy) * scale_
+
+
+def merge(base: dict, adapters: dict, scale_: float) -> dict:
+    """The base params with every adapted weight replaced by W + A @ B * scale (stacked, any array type)."""
+    layers = base["layers"]
+    for target, ab in adapters.items():
+        path = TARGETS[target][0]
+        w = _at(layers, path)
+        layers = _replaced(layers, path, w + delta(ab["a"], ab["b"], scale_).astype(w.dtype))
+    return {**base, "layers": layers}
