@@ -312,3 +312,23 @@ def test_files_written_atomically_get_the_permissions_of_plain_files(tmp_path):
     plain.write_bytes(b"x")
     storage.write_bytes_atomic(str(atomic), b"x")
     assert (atomic.stat().st_mode & 0o777) == (plain.stat().st_mode & 0o777)
+
+
+def test_slices_read_one_after_another_hash_each_piece_file_once(saved, monkeypatch):
+    from mesh_transformer.store import checkpoint_format
+
+    root, host = saved
+    hashed = []
+    real = checkpoint_format._sha256_file
+    monkeypatch.setattr(checkpoint_format, "_sha256_file", lambda path: hashed.append(path) or real(path))
+    leaves, _ = checkpoint_format.read_index(root, 1)
+    reader = checkpoint_format.PieceReader(checkpoint.step_dir(root, 1))
+    leaf = next(name for name, entry in leaves.items() if len(entry.get("shape", ())) >= 2)
+    entry = leaves[leaf]
+    rest = (slice(None),) * (len(entry["shape"]) - 1)
+    rows = [reader.read_slice(leaf, entry, (slice(i, i + 1), *rest), np.dtype(entry["dtype"])) for i in
+            range(entry["shape"][0])]
+    reader.forget()  # as after each layer
+    again = reader.read_slice(leaf, entry, None, np.dtype(entry["dtype"]))
+    np.testing.assert_array_equal(np.concatenate(rows), again)
+    assert len(hashed) == len(set(hashed)) == len({p["file"] for p in entry["pieces"]})
