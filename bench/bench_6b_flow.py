@@ -5,7 +5,7 @@ The script writes a random checkpoint in the original slim layout itself (8 shar
 the released step_383500 is), then runs the user's commands on it. Needs about 40 GB of disk under --work and
 about 14 GB of memory; it is a benchmark, not a test.
 
-    python bench/bench_6b_flow.py --work /tmp/gptj6b [--config configs/6B_roto_256.json] [--keep]
+    python bench/bench_6b_flow.py --work /tmp/gptj6b [--config configs/6B_roto_256.json] [--keep | --reuse]
 """
 from __future__ import annotations
 
@@ -98,11 +98,47 @@ def stage(name: str, argv: list[str], env: dict | None = None) -> str:
         return out.read()
 
 
+def _log_time_s(log: str, text: str) -> float | None:
+    """The asctime of the first log line holding `text`, as seconds since the epoch."""
+    for line in log.splitlines():
+        if text in line and line[:4].isdigit():
+            return time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S"))
+    return None
+
+
+def serve_warm_up(argv: list[str], limit_s: float) -> None:
+    """Start the server with --warm-up, time it until it listens (at most limit_s), then stop it; emit the load
+    and compile times, the programs it compiles and its peak resident memory."""
+    with tempfile.TemporaryFile("w+") as err:
+        start = time.perf_counter()
+        child = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        log, ready_s = "", None
+        while child.poll() is None and ready_s is None and time.perf_counter() - start < limit_s:
+            time.sleep(1)  # polling a log file for a line; nothing is timed by the sleep itself
+            err.seek(0)
+            log = err.read()
+            if "serving " in log:
+                ready_s = time.perf_counter() - start
+        child.terminate()
+        _, status, usage = os.wait4(child.pid, 0)
+        programs = [line.split("compiling ", 1)[1] for line in log.splitlines() if "compiling " in line]
+        started, compiling, ready = (_log_time_s(log, text) for text in ("inference mesh", "compiling ", "serving "))
+        emit(bench="gptj6b_flow", stage="serve_warm_up", ready_s=round(ready_s, 1) if ready_s else None,
+             not_ready_after_s=None if ready_s else limit_s, programs=programs[0] if programs else None,
+             load_s=compiling - started if started and compiling else None,
+             warm_up_s=ready - compiling if ready and compiling else None,
+             peak_rss_gb=round(usage.ru_maxrss * 1024 / 1e9, 2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", required=True, help="a directory with ~40 GB free")
     parser.add_argument("--config", default="configs/6B_roto_256.json")
     parser.add_argument("--keep", action="store_true", help="keep the files written")
+    parser.add_argument("--reuse", action="store_true", help="keep the files, and skip writing and resharding where "
+                                                             "a kept run's files are there")
+    parser.add_argument("--warm-up-limit-s", type=float, default=900, help="give up on the server's warm-up after "
+                                                                            "this long (default 900)")
     args = parser.parse_args()
     work = os.path.abspath(args.work)
     original, one, hf_dir = f"{work}/original/step_1", f"{work}/one", f"{work}/hf"
@@ -110,15 +146,19 @@ def main() -> None:
     config = os.path.join(ROOT, args.config)
     py = sys.executable
     try:
-        stage("write_original_slim", [py, "-c", WRITE_ORIGINAL.format(root=ROOT, config=config, step_dir=original)])
-        stage("reshard_to_1", [py, "resharding_example.py", "--input-ckpt", original, "--config", config,
-                               "--output-ckpt", one, "--cores-per-replica", "1", "--slim", "--dtype", "bf16"])
+        if not (args.reuse and os.path.isdir(one)):
+            stage("write_original_slim", [py, "-c", WRITE_ORIGINAL.format(root=ROOT, config=config,
+                                                                          step_dir=original)])
+            stage("reshard_to_1", [py, "resharding_example.py", "--input-ckpt", original, "--config", config,
+                                   "--output-ckpt", one, "--cores-per-replica", "1", "--slim", "--dtype", "bf16"])
         sample = [py, "device_sample.py", "--ckpt", one, "--dtype", "bf16", "--prompt", PROMPT, "--max-new-tokens",
                   str(MAX_NEW), "--temperature", "0"]
         ours_text = stage("sample_bf16", sample)
         # The CLIs restart with glibc malloc keeping freed memory; opted out, a transient load peak is returned.
         stage("sample_bf16_malloc_default", sample, env={"GLIBC_TUNABLES": ""})
-        shutil.rmtree(f"{work}/original")
+        serve_warm_up([py, "device_serve.py", "--ckpt", one, "--dtype", "bf16", "--warm-up", "--port", "0"],
+                      args.warm_up_limit_s)
+        shutil.rmtree(f"{work}/original", ignore_errors=True)
         stage("export_hf", [py, "to_hf_weights.py", "--input-ckpt", one, "--config", config, "--output-path",
                             hf_dir, "--dtype", "bf16"])
         ours_text = ours_text.rstrip("\n")
@@ -128,7 +168,7 @@ def main() -> None:
         emit(bench="gptj6b_flow", stage="compare", ours=json.dumps(ours_text), hf=json.dumps(hf_text),
              greedy_text_equal=ours_text == hf_text, model_bf16_gb=round(_model_bytes(config) / 1e9, 2))
     finally:
-        if not args.keep:
+        if not (args.keep or args.reuse):
             shutil.rmtree(work, ignore_errors=True)
 
 
