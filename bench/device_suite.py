@@ -4,7 +4,7 @@
   datasheet figures where the device is known (DATASHEET);
 - train: tokens/s and MFU (against both peaks) of the train step of a GPT-J-style ~1.3B model (24 layers, d_model
   2048, 16 heads, seq 2048, the compute dtype, f32 master params and Adam, remat);
-- train_lora: the GPT-J-6B LoRA step (rank 16, base bf16), once this checkout's config has LoRA keys;
+- train_lora: the GPT-J-6B LoRA step (rank 16, base bf16);
 - decode: GPT-J-6B (random weights, compute dtype) tokens/s at batch 1, 16, 64 and 256 against the bandwidth
   roofline (weight bytes + KV-cache bytes read per step / measured bandwidth);
 - serving: the continuous-batching engine at 64 concurrent requests against one at a time: tokens/s and time to
@@ -148,11 +148,13 @@ def train_record(name: str, cfg: config.Config, batch: int, repeats: int, peaks:
     step_s, _ = time_steps_s(step, state, tokens, repeats, *base)
     tokens_per_s = batch * cfg.seq / step_s
     record = {"bench": name, "layers": cfg.layers, "d_model": cfg.d_model, "seq": cfg.seq, "batch": batch,
-              "compute_dtype": gptj.compute_dtype(cfg).name, "remat": cfg.remat, "lora_rank": cfg.lora_rank,
+              "compute_dtype": gptj.compute_dtype(cfg).name, "remat": cfg.remat,
               "join_projections": cfg.join_projections, "compile_s": figure(compile_s),
               "step_s": figure(step_s), "tokens_per_s": figure(tokens_per_s),
               "model_tflop_per_s": figure(tokens_per_s * flops_per_token / 1e12),
               "mfu_of_measured_peak": figure(tokens_per_s * flops_per_token / peaks.flop_per_s)}
+    if cfg.lora_rank:
+        record.update(lora_rank=cfg.lora_rank, base_dtype=cfg.base_dtype)
     if peaks.datasheet_flop_per_s:
         record["mfu_of_datasheet_peak"] = figure(tokens_per_s * flops_per_token / peaks.datasheet_flop_per_s)
     return record

@@ -67,14 +67,15 @@ class MeshTransformerLM(TemplateLM):
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> MeshTransformerLM:
-        """lm-eval's way in: `--model mesh-transformer --model_args ckpt=P[,config=C,mp=N,dtype=bf16]`."""
+        """lm-eval's way in: `--model mesh-transformer --model_args ckpt=P[,config=C,mp=N,dtype=bf16,lora=A]`."""
         import argparse
 
         from mesh_transformer import cli
 
         args = lm_utils.simple_parse_args_string(arg_string)
         namespace = argparse.Namespace(ckpt=args.pop("ckpt", None), hf=None, config=args.pop("config", None),
-                                       overrides=[], mp=args.pop("mp", None), dtype=args.pop("dtype", None))
+                                       overrides=[], mp=args.pop("mp", None), dtype=args.pop("dtype", None),
+                                       lora=args.pop("lora", None))
         layout, tokenizer, params = cli.load_for_inference(namespace)
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
         return cls(layout, params, tokenizer, **{**args, **extra})
