@@ -7,6 +7,7 @@ params were trained with: checkpoints hold global arrays, so any mesh reads any 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 from functools import partial
@@ -88,6 +89,21 @@ def is_placed(params: dict) -> bool:
     return isinstance(params["layers"], list) and "fused" in params["layers"][0]
 
 
+# Made once per shape and placement: a jit made afresh on every call compiled again (each eval during training).
+@functools.cache
+def _splitter(n_layers: int, one: NamedSharding):
+    """A stacked leaf [L, ...] -> L leaves, each placed by `one`."""
+    return jax.jit(lambda s: [s[i] for i in range(n_layers)], out_shardings=[one] * n_layers)
+
+
+@functools.cache
+def _fuser(mesh: Mesh, spec_leaves: tuple, spec_tree: Any):
+    """`layers.fuse_layer` on `mesh`, its output placed by the decode specs (given flattened, to be hashable)."""
+    specs = jax.tree.unflatten(spec_tree, spec_leaves)
+    return jax.jit(partial(layers.fuse_layer, tp_size=mesh.shape[MP]),
+                   out_shardings=jax.tree.map(partial(NamedSharding, mesh), specs, is_leaf=lambda x: isinstance(x, P)))
+
+
 def place_params(params: dict, layout: Layout) -> dict:
     """The params for the decode programs: on their shards, in the compute dtype, layers unstacked into a list,
     each layer's projections joined (`layers.fuse_layer`). A tree already in that form is returned as it is.
@@ -106,14 +122,11 @@ def place_params(params: dict, layout: Layout) -> dict:
 
     def split(x):
         sharding = next(layer_shardings)
-        one = NamedSharding(mesh, P(*sharding.spec[1:]))
-        return jax.jit(lambda s: [s[i] for i in range(cfg.layers)], out_shardings=[one] * cfg.layers)(
-            _placed(x, sharding, dtype))
+        return _splitter(cfg.layers, NamedSharding(mesh, P(*sharding.spec[1:])))(_placed(x, sharding, dtype))
 
     unstacked_params = gptj.unstack_layers({**placed, "layers": params["layers"]}, split)
-    fuse = jax.jit(partial(layers.fuse_layer, tp_size=mesh.shape[MP]),
-                   out_shardings=jax.tree.map(partial(NamedSharding, mesh), decode_specs(cfg)["layers"][0],
-                                              is_leaf=lambda x: isinstance(x, P)))
+    spec_leaves, spec_tree = jax.tree.flatten(decode_specs(cfg)["layers"][0], is_leaf=lambda x: isinstance(x, P))
+    fuse = _fuser(mesh, tuple(spec_leaves), spec_tree)
     layer_list = unstacked_params.pop("layers")
     return {**unstacked_params, "layers": [fuse(layer_list.pop(0)) for _ in range(cfg.layers)]}
 
