@@ -96,7 +96,7 @@ def decode_records(layout: Layout, params: dict, sizes, peaks: Peaks) -> list[di
         zeros = np.zeros(n_slots, np.int32)
         steps = Steps(zeros + sizes.decode_context, zeros, fill_sampling(n_slots, []))
         start = time.perf_counter()
-        step = programs.decode.lower(params, cache, last_N, steps, rows=batch, n_blocks=n_blocks).compile()
+        step = programs.lower("decode", params, cache, last_N, steps, rows=batch, n_blocks=n_blocks).compile()
         compile_s = time.perf_counter() - start
         _, _, last_N, steps, cache = step(params, cache, last_N, steps)
         jax.block_until_ready(last_N)

@@ -148,7 +148,7 @@ def _measure_inference(train_layout: Layout, n_slots: int, common: dict) -> list
 
     def decode(slots: int, sizes: list[int]) -> tuple[dict, dict]:
         cache, last, steps = _abstract_slots(programs, slots, sizes)
-        compiled, seconds = _compile(programs.decode, params, cache, last, steps, rows=slots // dp,
+        compiled, seconds = _compile(programs.jitted["decode"], params, cache, last, steps, rows=slots // dp,
                                      n_blocks=len(sizes))
         return {**base, "slots": slots, "compile_s": round(seconds, 1), "kv_cache_bytes": shard_bytes(cache)}, \
             _memory(compiled)
@@ -162,7 +162,7 @@ def _measure_inference(train_layout: Layout, n_slots: int, common: dict) -> list
     cache, last, _ = _abstract_slots(programs, n_slots, serve_blocks)
     ids = jax.ShapeDtypeStruct((dp, cfg.seq), jnp.int32, sharding=layout.sharding(("batch", "length")))
     rows = jax.ShapeDtypeStruct((dp,), jnp.int32, sharding=programs.row_sharding)
-    prefill, prefill_s = _compile(programs.prefill, params, cache, last, ids, rows, rows,
+    prefill, prefill_s = _compile(programs.jitted["prefill"], params, cache, last, ids, rows, rows,
                                   _abstract_sampling(programs.row_sharding, dp))
     return [{"check": "serve_decode_step", **serve, **serve_memory, "per_slot_bytes": round(per_slot),
              "slots_that_fit": fit},

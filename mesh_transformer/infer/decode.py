@@ -17,6 +17,8 @@ model/layers.py (here N cache slots, R of them computed in a step, S cache lengt
 """
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 from collections.abc import Iterable
 from functools import partial
 from typing import Any, NamedTuple
@@ -74,8 +76,22 @@ def fill_sampling(n: int, placed: Iterable[tuple[int, Any]]) -> Sampling:
     return rows
 
 
+def ladder(n: int, base: int) -> list[int]:
+    """1, base, base^2, ... below n, then n: the sizes a count is padded up to (`fit`), so that few programs cover
+    every count up to n."""
+    sizes = [1]
+    while sizes[-1] * base < n:
+        sizes.append(sizes[-1] * base)
+    return sizes + [n] if n > 1 else sizes
+
+
+def fit(n: int, sizes: list[int]) -> int:
+    """The smallest of `sizes` (ascending) that holds n."""
+    return next(size for size in sizes if size >= n)
+
+
 MIN_BLOCK = 32  # the shortest stretch of the cache a decode step reads: one block of it
-SPAN_BUCKETS = 4  # by default a step reads 1, 2, 4 or 8 blocks of seq/8: compiles stay few on a long context
+SPAN_BUCKETS = 3  # by default a step reads 1, 2 or 4 blocks of seq/4: each block count is a program per row count
 
 
 def default_block(seq: int) -> int:
@@ -292,24 +308,67 @@ def decode_local(params, cache, last_N, steps_N: Steps, *, cfg, rows: int, n_blo
 
 
 class Programs:
-    """The jitted prefill and decode programs of one Layout (a shard_map one: see `params.make_inference_layout`), and
-    the cache they run over. Engines and samplers given the same Programs share its compiles.
+    """The prefill and decode programs of one Layout (a shard_map one: see `params.make_inference_layout`), and the
+    cache they run over. Engines and samplers given the same Programs share its compiles.
 
     prefill(params, cache, last_N, ids [R, T], length [R], slot [R], Sampling [R]) -> (tokens [R], logprobs [R],
     last_N, cache): R rows split over dp like the slots, each row's slot an index into its own dp group's slots.
     decode(params, cache, last_N, Steps [N], rows=, n_blocks=) -> (tokens, logprobs [dp x rows], last_N, Steps,
     cache). Cache and last tokens are donated.
+
+    Each shape runs its own compiled executable, kept here: `compile` makes them ahead of time from the arguments'
+    shapes alone (nothing runs, so a warm-up need not execute a 2048-token prefill to compile it), and a call with a
+    shape not compiled yet compiles it first.
     """
 
     def __init__(self, layout: Layout):
         self.layout = layout
-        self.traces = 0  # programs traced (and so compiled) so far
+        self.traces = 0  # programs compiled so far
         self.row_sharding = layout.sharding(("batch",))
         self.cache_sharding = layout.sharding(ACTIVATION_AXES["kv_cache"])
-        self.prefill = jax.jit(self._prefill, donate_argnums=(1, 2))
-        self.decode = jax.jit(self._decode, static_argnames=("rows", "n_blocks"), donate_argnums=(1, 2))
+        self.jitted = {"prefill": jax.jit(self._prefill, donate_argnums=(1, 2)),
+                       "decode": jax.jit(self._decode, static_argnames=("rows", "n_blocks"), donate_argnums=(1, 2))}
+        self._executables: dict[tuple, Any] = {}
+        self._lock = threading.Lock()
         # One program per cache shape, compiled once: a jit made afresh for each new cache compiled every time.
         self._zeros = jax.jit(self._zero_cache, static_argnums=(0, 1), out_shardings=self.cache_sharding)
+
+    def prefill(self, params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R):
+        return self._run("prefill", (params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R), {})
+
+    def decode(self, params, cache, last_N, steps_N, *, rows: int, n_blocks: int):
+        return self._run("decode", (params, cache, last_N, steps_N), {"rows": rows, "n_blocks": n_blocks})
+
+    def lower(self, name: str, *args, **static):
+        """The jitted program `name` lowered for these arguments (arrays or ShapeDtypeStructs); nothing runs."""
+        return self.jitted[name].lower(*args, **static)
+
+    def compile(self, name: str, args: tuple, static: dict | None = None) -> bool:
+        """Compile program `name` for these arguments' shapes (arrays or ShapeDtypeStructs) unless it is compiled
+        already; returns whether it compiled. Safe to call from several threads at once."""
+        static = static or {}
+        key = _signature(name, args, static)
+        with self._lock:
+            if key in self._executables:
+                return False
+            self._executables[key] = pending = concurrent.futures.Future()
+            self.traces += 1
+        try:
+            pending.set_result(self.lower(name, *args, **static).compile())
+        except BaseException as e:
+            with self._lock:
+                del self._executables[key]
+            pending.set_exception(e)
+            raise
+        return True
+
+    def _run(self, name: str, args: tuple, static: dict):
+        key = _signature(name, args, static)
+        executable = self._executables.get(key)
+        if executable is None:
+            self.compile(name, args, static)
+            executable = self._executables[key]
+        return executable.result()(*args)
 
     def new_cache(self, n_slots: int, sizes: list[int]) -> KVCache:
         """An empty cache of n_slots slots in blocks of these lengths, made in its shards."""
@@ -333,7 +392,6 @@ class Programs:
         return decode_specs(layout.cfg), self.cache_sharding.spec, self.row_sharding.spec
 
     def _prefill(self, params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R):
-        self.traces += 1
         params_spec, cache_spec, row = self._specs()
         fn = partial(prefill_local, cfg=self.layout.cfg, tp_axis=self.layout.tp_axis)
         return jax.shard_map(fn, mesh=self.layout.mesh,
@@ -343,10 +401,16 @@ class Programs:
             params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R)
 
     def _decode(self, params, cache, last_N, steps_N, *, rows: int, n_blocks: int):
-        self.traces += 1
         params_spec, cache_spec, row = self._specs()
         fn = partial(decode_local, cfg=self.layout.cfg, rows=rows, n_blocks=n_blocks, tp_axis=self.layout.tp_axis)
         return jax.shard_map(fn, mesh=self.layout.mesh, in_specs=(params_spec, cache_spec, row, row),
                              out_specs=(row, row, row, row, cache_spec), check_vma=True)(params, cache, last_N,
                                                                                        steps_N)
 
+
+def _signature(name: str, args: tuple, static: dict) -> tuple:
+    """What picks a program's executable: its name, static values, the cache's block shapes (the params' shapes are
+    the layout's) and the shapes and dtypes of the other arguments."""
+    cache = args[1]
+    rest = tuple((np.shape(x), np.dtype(x.dtype)) for x in jax.tree.leaves(args[2:]))
+    return name, tuple(sorted(static.items())), tuple(b.shape for b in cache.k[0]), rest

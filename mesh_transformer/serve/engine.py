@@ -1,9 +1,10 @@
 """Continuous-batching generation engine: one background thread owns the device; requests join between decode steps.
 
 The engine holds N slots of a shared KV cache and runs the decode programs (infer/decode.py); each slot's request
-progress is a Completion (completion.py). New requests are prefilled together, up to 16 per dp group in
-one program (rows padded to 1, 4 or 16, prompt length bucketed, so compiles are reused), into free slots between
-two decode steps and join the next step; each step advances every busy slot by one token, sampled with that
+progress is a Completion (completion.py). New requests are prefilled together, up to 16 per dp group in one
+program (rows padded to a power of 4 or all of a group's slots, at most PREFILL_TOKENS tokens in all beyond one
+row; prompt length bucketed, so compiles are reused), into free slots between two decode steps and join the next
+step; each step advances every busy slot by one token, sampled with that
 request's own temperature, top-k, top-p and seed. EOS, max_tokens and stop strings (checked here on the decoded
 text) end a request; streamed text leaves as it is made.
 
@@ -17,14 +18,17 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from mesh_transformer.infer.decode import Programs, Steps, block_sizes, bucket, default_block, fill_sampling
+from mesh_transformer.infer.decode import (Programs, Steps, block_sizes, bucket, default_block, fill_sampling, fit,
+                                           ladder)
 from mesh_transformer.infer.params import place_params
 from mesh_transformer.infer.sampler import check_sampling
 from mesh_transformer.parallel.layout import Layout
@@ -34,15 +38,11 @@ from mesh_transformer.tokenizer import EOS_ID
 
 log = logging.getLogger(__name__)
 
-MAX_PREFILL_ROWS = 16  # requests prefilled together at most; fewer are padded to 1, 4 or 16 rows
-
-
-def _prefill_rows(n: int) -> int:
-    """The rows a prefill of n requests is padded to: a power of 4, so few programs cover every count."""
-    rows = 1
-    while rows < n:
-        rows *= 4
-    return min(rows, MAX_PREFILL_ROWS)
+MAX_PREFILL_ROWS = 16  # requests prefilled together at most, per dp group
+# A prefill of more than one row is at most this many tokens (rows x prompt bucket): longer prompts are prefilled a
+# few or one at a time. Past a few hundred tokens a prefill is bound by compute, not by reading the weights, so
+# batching more gains little, and each (rows, bucket) pair is one more program to compile.
+PREFILL_TOKENS = 1024
 
 
 class QueueFull(RuntimeError):
@@ -67,10 +67,11 @@ class Engine:
 
     N is max_batch rounded up to a multiple of the mesh's dp. `submit` fails at once with QueueFull when the queue
     holds max_queue requests. Cancelled requests leave the queue at once and free their slot at the next step.
-    A decode step computes only the slots up to the highest busy one (a power of two per dp group) and reads only
-    the cache blocks (of `min_span` positions) up to the furthest busy one (a power of two of them), so a lone
-    request does not pay for N slots and a long context; each (rows, blocks) pair is one compiled program. With
-    `warm_up`, the constructor compiles every program first, so no request waits for a compile.
+    A decode step computes only the slots up to the highest busy one (padded to a power of 4, or all of a dp
+    group's) and reads only the cache blocks (of `min_span` positions) up to the furthest busy one (a power of two of
+    them), so a lone request does not pay for N slots and a long context; each (rows, blocks) pair is one compiled
+    program. With `warm_up`, the constructor compiles every program first (ahead of time: none is run), so no
+    request waits for a compile.
     """
 
     def __init__(self, layout: Layout, params: dict, tokenizer: Any, *, max_batch: int = 8, max_queue: int = 64,
@@ -88,6 +89,12 @@ class Engine:
         self.params = place_params(params, layout)
         self._programs = programs or Programs(layout)
         self._block_sizes = block_sizes(cfg.seq, min(self.min_span, cfg.seq))
+        # The row and block counts the programs are compiled for: a count is padded up to the next one.
+        self._decode_rows = ladder(self._n_local, 4)
+        self._block_counts = ladder(len(self._block_sizes), 2)
+        group_rows = ladder(min(self._n_local, MAX_PREFILL_ROWS), 4)
+        self._prefill_rows = {width: [r for r in group_rows if r == 1 or r * width <= PREFILL_TOKENS]
+                              for width in sorted({bucket(n, maximum=cfg.seq) for n in range(1, cfg.seq)})}
         self._cache = self._programs.new_cache(self.n_slots, self._block_sizes)
         # Each slot's last token, the next decode step's input: made and kept on the device.
         self._last_tokens = self._programs.new_last_tokens(self.n_slots)
@@ -211,34 +218,40 @@ class Engine:
             groups[slot // self._n_local].append(slot)
         batches = []
         while any(groups):
-            taken = [group[:MAX_PREFILL_ROWS] for group in groups]
-            groups = [group[MAX_PREFILL_ROWS:] for group in groups]
-            rows = _prefill_rows(max(map(len, taken)))
+            allowed = self._prefill_rows[self._width([slot for group in groups for slot in group[:MAX_PREFILL_ROWS]])]
+            taken = [group[:allowed[-1]] for group in groups]
+            groups = [group[allowed[-1]:] for group in groups]
+            rows = fit(max(map(len, taken)), allowed)
             placed = [(slot, g * rows + j) for g, group in enumerate(taken) for j, slot in enumerate(group)]
             batches.append((rows, placed))
         return batches
 
+    def programs(self) -> list[tuple[str, tuple, dict]]:
+        """Every program the engine can run, as (name, arguments, static arguments) for `Programs.compile`: each
+        prompt bucket x its prefill row counts, each decode row count x block count."""
+        state = (self.params, self._cache, self._last_tokens)
+        prefills = [("prefill", (*state, np.zeros((r, width), np.int32), np.ones(r, np.int32),
+                                 np.full(r, -1, np.int32), fill_sampling(r, [])), {})
+                    for width, group_rows in self._prefill_rows.items() for r in (n * self._dp for n in group_rows)]
+        zeros = np.zeros(self.n_slots, np.int32)
+        steps = Steps(zeros, zeros, fill_sampling(self.n_slots, []))
+        decodes = [("decode", (*state, steps), {"rows": rows, "n_blocks": count})
+                   for rows in self._decode_rows for count in self._block_counts]
+        return prefills + decodes
+
     def _warm_up(self) -> None:
-        """Run every program once (each prompt bucket x prefill rows, each rows x blocks) on the empty cache,
-        compiling them all."""
-        seq = self.cfg.seq
-        widths = sorted({bucket(n, maximum=seq) for n in range(1, seq)})
-        prefill_rows = sorted({_prefill_rows(n) for n in range(1, min(self._n_local, MAX_PREFILL_ROWS) + 1)})
-        rows = sorted({bucket(n, minimum=1, maximum=self._n_local) for n in range(1, self._n_local + 1)})
-        n_blocks = len(self._block_sizes)
-        block_counts = sorted({bucket(n, minimum=1, maximum=n_blocks) for n in range(1, n_blocks + 1)})
-        log.info("compiling %d prefill and %d decode programs", len(widths) * len(prefill_rows),
-                 len(rows) * len(block_counts))
-        for width in widths:
-            for n in prefill_rows:
-                r = n * self._dp
-                self._run_prefill(np.zeros((r, width), np.int32), np.ones(r, np.int32), np.full(r, -1, np.int32),
-                                  fill_sampling(r, []))
-        for n in rows:
-            for count in block_counts:
-                zeros = np.zeros(self.n_slots, np.int32)
-                self._run_decode(Steps(zeros, zeros, fill_sampling(self.n_slots, [])), rows=n, n_blocks=count)
-        jax.block_until_ready(self._last_tokens)
+        """Compile every program ahead of time (nothing runs), a few at once."""
+        programs = self.programs()
+        log.info("compiling %d programs (%d prefill, %d decode)", len(programs),
+                 sum(name == "prefill" for name, _, _ in programs), sum(name == "decode" for name, _, _ in programs))
+        start_s = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
+            list(pool.map(lambda program: self._programs.compile(*program), programs))
+        log.info("compiled them in %.1f s", time.perf_counter() - start_s)
+
+    def _width(self, slots: list[int]) -> int:
+        """The prompt bucket of these slots' requests."""
+        return bucket(max(len(self._slots[slot].request.prompt) for slot in slots), maximum=self.cfg.seq)
 
     def _run_prefill(self, ids_RxT: np.ndarray, length_R: np.ndarray, slot_R: np.ndarray,
                      sampling_R) -> tuple[jax.Array, jax.Array]:
@@ -257,7 +270,7 @@ class Engine:
     def _prefill(self, rows_per_group: int, batch: list[tuple[int, int]]) -> _Step:
         """Prefill one batch of admitted requests, (slot, input row) each, in one program."""
         n = rows_per_group * self._dp
-        width = bucket(max(len(self._slots[slot].request.prompt) for slot, _ in batch), maximum=self.cfg.seq)
+        width = self._width([slot for slot, _ in batch])
         ids_RxT = np.zeros((n, width), np.int32)
         length, local_slot = np.ones(n, np.int32), np.full(n, -1, np.int32)  # padding rows: written nowhere
         for slot, row in batch:
@@ -273,9 +286,9 @@ class Engine:
         live = [i for i, slot in enumerate(self._slots) if slot is not None and slot.needs_step]
         if not live:
             return None
-        rows = bucket(max(i % self._n_local for i in live) + 1, minimum=1, maximum=self._n_local)
+        rows = fit(max(i % self._n_local for i in live) + 1, self._decode_rows)
         furthest = max(self._slots[i].position for i in live)
-        n_blocks = bucket(furthest // self._block_sizes[0] + 1, minimum=1, maximum=len(self._block_sizes))
+        n_blocks = fit(furthest // self._block_sizes[0] + 1, self._block_counts)
         position, index = np.zeros(self.n_slots, np.int32), np.zeros(self.n_slots, np.int32)
         sampling = fill_sampling(self.n_slots, [(i, self._slots[i].request) for i in live])
         for i in live:

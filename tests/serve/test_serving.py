@@ -479,3 +479,34 @@ def test_1000_hostile_requests_get_4xx_json_and_the_server_stays_well(http, offl
     assert health(http)["slots"]["busy"] == 0
     response = http.post("/complete", json={"context": PROMPTS[0], "top_p": 0.9, "temp": 0, "length": NEW})
     assert response.status_code == 200 and response.json()["completion"] == offline[0].text
+
+
+def test_warm_up_compiles_every_program_ahead_and_serving_compiles_no_more(params, tokenizer, offline):
+    """A warmed-up engine (its own programs, so the count starts at 0) serves prompts of every bucket, one at a
+    time and many together, across both cache blocks, without compiling again; its greedy answers are the
+    offline sampler's."""
+    programs = Programs(layout())
+    engine = serving.Engine(layout(), params, tokenizer, programs=programs, max_batch=4, warm_up=True)
+    compiled = programs.traces
+    assert compiled == len(engine.programs()) == 2 * 3 + 2 * 2  # rows {1, 2} x buckets {16, 32, 64}; x blocks {1, 2}
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:5]]
+    long_prompts = [list(range(100, 100 + n)) for n in (20, 40, 63)]
+    got, done = {}, threading.Semaphore(0)
+
+    def collect(i):
+        def on_event(event):
+            got.setdefault(i, []).extend(event.tokens)
+            if event.finish_reason or event.error:
+                done.release()
+        return on_event
+
+    batches = [[(0, prompts[0], NEW)], [(i, p, NEW) for i, p in enumerate(prompts) if i],
+               [(5 + i, p, CFG.seq - len(p)) for i, p in enumerate(long_prompts)]]
+    for batch in batches:
+        engine.submit([GenerationRequest(p, n, collect(i), temperature=0.0) for i, p, n in batch])
+        for _ in batch:
+            assert done.acquire(timeout=120)
+    engine.close()
+    assert programs.traces == compiled
+    assert [tokenizer.decode(got[i]) for i in range(5)] == [r.text for r in offline[:5]]
+    assert [len(got[5 + i]) for i in range(3)] == [CFG.seq - len(p) for p in long_prompts]
