@@ -69,14 +69,23 @@ for shard in range(n_shards):
     del leaves, flat
 """
 HF_GENERATE = """
-import sys, torch
+import json, sys, torch
 from transformers import AutoTokenizer, GPTJForCausalLM
 model = GPTJForCausalLM.from_pretrained({hf!r}, torch_dtype=torch.bfloat16).eval()
 tokenizer = AutoTokenizer.from_pretrained({hf!r})
 ids = tokenizer({prompt!r}, return_tensors="pt").input_ids
 with torch.no_grad():
     out = model.generate(ids, max_new_tokens={max_new}, do_sample=False, pad_token_id=0)
+    # Our tokens, teacher-forced through HF: where HF's greedy choice differs, by how much HF prefers its own.
+    ours = tokenizer({prompt!r} + {ours!r}, return_tensors="pt").input_ids
+    logits = model(ours).logits[0, ids.shape[1] - 1:-1].float()
+top2 = logits.topk(2, -1).values
+chosen = logits.gather(-1, ours[0, ids.shape[1]:, None])[:, 0]
 print(tokenizer.decode(out[0, ids.shape[1]:]))
+print(json.dumps({{"ours_top1_under_hf": (chosen == top2[:, 0]).tolist(),
+                  "hf_prefers_its_own_by": [round(x, 4) for x in (top2[:, 0] - chosen).tolist()],
+                  "hf_top1_top2_gap": [round(x, 4) for x in (top2[:, 0] - top2[:, 1]).tolist()],
+                  "logit_std": round(logits.std().item(), 3)}}))
 """
 
 
@@ -162,11 +171,12 @@ def main() -> None:
         stage("export_hf", [py, "to_hf_weights.py", "--input-ckpt", one, "--config", config, "--output-path",
                             hf_dir, "--dtype", "bf16"])
         ours_text = ours_text.rstrip("\n")
-        hf_text = stage("hf_transformers_generate", [py, "-c", HF_GENERATE.format(hf=hf_dir, prompt=PROMPT,
-                                                                              max_new=MAX_NEW)])
-        hf_text = hf_text.rstrip("\n")
+        hf_out = stage("hf_transformers_generate", [py, "-c", HF_GENERATE.format(hf=hf_dir, prompt=PROMPT,
+                                                                             max_new=MAX_NEW, ours=ours_text)])
+        hf_text, teacher_forced = hf_out.rstrip("\n").rsplit("\n", 1)
         emit(bench="gptj6b_flow", stage="compare", ours=json.dumps(ours_text), hf=json.dumps(hf_text),
-             greedy_text_equal=ours_text == hf_text, model_bf16_gb=round(_model_bytes(config) / 1e9, 2))
+             greedy_text_equal=ours_text == hf_text, model_bf16_gb=round(_model_bytes(config) / 1e9, 2),
+             **json.loads(teacher_forced))
     finally:
         if not (args.keep or args.reuse):
             shutil.rmtree(work, ignore_errors=True)

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import importlib.util
 import os
 import platform
@@ -112,7 +114,8 @@ def load_for_inference(args: argparse.Namespace) -> tuple:
         tokenizer = load_tokenizer(cfg.tokenizer)
     except ValueError as e:
         raise config.ConfigError(str(e)) from None
-    return layout, tokenizer, infer_params.read_params(layout, source, lora=args.lora)
+    with host_memory_returned():
+        return layout, tokenizer, infer_params.read_params(layout, source, lora=args.lora)
 
 
 def stdin_lines() -> Iterator[str]:
@@ -223,3 +226,26 @@ def keep_host_memory() -> None:
         return
     os.environ["GLIBC_TUNABLES"] = KEEP_HOST_MEMORY
     os.execv(sys.executable, sys.orig_argv)
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # mallopt's parameters, from glibc's malloc.h
+
+
+@contextlib.contextmanager
+def host_memory_returned(threshold: int = 1 << 20) -> Iterator[None]:
+    """While inside, undo `keep_host_memory`: blocks of `threshold` bytes or more are mmap'd, so freeing one gives
+    it back to the kernel. Loading a model reads, joins and places one layer at a time; with the memory kept, every
+    layer's host buffers stay resident after they are freed (GPT-J-6B in bf16: 17.8 GB resident for a 12.1 GB
+    model, 13.8 GB without the restart). The buffers allocated meanwhile (the params) outlive it; that is fine.
+    Nothing happens unless this process runs with KEEP_HOST_MEMORY."""
+    if os.environ.get("GLIBC_TUNABLES") != KEEP_HOST_MEMORY:
+        yield
+        return
+    libc = ctypes.CDLL(None)
+    libc.mallopt(M_MMAP_THRESHOLD, threshold)
+    libc.mallopt(M_MMAP_MAX, 1 << 20)
+    try:
+        yield
+    finally:
+        libc.mallopt(M_MMAP_MAX, 0)
+        libc.malloc_trim(0)

@@ -80,3 +80,35 @@ def test_device_out_of_memory_is_one_line_saying_what_was_asked_and_what_to_chan
     assert "--dtype bf16" in message and "--mp" in message and "\n" not in message
     assert out_of_memory_message(jax.errors.JaxRuntimeError("INTERNAL: other")) is None
     assert out_of_memory_message(ValueError("RESOURCE_EXHAUSTED")) is None
+
+
+RSS_SCRIPT = """
+import os, sys
+sys.path.insert(0, {root!r})
+import numpy as np
+from mesh_transformer.cli import host_memory_returned, keep_host_memory
+keep_host_memory()
+
+def rss_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 2 ** 20
+
+def freed_after(n_mb):
+    start = rss_mb()
+    blocks = [np.ones(2 ** 20, np.uint8) for _ in range(n_mb)]  # 1 MiB blocks, as a model's leaves are large ones
+    del blocks
+    return rss_mb() - start
+
+kept = freed_after(256)
+with host_memory_returned():
+    returned = freed_after(256)
+print(kept, returned, flush=True)
+"""
+
+
+def test_host_memory_returned_gives_freed_blocks_back_inside_the_kept_memory_process(tmp_path):
+    script = tmp_path / "rss.py"
+    script.write_text(RSS_SCRIPT.format(root=os.getcwd()))
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    kept, returned = map(int, subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                                             check=True, timeout=60).stdout.split())
+    assert kept >= 200 and returned <= 16, (kept, returned)
