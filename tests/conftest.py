@@ -1,4 +1,5 @@
-"""Test set-up: 8 faked CPU devices, set before jax is imported anywhere; session fixtures of the evaluation tests."""
+"""Test set-up: 8 faked CPU devices, set before jax is imported anywhere; HF offline; the evaluation tests'
+session fixtures."""
 import os
 
 import pytest
@@ -7,6 +8,9 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Nothing is downloaded at test time: HF's libraries fail at once instead of waiting on the network (a test that
+# looked for a missing dataset waited 23 s for connection timeouts). Read when they are first imported.
+os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 
 @pytest.fixture(scope="session")

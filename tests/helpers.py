@@ -14,6 +14,15 @@ def run_script(script: str, *args: str, stdin: str | None = None) -> subprocess.
                           text=True)
 
 
+def run_scripts(*calls: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
+    """`run_script` for each (script, *args), a few at once: each is mostly one interpreter's start-up and
+    compiles, which leave the second core idle."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        return list(pool.map(lambda call: run_script(*call), calls))
+
+
 def write_hf_dir(directory: str, params: dict, cfg) -> str:
     """A tiny model as an HF GPT-J directory (f32 safetensors, config.json, GPT-2 tokenizer files)."""
     import json

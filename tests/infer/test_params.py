@@ -12,7 +12,7 @@ from mesh_transformer.config import ConfigError
 from mesh_transformer.infer import params as infer_params
 from mesh_transformer.infer.sampler import Sampler
 from mesh_transformer.store import checkpoint, convert, hf
-from tests.helpers import run_script
+from tests.helpers import run_scripts
 from tests.store.test_mtj_v1 import original_shards, random_params, write_mtj_v1
 
 # 2 layers, D 64, 8 heads, V 256, trained at mp 4.
@@ -90,15 +90,14 @@ def sources(tmp_path_factory):
     return {"ours": ours, "hf": hf_dir, "original": str(original / "step_1")}
 
 
-def _sample(*flags):
-    return run_script("device_sample.py", *flags, "--prompt", "Hello world", "--max-new-tokens", "6",
-                      "--temperature", "0")
+def _sample_call(*flags):
+    return "device_sample.py", *flags, "--prompt", "Hello world", "--max-new-tokens", "6", "--temperature", "0"
 
 
 def test_sampling_needs_no_config_where_the_checkpoint_carries_one(sources):
-    outputs = {name: _sample("--ckpt", path) for name, path in sources.items()}
-    outputs["--hf"] = _sample("--hf", sources["hf"])
-    outputs["--mp 1 --dtype bf16"] = _sample("--ckpt", sources["ours"], "--mp", "1", "--dtype", "bf16")
+    calls = {**{name: ("--ckpt", path) for name, path in sources.items()}, "--hf": ("--hf", sources["hf"]),
+             "--mp 1 --dtype bf16": ("--ckpt", sources["ours"], "--mp", "1", "--dtype", "bf16")}
+    outputs = dict(zip(calls, run_scripts(*(_sample_call(*flags) for flags in calls.values()))))
     for name, result in outputs.items():
         assert result.returncode == 0, (name, result.stderr)
     texts = {name: result.stdout for name, result in outputs.items()}
@@ -110,12 +109,12 @@ def test_a_checkpoint_without_a_config_or_a_mismatched_one_is_a_one_line_error(s
     bare = tmp_path / "bare"
     write_mtj_v1(str(bare / "step_1"), original_shards(random_params(BIG, seed=1), BIG, 4,
                                                        np.random.default_rng(0)), 1, full=False)
-    result = _sample("--ckpt", str(bare / "step_1"))
-    assert result.returncode == 2 and result.stderr.strip().endswith("carries no config (no config.json beside or "
-                                                                     "above it): give --config")
-    result = _sample("--ckpt", sources["ours"], "--set", "n_vocab=50432")
-    errors = [line for line in result.stderr.strip().splitlines() if not line.startswith("inference mesh:")]
-    assert result.returncode == 2 and len(errors) == 1, result.stderr
-    assert "n_vocab=50304 (the config says 50432)" in result.stderr
-    result = _sample("--prompt", "x")
-    assert result.returncode == 2 and "give --ckpt (or --hf)" in result.stderr
+    bare_result, mismatched, no_source = run_scripts(
+        _sample_call("--ckpt", str(bare / "step_1")), _sample_call("--ckpt", sources["ours"], "--set", "n_vocab=50432"),
+        _sample_call("--prompt", "x"))
+    assert bare_result.returncode == 2 and bare_result.stderr.strip().endswith(
+        "carries no config (no config.json beside or above it): give --config")
+    errors = [line for line in mismatched.stderr.strip().splitlines() if not line.startswith("inference mesh:")]
+    assert mismatched.returncode == 2 and len(errors) == 1, mismatched.stderr
+    assert "n_vocab=50304 (the config says 50432)" in mismatched.stderr
+    assert no_source.returncode == 2 and "give --ckpt (or --hf)" in no_source.stderr

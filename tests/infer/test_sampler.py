@@ -1,3 +1,4 @@
+import concurrent.futures
 import dataclasses
 import json
 
@@ -15,7 +16,7 @@ from mesh_transformer.infer import params as infer_params
 from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.tokenizer import load_tokenizer
-from tests.helpers import run_script
+from tests.helpers import run_script, run_scripts
 from tests.store.test_hf import random_hf_model, state_dict_numpy
 
 CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "remat=false"])  # seq 32, vocab 256
@@ -251,28 +252,33 @@ def test_cli_prints_the_completion(saved_big, big_text):
     full, stop, cut = big_text
     argv = ["--config", saved_big, "--prompt", "Hello world", "--max-new-tokens", "12", "--temperature", "0",
             "--stop", stop, "--set", "cores_per_replica=2"]
-    result = run_script("device_sample.py", *argv)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == cut.text + "\n"
-    result = run_script("device_sample.py", *argv[:2], *argv[4:], stdin="Hello world\n\nHello world\n")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == (cut.text + "\n") * 2
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        once = pool.submit(run_script, "device_sample.py", *argv)
+        piped = pool.submit(run_script, "device_sample.py", *argv[:2], *argv[4:],
+                            stdin="Hello world\n\nHello world\n")
+    assert once.result().returncode == 0, once.result().stderr
+    assert once.result().stdout == cut.text + "\n"
+    assert piped.result().returncode == 0, piped.result().stderr
+    assert piped.result().stdout == (cut.text + "\n") * 2
 
 
-@pytest.mark.parametrize("extra, match", [
+BAD_INPUT = [
     (["--temperature", "hot"], "invalid float value: 'hot'"),
     (["--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     (["--set", "n_heads=3"], "config key 'd_model' (32) must be divisible by n_heads (3)"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--prompt", " x" * 100, "--max-new-tokens", "8"], "beyond the context of 64 tokens"),
-])
-def test_cli_bad_input_is_a_one_line_error(saved_big, extra, match):
-    result = run_script("device_sample.py", "--config", saved_big, *extra)
-    *logged, err = result.stderr.splitlines()
-    assert result.returncode == 2 and err.startswith("error: ") and match in err, result.stderr
-    assert "Traceback" not in result.stderr
-    assert all(line.startswith(("inference mesh:", "loading layers")) or not line.strip() for line in logged)
+]
+
+
+def test_cli_bad_input_is_a_one_line_error(saved_big):
+    results = run_scripts(*(("device_sample.py", "--config", saved_big, *extra) for extra, _ in BAD_INPUT))
+    for (extra, match), result in zip(BAD_INPUT, results):
+        *logged, err = result.stderr.splitlines()
+        assert result.returncode == 2 and err.startswith("error: ") and match in err, (extra, result.stderr)
+        assert "Traceback" not in result.stderr
+        assert all(line.startswith(("inference mesh:", "loading layers")) or not line.strip() for line in logged)
 
 
 def test_ladders_pad_every_count_to_few_sizes():
