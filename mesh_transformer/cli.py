@@ -87,8 +87,11 @@ def inference_config(args: argparse.Namespace) -> tuple[config.Config, str]:
     overrides = config.parse_overrides(args.overrides)
     if args.dtype:
         overrides["compute_dtype"] = INFERENCE_DTYPES[args.dtype]
+    def file_config(path: str) -> config.Config:
+        return config.from_dict({**config.load(path).to_dict(), **overrides})
+
     if args.config:
-        cfg = config.from_dict({**config.load(args.config).to_dict(), **overrides})
+        cfg = file_config(args.config)
         return cfg, source or cfg.model_path
     if source is None:
         raise config.ConfigError("give --ckpt (or --hf) with the weights, or --config naming their model_dir")
@@ -98,7 +101,7 @@ def inference_config(args: argparse.Namespace) -> tuple[config.Config, str]:
     path = source.rstrip("/")
     for candidate in (storage.join(path, "config.json"), storage.join(path.rpartition("/")[0] or ".", "config.json")):
         if storage.exists(candidate):
-            return config.from_dict({**config.load(candidate).to_dict(), **overrides}), source
+            return file_config(candidate), source
     raise config.ConfigError(f"{source} carries no config (no config.json beside or above it): give --config")
 
 

@@ -67,16 +67,16 @@ class MeshTransformerLM(TemplateLM):
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> MeshTransformerLM:
-        """lm-eval's way in: `--model mesh-transformer --model_args ckpt=P[,config=C,mp=N,dtype=bf16,lora=A]`."""
-        import argparse
-
+        """lm-eval's way in: `--model mesh-transformer --model_args ckpt=P[,config=C,mp=N,dtype=bf16,lora=A]`: any
+        flag of the sampling tools' model flags (`cli.add_inference_args`) by its name, the rest for the adapter."""
         from mesh_transformer import cli
 
         args = lm_utils.simple_parse_args_string(arg_string)
-        namespace = argparse.Namespace(ckpt=args.pop("ckpt", None), hf=None, config=args.pop("config", None),
-                                       overrides=[], mp=args.pop("mp", None), dtype=args.pop("dtype", None),
-                                       lora=args.pop("lora", None))
-        layout, tokenizer, params = cli.load_for_inference(namespace)
+        parser = cli.Parser(prog="mesh-transformer model_args")
+        cli.add_inference_args(parser)
+        flags = set(vars(parser.parse_args([]))) - {"overrides"}
+        argv = [item for key in flags & set(args) for item in (f"--{key}", str(args.pop(key)))]
+        layout, tokenizer, params = cli.load_for_inference(parser.parse_args(argv))
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
         return cls(layout, params, tokenizer, **{**args, **extra})
 

@@ -65,6 +65,13 @@ def test_dataset_not_available_offline_is_one_line_config_error(eval_hf_dir, tmp
         harness.evaluate(lm, ["tiny_remote"], include_path=str(tmp_path), limit=1)
 
 
+def test_model_args_take_the_sampling_tools_model_flags(eval_hf_dir):
+    lm = get_model(harness.MODEL_NAME).create_from_arg_string(f"hf={eval_hf_dir},mp=1,dtype=bf16", {"batch_size": 2})
+    assert lm.layout.mesh.shape == {"dp": 8, "mp": 1} and lm.cfg.compute_dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="--mp 3 must"):
+        get_model(harness.MODEL_NAME).create_from_arg_string(f"ckpt={eval_hf_dir},mp=3", {})
+
+
 def test_training_logs_task_metrics_at_val_every(tmp_path, eval_tasks):
     records = tmp_path / "train_0_16.tfrecords"
     rng = np.random.default_rng(0)
