@@ -141,8 +141,9 @@ def test_auto_compute_dtype_is_bf16_on_accelerators_and_f32_on_cpu():
 @pytest.mark.parametrize("parallelism, dp, mp", [("shard_map", 1, 1), ("shard_map", 2, 4), ("fsdp", 8, 1)],
                          ids=["single", "dp2-mp4", "fsdp8"])
 def test_train_step_with_joined_projections_equals_the_unjoined_step(tokens, parallelism, dp, mp):
-    """Joining q, k, v, fc_in and out, fc_out inside the step changes neither the loss nor the gradients (f32), and
-    the train step's loss and gradient norm with them."""
+    """Joining q, k, v, fc_in and out, fc_out inside the step changes neither the loss nor the gradients (f32) on
+    each layout; and (on one device: the wiring does not depend on the mesh) the train step's loss and gradient norm
+    with them."""
     from mesh_transformer.parallel.mesh import make_mesh
     from mesh_transformer.train import optim, state as state_lib
 
@@ -154,10 +155,13 @@ def test_train_step_with_joined_projections_equals_the_unjoined_step(tokens, par
         opt = optim.make_optimizer(cfg)
         state = state_lib.init_train_state(layout, opt, jax.random.PRNGKey(0))
         grads = jax.jit(layout.loss_and_grad_fn())(state["params"], tokens)[1]
+        if dp * mp > 1:
+            return grads, None
         batch = jax.device_put(tokens[None], layout.batch_sharding())
         return grads, state_lib.make_train_step(layout, opt, optim.lr_schedule(cfg))(state, batch)[1]
 
     (joined_grads, joined), (plain_grads, plain) = one_step(True), one_step(False)
     assert max_diff(joined_grads, plain_grads) < 1e-6
-    np.testing.assert_allclose(joined["loss"], plain["loss"], rtol=1e-6)
-    np.testing.assert_allclose(joined["grad_norm"], plain["grad_norm"], rtol=1e-5)
+    if joined is not None:
+        np.testing.assert_allclose(joined["loss"], plain["loss"], rtol=1e-6)
+        np.testing.assert_allclose(joined["grad_norm"], plain["grad_norm"], rtol=1e-5)
