@@ -234,7 +234,8 @@ def test_two_processes_write_their_own_pieces_under_one_commit(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
            "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
     workers = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESS_SAVE, str(k), port, root], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for k in range(2)]

@@ -24,7 +24,7 @@ def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(tmp_p
     cfg_path = tmp_path / "config.json"
     cfg_path.write_text(json.dumps(cfg.to_dict()))
     port = str(free_port())
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"}
     procs = [subprocess.Popen([sys.executable, "device_train.py", "--config", str(cfg_path), "--coordinator",
                                f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(k)],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
