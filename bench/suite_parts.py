@@ -11,7 +11,8 @@ import numpy as np
 
 from bench.common import figure
 from mesh_transformer.config import Config
-from mesh_transformer.infer.decode import Programs, Steps, block_sizes, default_block, fill_sampling
+from mesh_transformer.infer.choose import fill_sampling
+from mesh_transformer.infer.decode import Programs, Steps, block_sizes, default_block
 from mesh_transformer.infer.params import make_inference_layout, place_params
 from mesh_transformer.model import gptj
 from mesh_transformer.parallel.layout import Layout

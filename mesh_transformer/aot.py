@@ -19,8 +19,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mesh_transformer.config import Config, ConfigError
-from mesh_transformer.infer.decode import (KVCache, Programs, Sampling, Steps, block_sizes, cache_dtype,
-                                           default_block)
+from mesh_transformer.infer.choose import Sampling
+from mesh_transformer.infer.decode import KVCache, Programs, Steps, block_sizes, cache_dtype, default_block
 from mesh_transformer.infer.params import decode_specs, make_inference_layout
 from mesh_transformer.model import gptj, layers
 from mesh_transformer.parallel.layout import SHARD_MAP, Layout, make_layout

@@ -87,6 +87,7 @@ def inference_config(args: argparse.Namespace) -> tuple[config.Config, str]:
     overrides = config.parse_overrides(args.overrides)
     if args.dtype:
         overrides["compute_dtype"] = INFERENCE_DTYPES[args.dtype]
+
     def file_config(path: str) -> config.Config:
         return config.from_dict({**config.load(path).to_dict(), **overrides})
 
@@ -231,7 +232,7 @@ def keep_host_memory() -> None:
     os.execv(sys.executable, sys.orig_argv)
 
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # mallopt's parameters, from glibc's malloc.h
+M_MMAP_THRESHOLD, M_MMAP_MAX = -3, -4  # mallopt's parameters, from glibc's malloc.h
 
 
 @contextlib.contextmanager

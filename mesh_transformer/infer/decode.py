@@ -3,12 +3,12 @@ token by its row's own sampling values. The offline sampler and the serving engi
 
 The cache holds N slots of S positions, per layer for keys and for values a list of blocks [N, H, K, S_j] of
 consecutive positions (`block_sizes`; the values' bits, `cache_dtype`), heads split over 'mp' and slots over 'dp'.
-A decode step reads only the
-first blocks, as many as the furthest busy slot needs, in place: slicing a span out of one array per layer costs a
-strided copy per layer per step. Within a block positions come last, the layout XLA's CPU dot wants for one-token
-attention; handing a block to the layers as [B, S_j, H, K] is then free. Both programs run under `jax.shard_map`
-with the same layer functions as training, the layers unrolled over unstacked params (`params.place_params`): a
-scan over stacked layers would copy each layer's weights out of the stack at every token.
+A decode step reads only the first blocks, as many as the furthest busy slot needs, in place: slicing a span out of
+one array per layer costs a strided copy per layer per step. Within a block positions come last, the layout XLA's
+CPU dot wants for one-token attention; handing a block to the layers as [B, S_j, H, K] is then free. Both programs
+run under `jax.shard_map` with the same layer functions as training, the layers unrolled over unstacked params
+(`params.place_params`): a scan over stacked layers would copy each layer's weights out of the stack at every token.
+Each row's token is chosen by `choose.choose`.
 
 A prompt is written from position 0 of its slot (right-padded to its bucket), its rotary positions are its own, and
 its queries see only keys at or before their own position. Token i of a request is drawn with key
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import Iterable
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -29,6 +28,7 @@ import numpy as np
 from jax import lax
 
 from mesh_transformer.config import Config
+from mesh_transformer.infer.choose import Sampling, choose
 from mesh_transformer.infer.params import decode_specs
 from mesh_transformer.model import gptj, layers
 from mesh_transformer.parallel.layout import ACTIVATION_AXES, Layout
@@ -40,15 +40,6 @@ def bucket(n: int, minimum: int = MIN_BUCKET, maximum: int | None = None) -> int
     """The power of two (at least `minimum`, at most `maximum`) that a length is padded to, so compiles are reused."""
     size = max(minimum, 1 << max(0, n - 1).bit_length())
     return size if maximum is None else min(size, max(maximum, n))
-
-
-class Sampling(NamedTuple):
-    """Per-row sampling values [R], travelling as one pytree with one spec."""
-    temperature: Any  # f32, 0 = greedy
-    top_k: Any  # i32, 0 = off
-    top_p: Any  # f32, 1 = off
-    seed: Any  # u32
-    logprobs: Any  # bool: whether the row's chosen log-probs are wanted
 
 
 class Steps(NamedTuple):
@@ -63,17 +54,6 @@ class KVCache(NamedTuple):
     """Per layer, a list of blocks [N, H, K, S_j] of keys and of values."""
     k: list
     v: list
-
-
-def fill_sampling(n: int, placed: Iterable[tuple[int, Any]]) -> Sampling:
-    """Sampling rows [n] (numpy) with each item's temperature, top_k, top_p, seed and logprobs at its row; the other
-    rows are greedy, without log-probs."""
-    rows = Sampling(np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32), np.zeros(n, np.uint32),
-                    np.zeros(n, bool))
-    for row, item in placed:
-        rows.temperature[row], rows.top_k[row], rows.top_p[row] = item.temperature, item.top_k, item.top_p
-        rows.seed[row], rows.logprobs[row] = item.seed % 2 ** 32, item.logprobs
-    return rows
 
 
 def ladder(n: int, base: int) -> list[int]:
@@ -110,57 +90,6 @@ def _starts(blocks: list) -> list[int]:
     for b in blocks[:-1]:
         starts.append(starts[-1] + b.shape[-1])
     return starts
-
-
-# ------------------------------------------------------------------------------------------------------- samplers
-def filter_logits(logits_BxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
-    """Top-k, then top-p (nucleus) filtering: logits outside the kept set become -inf.
-
-    top_k 0 keeps every token. top-p keeps the smallest set of most likely tokens whose probability mass reaches
-    top_p (after top-k); tokens tied with the least likely kept one are kept too; top_p 1 keeps all.
-    """
-    vocab = logits_BxV.shape[-1]
-    sorted_BxV = -jnp.sort(-logits_BxV, axis=-1)
-    k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, vocab), vocab)
-    rank_1xV = jnp.arange(vocab)[None]
-    sorted_BxV = jnp.where(rank_1xV < k_B[:, None], sorted_BxV, -jnp.inf)
-    probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
-    mass_before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
-    # The first token is always kept (mass before it is 0); p = 1 keeps all even when the cumsum rounds to 1.
-    keep_BxV = (mass_before_BxV < top_p_B[:, None]) | (top_p_B[:, None] >= 1.0)
-    n_keep_B = jnp.minimum(keep_BxV.sum(-1), k_B)
-    threshold_B = jnp.take_along_axis(sorted_BxV, (n_keep_B - 1)[:, None], axis=-1)
-    return jnp.where(logits_BxV >= threshold_B, logits_BxV, -jnp.inf)
-
-
-def sample(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array,
-           key_Bx2: jax.Array) -> jax.Array:
-    """Next tokens [B]: argmax where temperature is 0, else a draw from the tempered, filtered distribution."""
-    greedy_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-
-    def draw(_):
-        scaled_BxV = logits_BxV / jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
-        filtered_BxV = filter_logits(scaled_BxV, top_k_B, top_p_B)
-        drawn_B = jax.vmap(jax.random.categorical)(key_Bx2, filtered_BxV).astype(jnp.int32)
-        return jnp.where(temperature_B > 0, drawn_B, greedy_B)
-
-    # Skip the vocab sort when every row is greedy.
-    return lax.cond(jnp.any(temperature_B > 0), draw, lambda _: greedy_B, None)
-
-
-def chosen_logprobs(logits_BxV: jax.Array, token_B: jax.Array, wanted: jax.Array) -> jax.Array:
-    """Each chosen token's log-probability under the untempered, unfiltered distribution, or zeros when `wanted` (a
-    traced bool) is false: the log-softmax is a pass over [B, V], skipped at run time when nobody asked for it."""
-    return lax.cond(wanted, lambda: jnp.take_along_axis(jax.nn.log_softmax(logits_BxV), token_B[:, None], -1)[:, 0],
-                    lambda: jnp.zeros_like(logits_BxV[:, 0]))
-
-
-def choose(logits_RxV: jax.Array, sampling: Sampling, index_R: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Token `index` of each row, drawn with key fold_in(PRNGKey(seed), index), and its untempered log-probability
-    (computed when any row asks for it, else zeros)."""
-    key_Rx2 = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(sampling.seed, index_R)
-    token_R = sample(logits_RxV, sampling.temperature, sampling.top_k, sampling.top_p, key_Rx2)
-    return token_R, chosen_logprobs(logits_RxV, token_R, jnp.any(sampling.logprobs))
 
 
 def gather_vocab(logits_BxV: jax.Array, tp_axis: str | None) -> jax.Array:

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mesh_transformer.infer import decode
+from mesh_transformer.infer.choose import fill_sampling
 from mesh_transformer.infer.decode import Programs, Steps, bucket
 from mesh_transformer.infer.params import place_params
 from mesh_transformer.parallel.layout import Layout
@@ -162,7 +162,7 @@ class Sampler:
         slot_N = np.full(n_slots, -1, np.int32)  # padding rows: written nowhere
         for row, prompt in enumerate(prompts):
             ids_NxT[row, :len(prompt)], length_N[row], slot_N[row] = prompt, len(prompt), row % n_local
-        sampling = jax.device_put(decode.fill_sampling(n_slots, enumerate(rows)), programs.row_sharding)
+        sampling = jax.device_put(fill_sampling(n_slots, enumerate(rows)), programs.row_sharding)
         cache = programs.new_cache(n_slots, [min(width + bucket(max_new_tokens, maximum=seq), seq)])
         token, logprob, last, cache = programs.prefill(self.params, cache, programs.new_last_tokens(n_slots), ids_NxT,
                                                        length_N, slot_N, sampling)

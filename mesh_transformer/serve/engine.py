@@ -27,8 +27,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from mesh_transformer.infer.decode import (Programs, Steps, block_sizes, bucket, default_block, fill_sampling, fit,
-                                           ladder)
+from mesh_transformer.infer.choose import fill_sampling
+from mesh_transformer.infer.decode import Programs, Steps, block_sizes, bucket, default_block, fit, ladder
 from mesh_transformer.infer.params import place_params
 from mesh_transformer.infer.sampler import check_sampling
 from mesh_transformer.parallel.layout import Layout

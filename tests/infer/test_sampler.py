@@ -11,7 +11,7 @@ import torch
 from mesh_transformer.store import checkpoint, hf
 from mesh_transformer import config
 from mesh_transformer.model import gptj as model
-from mesh_transformer.infer import decode, sampler as sampling
+from mesh_transformer.infer import choose, decode, sampler as sampling
 from mesh_transformer.infer import params as infer_params
 from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.parallel.mesh import make_dp_mp
@@ -132,10 +132,10 @@ def test_top_p_keeps_smallest_set_reaching_p():
     logits = jnp.log(jnp.asarray(np.tile(probs, (5, 1)), jnp.float32))
     top_p = jnp.array([0.45, 0.55, 0.85, 1.0, 1.0])
     top_k = jnp.array([0, 0, 0, 0, 2])
-    kept = np.isfinite(np.asarray(jax.jit(decode.filter_logits)(logits, top_k, top_p)))
+    kept = np.isfinite(np.asarray(jax.jit(choose.filter_logits)(logits, top_k, top_p)))
     assert [set(np.flatnonzero(row)) for row in kept] == [{1}, {1, 3}, {0, 1, 3}, {0, 1, 2, 3, 4}, {1, 3}]
     keys = jax.random.split(jax.random.PRNGKey(0), 256)
-    drawn = jax.jit(decode.sample)(jnp.tile(logits[:1], (256, 1)), jnp.ones(256), jnp.zeros(256, jnp.int32),
+    drawn = jax.jit(choose.sample)(jnp.tile(logits[:1], (256, 1)), jnp.ones(256), jnp.zeros(256, jnp.int32),
                             jnp.full(256, 0.55), keys)
     assert set(np.asarray(drawn).tolist()) == {1, 3}
 

@@ -1,0 +1,83 @@
+"""How each row's next token is chosen from its logits, by that row's own sampling values (temperature, top-k,
+top-p, seed): greedy rows skip the sampling work, and the chosen token's log-probability is computed only when a row
+asks for it. The decode programs (decode.py) call `choose` after every prefill and decode step.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+class Sampling(NamedTuple):
+    """Per-row sampling values [R], travelling as one pytree with one spec."""
+    temperature: Any  # f32, 0 = greedy
+    top_k: Any  # i32, 0 = off
+    top_p: Any  # f32, 1 = off
+    seed: Any  # u32
+    logprobs: Any  # bool: whether the row's chosen log-probs are wanted
+
+
+def fill_sampling(n: int, placed: Iterable[tuple[int, Any]]) -> Sampling:
+    """Sampling rows [n] (numpy) with each item's temperature, top_k, top_p, seed and logprobs at its row; the other
+    rows are greedy, without log-probs."""
+    rows = Sampling(np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32), np.zeros(n, np.uint32),
+                    np.zeros(n, bool))
+    for row, item in placed:
+        rows.temperature[row], rows.top_k[row], rows.top_p[row] = item.temperature, item.top_k, item.top_p
+        rows.seed[row], rows.logprobs[row] = item.seed % 2 ** 32, item.logprobs
+    return rows
+
+
+def filter_logits(logits_BxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
+    """Top-k, then top-p (nucleus) filtering: logits outside the kept set become -inf.
+
+    top_k 0 keeps every token. top-p keeps the smallest set of most likely tokens whose probability mass reaches
+    top_p (after top-k); tokens tied with the least likely kept one are kept too; top_p 1 keeps all.
+    """
+    vocab = logits_BxV.shape[-1]
+    sorted_BxV = -jnp.sort(-logits_BxV, axis=-1)
+    k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, vocab), vocab)
+    rank_1xV = jnp.arange(vocab)[None]
+    sorted_BxV = jnp.where(rank_1xV < k_B[:, None], sorted_BxV, -jnp.inf)
+    probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+    mass_before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
+    # The first token is always kept (mass before it is 0); p = 1 keeps all even when the cumsum rounds to 1.
+    keep_BxV = (mass_before_BxV < top_p_B[:, None]) | (top_p_B[:, None] >= 1.0)
+    n_keep_B = jnp.minimum(keep_BxV.sum(-1), k_B)
+    threshold_B = jnp.take_along_axis(sorted_BxV, (n_keep_B - 1)[:, None], axis=-1)
+    return jnp.where(logits_BxV >= threshold_B, logits_BxV, -jnp.inf)
+
+
+def sample(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array,
+           key_Bx2: jax.Array) -> jax.Array:
+    """Next tokens [B]: argmax where temperature is 0, else a draw from the tempered, filtered distribution."""
+    greedy_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+
+    def draw(_):
+        scaled_BxV = logits_BxV / jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]
+        filtered_BxV = filter_logits(scaled_BxV, top_k_B, top_p_B)
+        drawn_B = jax.vmap(jax.random.categorical)(key_Bx2, filtered_BxV).astype(jnp.int32)
+        return jnp.where(temperature_B > 0, drawn_B, greedy_B)
+
+    # Skip the vocab sort when every row is greedy.
+    return lax.cond(jnp.any(temperature_B > 0), draw, lambda _: greedy_B, None)
+
+
+def chosen_logprobs(logits_BxV: jax.Array, token_B: jax.Array, wanted: jax.Array) -> jax.Array:
+    """Each chosen token's log-probability under the untempered, unfiltered distribution, or zeros when `wanted` (a
+    traced bool) is false: the log-softmax is a pass over [B, V], skipped at run time when nobody asked for it."""
+    return lax.cond(wanted, lambda: jnp.take_along_axis(jax.nn.log_softmax(logits_BxV), token_B[:, None], -1)[:, 0],
+                    lambda: jnp.zeros_like(logits_BxV[:, 0]))
+
+
+def choose(logits_RxV: jax.Array, sampling: Sampling, index_R: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Token `index` of each row, drawn with key fold_in(PRNGKey(seed), index), and its untempered log-probability
+    (computed when any row asks for it, else zeros)."""
+    key_Rx2 = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(sampling.seed, index_R)
+    token_R = sample(logits_RxV, sampling.temperature, sampling.top_k, sampling.top_p, key_Rx2)
+    return token_R, chosen_logprobs(logits_RxV, token_R, jnp.any(sampling.logprobs))
