@@ -35,8 +35,7 @@ def read_run(path: str) -> tuple[dict, float, dict]:
     root, step = checkpoint.find_step(path)
     leaves = LeafReader(root, step)
     run_cfg = leaves.metadata["config"]
-    rank = run_cfg["lora_rank"]
-    alpha = run_cfg.get("lora_alpha") or rank
+    rank, alpha = _rank_alpha(run_cfg)
     adapters = {t: {w: np.asarray(leaves.read(f"params/{t}/{w}"), np.float32) for w in "ab"}
                 for t in run_cfg["lora_targets"]}
     return adapters, alpha / rank, leaves.metadata
@@ -93,6 +92,9 @@ def export_peft(source: str, output: str) -> list[str]:
         raise ConfigError(f"--peft needs a LoRA run (one of our checkpoints with lora_base in its metadata); "
                           f"{source} is not one")
     found, _, metadata = read_run(source)
-    run_cfg = metadata["config"]
-    rank = run_cfg["lora_rank"]
-    return peft.write_peft(output, found, rank, run_cfg.get("lora_alpha") or rank, metadata[BASE_KEY]["path"])
+    return peft.write_peft(output, found, *_rank_alpha(metadata["config"]), metadata[BASE_KEY]["path"])
+
+
+def _rank_alpha(run_cfg: dict) -> tuple[int, float]:
+    """A LoRA run's rank and alpha (alpha unset: the rank, a scale of 1) from its saved config."""
+    return run_cfg["lora_rank"], run_cfg.get("lora_alpha") or run_cfg["lora_rank"]
