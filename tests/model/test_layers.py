@@ -1,3 +1,5 @@
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,9 +23,18 @@ def reference(q, k, v, length_B=None):
     return layers.attend(q, k, v, mask_BxTxT)
 
 
+IMPLEMENTATIONS = {"dot_product_attention": layers.dot_product_attention, "blocked": layers.blocked_attention,
+                   "blocked_uneven": partial(layers.blocked_attention, n_blocks=5),
+                   "self_attention": layers.self_attention}
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("padded", [False, True], ids=["causal", "causal+padding"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_dot_product_attention_equals_attend_with_its_gradients(dtype, padded):
+def test_training_attention_equals_attend_with_its_gradients(dtype, padded, impl):
+    """Each training/prefill attention (XLA's or cuDNN's dot_product_attention, and the blocked one CPU runs, with
+    uneven blocks too) equals `attend` with the causal mask, and so do its gradients."""
+    attention = IMPLEMENTATIONS[impl]
     q, k, v = qkv(dtype)
     length_B = jnp.array([T, 5, 1]) if padded else None
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
@@ -32,11 +43,11 @@ def test_dot_product_attention_equals_attend_with_its_gradients(dtype, padded):
     def loss(fn):
         return lambda q, k, v: (fn(q, k, v, length_B).astype(jnp.float32) * weights).sum()
 
-    got = jax.jit(layers.self_attention)(q, k, v, length_B)
+    got = jax.jit(attention)(q, k, v, length_B)
     want = jax.jit(reference)(q, k, v, length_B)
     assert got.dtype == want.dtype == dtype and got.shape == (B, T, H * K)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
-    got_grads = jax.jit(jax.grad(loss(layers.self_attention), (0, 1, 2)))(q, k, v)
+    got_grads = jax.jit(jax.grad(loss(attention), (0, 1, 2)))(q, k, v)
     want_grads = jax.jit(jax.grad(loss(reference), (0, 1, 2)))(q, k, v)
     for a, b in zip(got_grads, want_grads):
         scale = float(jnp.abs(b.astype(jnp.float32)).max())
