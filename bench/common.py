@@ -20,6 +20,21 @@ def figure(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
+def interleaved_times_s(fns: list[Callable[[], object]], repeats: int = 5, warmup: int = 1) -> list[list[float]]:
+    """Wall times of each of `fns` over `repeats` rounds, each round running every fn once in turn (after `warmup`
+    runs of each): a machine whose speed drifts then slows all of them alike, so per-round ratios stay fair."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, fn_times in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            fn_times.append(time.perf_counter() - start)
+    return times
+
+
 def best_time_s(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
     """Best wall time of `fn` over `repeats` runs, after `warmup` runs (compile, caches)."""
     for _ in range(warmup):
