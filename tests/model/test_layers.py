@@ -24,8 +24,7 @@ def reference(q, k, v, length_B=None):
 
 
 IMPLEMENTATIONS = {"dot_product_attention": layers.dot_product_attention, "blocked": layers.blocked_attention,
-                   "blocked_uneven": partial(layers.blocked_attention, n_blocks=5),
-                   "self_attention": layers.self_attention}
+                   "blocked_uneven": partial(layers.blocked_attention, n_blocks=5)}
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
