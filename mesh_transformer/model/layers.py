@@ -97,7 +97,7 @@ def causal_mask(length: int) -> jax.Array:
     return jnp.tril(jnp.ones((1, length, length), bool))
 
 
-# Query blocks of CPU training and prefill attention (`blocked_attention`): 4 skips 3/8 of the score products.
+# Query blocks of CPU training attention (`blocked_attention`): 4 skips 3/8 of the score products.
 CPU_QUERY_BLOCKS = 4
 
 
@@ -155,8 +155,7 @@ def _causal_core_fwd(q_BxHxTxK, k_BxHxSxK, v_BxHxSxK, mask_BxTxS):
     scale = 1 / jnp.sqrt(F32(q_BxHxTxK.shape[-1]))
     s_BxHxTxS = jnp.einsum("bhtk,bhsk->bhts", q_BxHxTxK, k_BxHxSxK, preferred_element_type=F32) * scale
     s_BxHxTxS = jnp.where(mask_BxTxS[:, None], s_BxHxTxS, jnp.finfo(F32).min)
-    exp_BxHxTxS = jnp.exp(s_BxHxTxS - s_BxHxTxS.max(-1, keepdims=True))
-    probs_BxHxTxS = exp_BxHxTxS * (1 / exp_BxHxTxS.sum(-1, keepdims=True))
+    probs_BxHxTxS = jax.nn.softmax(s_BxHxTxS, -1)
     ctx_BxHxTxK = jnp.einsum("bhts,bhsk->bhtk", probs_BxHxTxS.astype(v_BxHxSxK.dtype), v_BxHxSxK)
     return ctx_BxHxTxK, (q_BxHxTxK, k_BxHxSxK, v_BxHxSxK, probs_BxHxTxS, ctx_BxHxTxK)
 
@@ -180,11 +179,10 @@ _causal_core = jax.custom_vjp(lambda q, k, v, mask: _causal_core_fwd(q, k, v, ma
 _causal_core.defvjp(_causal_core_fwd, _causal_core_bwd)
 
 
-def _attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask_BxTxT, past, causal=None) -> jax.Array:
-    """`causal` (default `self_attention`) when the mask is None and there is no cache; else `attend` (the block
-    cache)."""
+def _attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask_BxTxT, past, causal=self_attention) -> jax.Array:
+    """`causal` attention when the mask is None and there is no cache; else `attend` (the block cache)."""
     if mask_BxTxT is None and past is None:
-        return (causal or self_attention)(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK)
+        return causal(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK)
     mask_BxTxT = causal_mask(q_BxTxHxK.shape[1]) if mask_BxTxT is None else mask_BxTxT
     return attend(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask_BxTxT, past)
 
@@ -276,7 +274,8 @@ def _joined_block(h_BxTxD, n_BxTxD, p: dict, head_dim: int, sincos, mask_BxTxT, 
     return _residual(h_BxTxD, joined @ out_MxD, mlp_p["fc_out"]["bias"], tp_axis), kv
 
 
-def _attention_and_mlp(y, width: int, fc_in_bias, head_dim: int, sincos, mask_BxTxT, past, causal=None):
+def _attention_and_mlp(y, width: int, fc_in_bias, head_dim: int, sincos, mask_BxTxT, past,
+                       causal=self_attention):
     """From the joined input product y [B, T, 3 * width + F] (q, k, v, fc_in; `width` = this device's H*K, fc_in's
     bias added here unless None): attention's output and the MLP's activation side by side [B, T, width + F], and
     the new keys and values."""
