@@ -23,7 +23,8 @@ def reference(q, k, v, length_B=None):
     return layers.attend(q, k, v, mask_BxTxT)
 
 
-IMPLEMENTATIONS = {"dot_product_attention": layers.dot_product_attention, "blocked": layers.blocked_attention,
+IMPLEMENTATIONS = {"dot_product_attention": layers.dot_product_attention,
+                   "blocked": partial(layers.blocked_attention, n_blocks=4),
                    "blocked_uneven": partial(layers.blocked_attention, n_blocks=5)}
 
 
