@@ -65,6 +65,10 @@ class MeshTransformerLM(TemplateLM):
         self.params = place_params(params, self.layout)
         self.scorer.params = self.sampler.params = self.params
 
+    def drop_params(self) -> None:
+        """Let go of the params (their device memory is freed once nothing else holds them) until `use_params`."""
+        self.params = self.scorer.params = self.sampler.params = None
+
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> MeshTransformerLM:
         """lm-eval's way in: `--model mesh-transformer --model_args ckpt=P[,config=C,mp=N,dtype=bf16,lora=A]`: any
@@ -269,7 +273,10 @@ def training_evaluator(cfg: Config, include_path: str | None = None) -> Callable
             state["lm"].use_params(params)
         else:
             state["lm"] = MeshTransformerLM(layout, params, load_tokenizer(cfg.tokenizer))
-        results = evaluate(state["lm"], tasks, manager=manager, limit=limit, bootstrap_iters=0, log_samples=False)
+        try:
+            results = evaluate(state["lm"], tasks, manager=manager, limit=limit, bootstrap_iters=0, log_samples=False)
+        finally:
+            state["lm"].drop_params()  # training needs the memory back: a 6B copy is 12 GB
         return task_metrics(results)
 
     return evaluate_params

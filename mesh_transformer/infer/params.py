@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from mesh_transformer.config import Config, ConfigError
-from mesh_transformer.model import gptj, layers
+from mesh_transformer.model import gptj, layers, lora
 from mesh_transformer.parallel.layout import MEGATRON_RULES, SHARD_MAP, Layout, make_layout, param_specs, unstacked
 from mesh_transformer.parallel.mesh import DP, MP, make_mesh
 from mesh_transformer.store import convert
@@ -97,16 +97,24 @@ def _splitter(n_layers: int, one: NamedSharding):
 
 
 @functools.cache
-def _fuser(mesh: Mesh, spec_leaves: tuple, spec_tree: Any):
-    """`layers.fuse_layer` on `mesh`, its output placed by the decode specs (given flattened, to be hashable)."""
+def _fuser(mesh: Mesh, spec_leaves: tuple, spec_tree: Any, lora_scale: float):
+    """(one layer, its adapters' slices or None) -> `layers.fuse_layer` of the merged layer on `mesh`, placed by
+    the decode specs (given flattened, to be hashable)."""
     specs = jax.tree.unflatten(spec_tree, spec_leaves)
-    return jax.jit(partial(layers.fuse_layer, tp_size=mesh.shape[MP]),
-                   out_shardings=jax.tree.map(partial(NamedSharding, mesh), specs, is_leaf=lambda x: isinstance(x, P)))
+
+    def fuse(layer, adapters):
+        layer = lora.merge_layers(layer, adapters, lora_scale) if adapters else layer
+        return layers.fuse_layer(layer, tp_size=mesh.shape[MP])
+
+    return jax.jit(fuse, out_shardings=jax.tree.map(partial(NamedSharding, mesh), specs,
+                                                    is_leaf=lambda x: isinstance(x, P)))
 
 
 def place_params(params: dict, layout: Layout) -> dict:
     """The params for the decode programs: on their shards, in the compute dtype, layers unstacked into a list,
-    each layer's projections joined (`layers.fuse_layer`). A tree already in that form is returned as it is.
+    each layer's projections joined (`layers.fuse_layer`). A tree already in that form is returned as it is. LoRA
+    adapters riding in the tree (`lora.attach`: a LoRA run's base and adapters) are merged into each layer's
+    weights before it is joined.
 
     A stacked leaf is placed and split before the next one is touched, and a layer is joined before the next, so
     the device holds little besides the result and the caller's tree.
@@ -119,16 +127,21 @@ def place_params(params: dict, layout: Layout) -> dict:
     placed = jax.tree.map(partial(_placed, dtype=dtype), {k: v for k, v in params.items() if k != "layers"},
                           {k: v for k, v in shardings.items() if k != "layers"})
     layer_shardings = iter(jax.tree.leaves(shardings["layers"]))
+    base_layers = {k: v for k, v in params["layers"].items() if k != lora.LORA_KEY}
+    adapters = jax.device_get(params["layers"].get(lora.LORA_KEY))  # small: on the host, off the training mesh
+    if adapters and not cfg.lora_rank:
+        raise ConfigError("these params carry LoRA adapters but the config has no lora_rank")
 
     def split(x):
         sharding = next(layer_shardings)
         return _splitter(cfg.layers, NamedSharding(mesh, P(*sharding.spec[1:])))(_placed(x, sharding, dtype))
 
-    unstacked_params = gptj.unstack_layers({**placed, "layers": params["layers"]}, split)
+    unstacked_params = gptj.unstack_layers({**placed, "layers": base_layers}, split)
     spec_leaves, spec_tree = jax.tree.flatten(decode_specs(cfg)["layers"][0], is_leaf=lambda x: isinstance(x, P))
-    fuse = _fuser(mesh, tuple(spec_leaves), spec_tree)
+    fuse = _fuser(mesh, tuple(spec_leaves), spec_tree, lora.scale(cfg) if adapters else 0.0)
     layer_list = unstacked_params.pop("layers")
-    return {**unstacked_params, "layers": [fuse(layer_list.pop(0)) for _ in range(cfg.layers)]}
+    layer_adapters = gptj.unstack_layers({"layers": adapters})["layers"] if adapters else [None] * cfg.layers
+    return {**unstacked_params, "layers": [fuse(layer_list.pop(0), ab) for ab in layer_adapters]}
 
 
 def read_params(layout: Layout, source: str, lora: str | None = None) -> dict:

@@ -114,9 +114,13 @@ def delta(a_xr, b_rxy, scale_: float, xp=jnp):
 
 def merge(base: dict, adapters: dict, scale_: float) -> dict:
     """The base params with every adapted weight replaced by W + A @ B * scale (stacked, any array type)."""
-    layers = base["layers"]
+    return {**base, "layers": merge_layers(base["layers"], adapters, scale_)}
+
+
+def merge_layers(layers: dict, adapters: dict, scale_: float) -> dict:
+    """`merge` on params["layers"] alone: stacked, or one layer's slices with its adapters' slices."""
     for target, ab in adapters.items():
         path = TARGETS[target][0]
         w = _at(layers, path)
         layers = _replaced(layers, path, w + delta(ab["a"], ab["b"], scale_).astype(w.dtype))
-    return {**base, "layers": layers}
+    return layers

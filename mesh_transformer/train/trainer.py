@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from mesh_transformer.model import lora
 from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.store import checkpoint, storage
 from mesh_transformer.train import data, finetune, optim, state
@@ -121,6 +122,10 @@ class Trainer:
             return {"step": step, "params": params, "opt_state": opt_state}, None
         return state.init_train_state(self.layout, self.optimizer, jax.random.PRNGKey(self.cfg.seed)), None
 
+    def model_params(self) -> dict:
+        """The whole model's params: the state's, or for LoRA the frozen base with the adapters attached."""
+        return lora.attach(self.frozen[0], self.state["params"]) if self.cfg.lora_rank else self.state["params"]
+
     def _load_base(self, path: str | None, saved: dict | None) -> None:
         """The frozen base of a LoRA run: `path`, else the one the run's checkpoints name; checked against them."""
         path = path or (saved or {}).get("path")
@@ -200,7 +205,7 @@ class Trainer:
                     self._log(*pending)  # never save or validate past an unchecked loss
                     pending = None
                 if due_val:
-                    val = {**self.validate(), **(self.evaluate(self.state["params"]) if self.evaluate else {})}
+                    val = {**self.validate(), **(self.evaluate(self.model_params()) if self.evaluate else {})}
                     self.metrics.write(self.step, val)
                     log.info("step %d validation: %s", self.step, val)
                 if due_ckpt:

@@ -1,6 +1,8 @@
 """The lm-eval adapter against lm-eval's own `hf` model on the same weights exported to HF, on test-written tasks."""
+import gc
 import json
 
+import jax
 import numpy as np
 import pytest
 from lm_eval.api.registry import get_model
@@ -8,6 +10,7 @@ from lm_eval.api.registry import get_model
 from mesh_transformer import config
 from mesh_transformer.config import ConfigError
 from mesh_transformer.infer import harness
+from mesh_transformer.model import lora
 from mesh_transformer.infer.params import make_inference_layout, read_params
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.store import tfrecord
@@ -86,3 +89,40 @@ def test_training_logs_task_metrics_at_val_every(tmp_path, eval_tasks):
     logged = {row["step"]: row for row in read_metrics(cfg.model_path) if "eval/tiny_mc/acc" in row}
     assert sorted(logged) == [1, 2]
     assert all(row["eval/tiny_mc/acc"] in (0.0, 0.5, 1.0) and "eval/tiny_mc/acc_norm" in row for row in logged.values())
+
+
+def test_lora_training_evaluates_the_base_with_its_adapters(tmp_path, eval_hf_dir, eval_tasks):
+    """A LoRA run's eval_harness_tasks score the base with the adapters merged (the state holds the adapters only),
+    and the eval's copy of the model is not kept on the devices between evals."""
+    records = tmp_path / "train_0_16.tfrecords"
+    rng = np.random.default_rng(0)
+    tfrecord.write_records(str(records), [tfrecord.encode_example({"text": rng.integers(0, 50256, 17)})
+                                          for _ in range(16)])
+    (tmp_path / "train.index").write_text(records.name + "\n")
+    cfg = config.from_dict({**EVAL_CFG_DICT, "cores_per_replica": 2, "seq": 16, "per_replica_batch": 1,
+                            "total_steps": 2, "val_every": 2, "ckpt_every": 2, "warmup_steps": 0, "anneal_steps": 4,
+                            "lr": 5e-2, "end_lr": 5e-2, "lora_rank": 4, "lora_alpha": 8,
+                            "model_dir": str(tmp_path / "run"), "train_set": str(tmp_path / "train.index"),
+                            "eval_harness_tasks": ["tiny_ppl"], "eval_harness_limit": 2})
+    evaluate = harness.training_evaluator(cfg, eval_tasks[0])
+    trainer = Trainer(cfg, tune_model_path=eval_hf_dir, evaluate=evaluate)
+    trainer.run()
+    (logged,) = [row for row in read_metrics(cfg.model_path) if "eval/tiny_ppl/word_perplexity" in row]
+    merged = lora.merge(trainer.frozen[0], trainer.state["params"], lora.scale(cfg))
+
+    def perplexity(params):
+        layout = make_inference_layout(cfg, mesh=make_dp_mp(1, 1))
+        lm = harness.MeshTransformerLM(layout, params, load_tokenizer(), batch_size=2)
+        results = harness.evaluate(lm, ["tiny_ppl"], manager=eval_tasks[1], limit=2, bootstrap_iters=0)
+        return harness.task_metrics(results)["eval/tiny_ppl/word_perplexity"]
+
+    np.testing.assert_allclose(logged["eval/tiny_ppl/word_perplexity"], perplexity(merged), rtol=1e-4)
+    assert abs(perplexity(trainer.frozen[0]) - logged["eval/tiny_ppl/word_perplexity"]) > 1e-3
+    del merged
+    gc.collect()  # the lms above
+    held = sum(x.nbytes for x in jax.live_arrays())
+    evaluate = harness.training_evaluator(cfg, eval_tasks[0])  # kept: it keeps what it holds
+    again = evaluate(trainer.model_params())
+    assert again == {k: v for k, v in logged.items() if k.startswith("eval/")}
+    gc.collect()
+    assert sum(x.nbytes for x in jax.live_arrays()) <= held  # the eval's placed copy is gone again
