@@ -9,9 +9,14 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_script(script: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    """Runs one of the top-level command-line scripts as a user would, from the repository root."""
+    """Runs one of the top-level command-line scripts as a user would, from the repository root, with glibc's
+    tunables already as the scripts' CPU restart sets them: the restart is tested in tests/test_cli.py, and here
+    it would only start each script twice (a benchmark imports JAX and torch before it restarts)."""
+    from mesh_transformer.cli import KEEP_HOST_MEMORY
+
+    env = {**os.environ, "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", KEEP_HOST_MEMORY)}
     return subprocess.run([sys.executable, script, *args], cwd=REPO_ROOT, input=stdin, capture_output=True,
-                          text=True)
+                          text=True, env=env)
 
 
 def run_scripts(*calls: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
