@@ -10,8 +10,8 @@ from lm_eval.api.registry import get_model
 from mesh_transformer import config
 from mesh_transformer.config import ConfigError
 from mesh_transformer.infer import harness
-from mesh_transformer.model import lora
 from mesh_transformer.infer.params import make_inference_layout, read_params
+from mesh_transformer.model import lora
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.store import tfrecord
 from mesh_transformer.tokenizer import load_tokenizer
@@ -75,16 +75,21 @@ def test_model_args_take_the_sampling_tools_model_flags(eval_hf_dir):
         get_model(harness.MODEL_NAME).create_from_arg_string(f"ckpt={eval_hf_dir},mp=3", {})
 
 
-def test_training_logs_task_metrics_at_val_every(tmp_path, eval_tasks):
+def training_config(tmp_path, **overrides):
+    """A 2-step run of the evaluation tests' model on a written corpus, evaluating 2 examples per task."""
     records = tmp_path / "train_0_16.tfrecords"
     rng = np.random.default_rng(0)
     tfrecord.write_records(str(records), [tfrecord.encode_example({"text": rng.integers(0, 50256, 17)})
                                           for _ in range(16)])
     (tmp_path / "train.index").write_text(records.name + "\n")
-    cfg = config.from_dict({**EVAL_CFG_DICT, "layers": 1, "cores_per_replica": 1, "seq": 16, "per_replica_batch": 1,
-                            "total_steps": 2, "val_every": 1, "ckpt_every": 2, "warmup_steps": 1, "anneal_steps": 4,
-                            "model_dir": str(tmp_path / "run"), "train_set": str(tmp_path / "train.index"),
-                            "eval_harness_tasks": ["tiny_mc"], "eval_harness_limit": 2})
+    return config.from_dict({**EVAL_CFG_DICT, "seq": 16, "per_replica_batch": 1, "total_steps": 2, "ckpt_every": 2,
+                             "anneal_steps": 4, "model_dir": str(tmp_path / "run"),
+                             "train_set": str(tmp_path / "train.index"), "eval_harness_limit": 2, **overrides})
+
+
+def test_training_logs_task_metrics_at_val_every(tmp_path, eval_tasks):
+    cfg = training_config(tmp_path, layers=1, cores_per_replica=1, val_every=1, warmup_steps=1,
+                          eval_harness_tasks=["tiny_mc"])
     Trainer(cfg, evaluate=harness.training_evaluator(cfg, eval_tasks[0])).run()
     logged = {row["step"]: row for row in read_metrics(cfg.model_path) if "eval/tiny_mc/acc" in row}
     assert sorted(logged) == [1, 2]
@@ -94,16 +99,8 @@ def test_training_logs_task_metrics_at_val_every(tmp_path, eval_tasks):
 def test_lora_training_evaluates_the_base_with_its_adapters(tmp_path, eval_hf_dir, eval_tasks):
     """A LoRA run's eval_harness_tasks score the base with the adapters merged (the state holds the adapters only),
     and the eval's copy of the model is not kept on the devices between evals."""
-    records = tmp_path / "train_0_16.tfrecords"
-    rng = np.random.default_rng(0)
-    tfrecord.write_records(str(records), [tfrecord.encode_example({"text": rng.integers(0, 50256, 17)})
-                                          for _ in range(16)])
-    (tmp_path / "train.index").write_text(records.name + "\n")
-    cfg = config.from_dict({**EVAL_CFG_DICT, "cores_per_replica": 2, "seq": 16, "per_replica_batch": 1,
-                            "total_steps": 2, "val_every": 2, "ckpt_every": 2, "warmup_steps": 0, "anneal_steps": 4,
-                            "lr": 5e-2, "end_lr": 5e-2, "lora_rank": 4, "lora_alpha": 8,
-                            "model_dir": str(tmp_path / "run"), "train_set": str(tmp_path / "train.index"),
-                            "eval_harness_tasks": ["tiny_ppl"], "eval_harness_limit": 2})
+    cfg = training_config(tmp_path, cores_per_replica=2, val_every=2, warmup_steps=0, lr=5e-2, end_lr=5e-2,
+                          lora_rank=4, lora_alpha=8, eval_harness_tasks=["tiny_ppl"])
     evaluate = harness.training_evaluator(cfg, eval_tasks[0])
     trainer = Trainer(cfg, tune_model_path=eval_hf_dir, evaluate=evaluate)
     trainer.run()
