@@ -91,6 +91,33 @@ def test_head_cross_entropy_gradients_equal_autodiff(mp, dtype):
         assert float(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max()) <= tol * scale
 
 
+@pytest.mark.parametrize("d_in, d_out", [(8, 24), (24, 8), (16, 16)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dense_gradients_equal_autodiff_of_the_product(d_in, d_out, dtype):
+    """`layers.dense`'s hand-written backward (either form of the weight's gradient) equals autodiff of x @ w, in
+    the input's dtype, also with the weight's columns sharded over 'mp' and the batch over 'dp'."""
+    k = jax.random.split(jax.random.PRNGKey(5), 3)
+    x = jax.random.normal(k[0], (4, 6, d_in)).astype(dtype)
+    w = jax.random.normal(k[1], (d_in, d_out)).astype(dtype)
+    g = jax.random.normal(k[2], (4, 6, d_out))
+
+    def loss(dense):
+        return lambda x, w: (dense(x, w).astype(jnp.float32) * g).sum()
+
+    want = jax.grad(loss(lambda x, w: x @ w), (0, 1))(x, w)
+    P = jax.sharding.PartitionSpec
+    sharded = jax.shard_map(lambda x, w, g: (layers.dense(x, w).astype(jnp.float32) * g).sum(keepdims=True),
+                            mesh=make_dp_mp(2, 2), in_specs=(P("dp"), P(None, "mp"), P("dp", None, "mp")),
+                            out_specs=P(("dp", "mp")))
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    for got in (jax.jit(jax.grad(loss(layers.dense), (0, 1)))(x, w),
+                jax.jit(jax.grad(lambda x, w: sharded(x, w, g).sum(), (0, 1)))(x, w)):
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype == dtype
+            scale = float(jnp.abs(b.astype(jnp.float32)).max())
+            assert float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max()) <= tol * scale
+
+
 def test_changing_a_token_changes_no_earlier_logit(params, tokens):
     ids = tokens[:2, :-1]
     t = 10
