@@ -75,10 +75,11 @@ def _matmul_fwd(x, w_DxF):
 def _matmul_bwd(residuals, dy):
     x, w_DxF = residuals
     leading = tuple(range(x.ndim - 1))
-    # The product XLA's CPU backend runs transposes its left side: let that be the narrower of x and dy.
     if x.shape[-1] <= dy.shape[-1]:
-        return dy @ w_DxF.T, jnp.tensordot(x, dy, (leading, leading))
-    return dy @ w_DxF.T, jnp.tensordot(dy, x, (leading, leading)).T
+        d_w = jnp.tensordot(x, dy, (leading, leading))
+    else:
+        d_w = jnp.tensordot(dy, x, (leading, leading)).T
+    return dy @ w_DxF.T, d_w
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
