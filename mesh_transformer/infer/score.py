@@ -24,7 +24,7 @@ from jax import lax
 from mesh_transformer.config import Config
 from mesh_transformer.infer.decode import bucket
 from mesh_transformer.infer.params import decode_specs, place_params
-from mesh_transformer.model import layers
+from mesh_transformer.model import attention, layers
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import DP
 
@@ -73,7 +73,7 @@ class Placed:
 
 def packed_mask(groups_RxT: jax.Array, segments_RxT: jax.Array) -> jax.Array:
     """Attention mask [R, T, T]: a query sees earlier keys of its unit, in the shared context or its own segment."""
-    causal_1xTxT = layers.causal_mask(groups_RxT.shape[1])
+    causal_1xTxT = attention.causal_mask(groups_RxT.shape[1])
     same_unit_RxTxT = groups_RxT[:, :, None] == groups_RxT[:, None, :]
     visible_RxTxT = (segments_RxT[:, None, :] == 0) | (segments_RxT[:, :, None] == segments_RxT[:, None, :])
     return causal_1xTxT & same_unit_RxTxT & visible_RxTxT

@@ -11,14 +11,11 @@ P rotary dims (P2 = P / 2), r LoRA rank.
 """
 from __future__ import annotations
 
-import logging
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-log = logging.getLogger(__name__)
+from mesh_transformer.model.attention import attend, causal_mask, dot_product_attention, self_attention
 
 LN_EPS = 1e-5
 F32 = jnp.float32
@@ -93,121 +90,6 @@ def qkv(n_BxTxD: jax.Array, p: dict, head_dim: int, sincos: tuple[jax.Array, jax
 
     q, k, v = heads(p["q"]), heads(p["k"]), heads(p["v"])
     return apply_rotary(q, *sincos), apply_rotary(k, *sincos), v
-
-
-def attend(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array, mask_BxTxT: jax.Array,
-           past: tuple | None = None) -> jax.Array:
-    """Softmax attention in f32 over the keys allowed by the mask; returns [B, T, H*K].
-
-    With `past=(k_blocks, v_blocks, mask_BxTxS)` the queries also see S earlier keys (a KV cache) held in one or
-    more blocks [B, S_j, H, K] that together make S, read where they lie: their scores are joined to the new keys'
-    before the softmax, so the cache is never copied to append the new keys or to join its blocks.
-    """
-    def scores(k_BxSxHxK, mask_BxTxS):
-        s_BxHxTxS = jnp.einsum("bthk,bshk->bhts", q_BxTxHxK, k_BxSxHxK, preferred_element_type=F32)
-        s_BxHxTxS = s_BxHxTxS / jnp.sqrt(F32(q_BxTxHxK.shape[-1]))
-        return jnp.where(mask_BxTxS[:, None], s_BxHxTxS, jnp.finfo(F32).min)
-
-    k_blocks, v_blocks, past_mask = past if past is not None else ([], [], None)
-    starts = [0]
-    for k_block in k_blocks:
-        starts.append(starts[-1] + k_block.shape[1])
-    parts = [scores(k, past_mask[..., a:b]) for k, a, b in zip(k_blocks, starts, starts[1:])]
-    probs_BxHxTxS = jax.nn.softmax(jnp.concatenate([*parts, scores(k_BxTxHxK, mask_BxTxT)], -1), -1)
-    probs_BxHxTxS = probs_BxHxTxS.astype(v_BxTxHxK.dtype)
-    ctx_BxTxHxK = jnp.einsum("bhts,bshk->bthk", probs_BxHxTxS[..., starts[-1]:], v_BxTxHxK)
-    for v, a, b in zip(v_blocks, starts, starts[1:]):
-        ctx_BxTxHxK += jnp.einsum("bhts,bshk->bthk", probs_BxHxTxS[..., a:b], v)
-    return ctx_BxTxHxK.reshape(*ctx_BxTxHxK.shape[:2], -1)
-
-
-def causal_mask(length: int) -> jax.Array:
-    return jnp.tril(jnp.ones((1, length, length), bool))
-
-
-# Query blocks of CPU training attention (`blocked_attention`): 4 skip 3/8 of the score products; blocks of fewer
-# than MIN_QUERY_BLOCK queries are not worth their extra products (and compile time), so short sequences take fewer.
-CPU_QUERY_BLOCKS, MIN_QUERY_BLOCK = 4, 64
-
-
-def self_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array,
-                   length_B: jax.Array | None = None) -> jax.Array:
-    """Causal self-attention for training and prefill; returns [B, T, H*K]. With `length_B` (right-padded rows),
-    keys at or after a row's length are masked. Scores and softmax in f32, as in `attend`.
-
-    On CPU `blocked_attention`, which skips the masked blocks (the fused layers of inference programs keep
-    `dot_product_attention`: see `_fused_block`). Elsewhere `jax.nn.dot_product_attention`: on GPU
-    cuDNN's fused (flash) kernel where it takes the dtype and head dim (bf16 or fp16; head dim a multiple of 8, at
-    most 128, 256 from Hopper on), else XLA's implementation, as on TPU.
-    """
-    if jax.default_backend() == "cpu":
-        return blocked_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, length_B)
-    return dot_product_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, length_B)
-
-
-def dot_product_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array,
-                          length_B: jax.Array | None = None) -> jax.Array:
-    """`self_attention` through `jax.nn.dot_product_attention`: cuDNN's kernel on GPU where it applies."""
-    lengths_B = None if length_B is None else length_B.astype(jnp.int32)
-    run = partial(jax.nn.dot_product_attention, q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, is_causal=True,
-                  key_value_seq_lengths=lengths_B)
-    ctx_BxTxHxK = None
-    if jax.default_backend() == "gpu" and q_BxTxHxK.dtype in (jnp.bfloat16, jnp.float16):
-        try:
-            ctx_BxTxHxK = run(implementation="cudnn")
-        except Exception as e:  # refused when traced (dtype, head dim, cuDNN version, layout): XLA's is always there
-            log.warning("cuDNN attention not used for q %s %s: %s", q_BxTxHxK.shape, q_BxTxHxK.dtype, e)
-    if ctx_BxTxHxK is None:
-        ctx_BxTxHxK = run(implementation=None)
-    return ctx_BxTxHxK.reshape(*ctx_BxTxHxK.shape[:2], -1)
-
-
-def blocked_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array,
-                      length_B: jax.Array | None = None, n_blocks: int | None = None) -> jax.Array:
-    """Causal self-attention in `n_blocks` query blocks (default CPU_QUERY_BLOCKS, fewer where blocks would hold
-    under MIN_QUERY_BLOCK queries), each over the keys up to its own end, so the blocks above the diagonal are
-    never computed; heads-major inside, with a hand-written backward (`_causal_core`). Equal to
-    `dot_product_attention`; on a 2-core CPU at B 4, T 256, H 8, K 64 its forward + backward took 15 ms against
-    43 ms for XLA's `dot_product_attention` (torch SDPA 16 ms)."""
-    B, T, H, K = q_BxTxHxK.shape
-    n_blocks = n_blocks or max(1, min(CPU_QUERY_BLOCKS, T // MIN_QUERY_BLOCK))
-    q_BxHxTxK, k_BxHxTxK, v_BxHxTxK = (x.transpose(0, 2, 1, 3) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK))
-    valid_BxT = jnp.ones((1, T), bool) if length_B is None else jnp.arange(T) < length_B[:, None]
-    ends = sorted({T * (i + 1) // n_blocks for i in range(n_blocks)} - {0})
-    outs = []
-    for start, end in zip([0, *ends], ends):
-        mask_BxTxS = ((start + jnp.arange(end - start))[:, None] >= jnp.arange(end))[None] & valid_BxT[:, None, :end]
-        outs.append(_causal_core(q_BxHxTxK[:, :, start:end], k_BxHxTxK[:, :, :end], v_BxHxTxK[:, :, :end],
-                                 mask_BxTxS))
-    return jnp.concatenate(outs, 2).transpose(0, 2, 1, 3).reshape(B, T, H * K)
-
-
-def _causal_core_fwd(q_BxHxTxK, k_BxHxSxK, v_BxHxSxK, mask_BxTxS):
-    scale = 1 / jnp.sqrt(F32(q_BxHxTxK.shape[-1]))
-    s_BxHxTxS = jnp.einsum("bhtk,bhsk->bhts", q_BxHxTxK, k_BxHxSxK, preferred_element_type=F32) * scale
-    s_BxHxTxS = jnp.where(mask_BxTxS[:, None], s_BxHxTxS, jnp.finfo(F32).min)
-    probs_BxHxTxS = jax.nn.softmax(s_BxHxTxS, -1)
-    ctx_BxHxTxK = jnp.einsum("bhts,bhsk->bhtk", probs_BxHxTxS.astype(v_BxHxSxK.dtype), v_BxHxSxK)
-    return ctx_BxHxTxK, (q_BxHxTxK, k_BxHxSxK, v_BxHxSxK, probs_BxHxTxS, ctx_BxHxTxK)
-
-
-def _causal_core_bwd(residuals, d_ctx_BxHxTxK):
-    """Softmax attention's backward from the saved probabilities P: dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)),
-    dQ = dS K, dK = dS^T Q (scaled as the scores were)."""
-    q_BxHxTxK, k_BxHxSxK, v_BxHxSxK, probs_BxHxTxS, ctx_BxHxTxK = residuals
-    scale = 1 / jnp.sqrt(F32(q_BxHxTxK.shape[-1]))
-    d_v = jnp.einsum("bhts,bhtk->bhsk", probs_BxHxTxS.astype(d_ctx_BxHxTxK.dtype), d_ctx_BxHxTxK,
-                     preferred_element_type=F32)
-    d_probs_BxHxTxS = jnp.einsum("bhtk,bhsk->bhts", d_ctx_BxHxTxK, v_BxHxSxK, preferred_element_type=F32)
-    row_BxHxTx1 = (d_ctx_BxHxTxK.astype(F32) * ctx_BxHxTxK.astype(F32)).sum(-1, keepdims=True)
-    d_s_BxHxTxS = (probs_BxHxTxS * (d_probs_BxHxTxS - row_BxHxTx1) * scale).astype(q_BxHxTxK.dtype)
-    d_q = jnp.einsum("bhts,bhsk->bhtk", d_s_BxHxTxS, k_BxHxSxK, preferred_element_type=F32)
-    d_k = jnp.einsum("bhts,bhtk->bhsk", d_s_BxHxTxS, q_BxHxTxK, preferred_element_type=F32)
-    return d_q.astype(q_BxHxTxK.dtype), d_k.astype(k_BxHxSxK.dtype), d_v.astype(v_BxHxSxK.dtype), None
-
-
-_causal_core = jax.custom_vjp(lambda q, k, v, mask: _causal_core_fwd(q, k, v, mask)[0])
-_causal_core.defvjp(_causal_core_fwd, _causal_core_bwd)
 
 
 def _attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask_BxTxT, past, causal=self_attention) -> jax.Array:

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mesh_transformer.model import layers
+from mesh_transformer.model import attention, layers
 
 B, T, H, K = 3, 12, 4, 16
 
@@ -17,15 +17,15 @@ def qkv(dtype):
 
 def reference(q, k, v, length_B=None):
     """Today's `attend` with the causal mask, and keys at or after each row's length masked."""
-    mask_BxTxT = jnp.broadcast_to(layers.causal_mask(T), (B, T, T))
+    mask_BxTxT = jnp.broadcast_to(attention.causal_mask(T), (B, T, T))
     if length_B is not None:
         mask_BxTxT = mask_BxTxT & (jnp.arange(T) < length_B[:, None])[:, None, :]
-    return layers.attend(q, k, v, mask_BxTxT)
+    return attention.attend(q, k, v, mask_BxTxT)
 
 
-IMPLEMENTATIONS = {"dot_product_attention": layers.dot_product_attention,
-                   "blocked": partial(layers.blocked_attention, n_blocks=4),
-                   "blocked_uneven": partial(layers.blocked_attention, n_blocks=5)}
+IMPLEMENTATIONS = {"dot_product_attention": attention.dot_product_attention,
+                   "blocked": partial(attention.blocked_attention, n_blocks=4),
+                   "blocked_uneven": partial(attention.blocked_attention, n_blocks=5)}
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
@@ -67,6 +67,6 @@ def test_block_without_a_mask_is_causal_attention_as_before():
     h = jax.random.normal(keys[6], (B, T, D))
     sincos = layers.rotary_sincos(jnp.arange(T)[None], 8)
     got, (k, v) = jax.jit(lambda h: layers.block(h, p, K, sincos))(h)
-    want, (k_ref, v_ref) = jax.jit(lambda h: layers.block(h, p, K, sincos, layers.causal_mask(T)))(h)
+    want, (k_ref, v_ref) = jax.jit(lambda h: layers.block(h, p, K, sincos, attention.causal_mask(T)))(h)
     np.testing.assert_allclose(got, want, atol=1e-5)
     np.testing.assert_array_equal(k, k_ref)
