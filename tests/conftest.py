@@ -9,15 +9,18 @@ import pytest
 # LLVM's optimization level 0 for XLA's CPU code: the tests compile hundreds of tiny programs and run each a few
 # times, so compiling is most of their time (tests/model: 167 s at the default level, 114 s at 0). The programs,
 # buffers and float semantics are XLA's own either way; child processes inherit the flags.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-).strip()
+_FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0")
+_flags = os.environ.get("XLA_FLAGS", "")
+os.environ["XLA_FLAGS"] = " ".join([_flags, *(f for f in _FLAGS if f not in _flags)]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # JAX's persistent compilation cache, fresh for each run and shared with the scripts the tests start: many tests
 # compile the same tiny programs (tests/train: 237 s without, 183 s with, starting empty). The cache key holds the
-# program, the flags and the compile options, so a hit is the program a compile would have made.
-_COMPILE_CACHE = tempfile.mkdtemp(prefix="mtj-test-compile-cache-")
-os.environ["JAX_COMPILATION_CACHE_DIR"] = _COMPILE_CACHE
+# program, the flags and the compile options, so a hit is the program a compile would have made. pytest-xdist's
+# workers inherit the directory from the process that made it, which removes it at the end.
+_OWN_CACHE = "MTJ_TEST_COMPILE_CACHE" not in os.environ
+if _OWN_CACHE:
+    os.environ["MTJ_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="mtj-test-compile-cache-")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["MTJ_TEST_COMPILE_CACHE"]
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 # Nothing is downloaded at test time: HF's libraries fail at once instead of waiting on the network (a test that
@@ -26,7 +29,8 @@ os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 
 def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(_COMPILE_CACHE, ignore_errors=True)
+    if _OWN_CACHE:
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
