@@ -218,4 +218,11 @@ def check_devices(cfg: Config, n_devices: int) -> None:
         return
     if n_devices % cfg.cores_per_replica:
         raise ConfigError(f"config key 'cores_per_replica' ({cfg.cores_per_replica}) must divide the device count "
-                          f"({n_devices})")
+                          f"({n_devices}); --set cores_per_replica={model_parallel_widths(cfg, n_devices)[-1]} is the "
+                          f"widest that fits these devices")
+
+
+def model_parallel_widths(cfg: Config, n_devices: int) -> list[int]:
+    """The model-parallel widths, smallest first, that divide the device count, n_heads and n_vocab (1 always does)."""
+    return [width for width in range(1, n_devices + 1)
+            if n_devices % width == 0 and cfg.n_heads % width == 0 and cfg.n_vocab % width == 0]

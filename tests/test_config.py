@@ -59,8 +59,10 @@ def test_bad_config_is_one_line_error_naming_the_key(tmp_path, raw, message):
 def test_device_count_must_split_into_model_parallel_groups():
     cfg = config.from_dict({"cores_per_replica": 8})
     config.check_devices(cfg, 16)
-    with pytest.raises(ConfigError, match="'cores_per_replica' .* device count"):
+    with pytest.raises(ConfigError, match=r"'cores_per_replica' .* device count \(12\); --set cores_per_replica=4 "):
         config.check_devices(cfg, 12)
+    with pytest.raises(ConfigError, match="--set cores_per_replica=1 "):  # n_heads 16 and 3 devices: only 1 fits
+        config.check_devices(cfg, 3)
 
 
 def test_missing_or_invalid_file(tmp_path):

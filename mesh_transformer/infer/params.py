@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from mesh_transformer.config import Config, ConfigError
+from mesh_transformer.config import Config, ConfigError, model_parallel_widths
 from mesh_transformer.model import gptj, layers, lora
 from mesh_transformer.parallel.layout import MEGATRON_RULES, SHARD_MAP, Layout, make_layout, param_specs, unstacked
 from mesh_transformer.parallel.mesh import DP, MP, make_mesh
@@ -31,17 +31,13 @@ log = logging.getLogger(__name__)
 def choose_mp(cfg: Config, n_devices: int, mp: int | None = None) -> int:
     """The model-parallel width of inference on n_devices: `mp` when given (it must divide the devices, n_heads and
     n_vocab); else the config's cores_per_replica where that divides them, else the largest width that does."""
-    def fits(width: int) -> bool:
-        return n_devices % width == 0 and cfg.n_heads % width == 0 and cfg.n_vocab % width == 0
-
+    widths = model_parallel_widths(cfg, n_devices)
     if mp is not None:
-        if mp < 1 or not fits(mp):
+        if mp not in widths:
             raise ConfigError(f"--mp {mp} must be at least 1 and divide the device count ({n_devices}), n_heads "
                               f"({cfg.n_heads}) and n_vocab ({cfg.n_vocab})")
         return mp
-    if fits(cfg.cores_per_replica):
-        return cfg.cores_per_replica
-    return max(width for width in range(1, n_devices + 1) if fits(width))
+    return cfg.cores_per_replica if cfg.cores_per_replica in widths else widths[-1]
 
 
 def make_inference_layout(cfg: Config, devices: Sequence[jax.Device] | None = None, mesh: Mesh | None = None,
