@@ -158,30 +158,86 @@ def forward(params: dict, ids_BxT: jax.Array, cfg: Config, tp_axis: str | None =
     return constrain(layers.head(h_BxTxD, params["ln_f"], params["lm_head"]), LOGITS_AXES)
 
 
-def hidden(params: dict, ids_BxT: jax.Array, cfg: Config, tp_axis: str | None, constrain: Constrain) -> jax.Array:
+def hidden(params: dict, ids_BxT: jax.Array, cfg: Config, tp_axis: str | None, constrain: Constrain,
+           layer_grad_sum: dict | None = None) -> jax.Array:
     """The last block's output [B, T, D], before the final LayerNorm; each layer (and its adapters, if any: see
-    model/lora.py) cast to the compute dtype as the scan reaches it."""
+    model/lora.py) cast to the compute dtype as the scan reaches it. With `layer_grad_sum` (gradient accumulation,
+    remat on) the trained layers' gradient comes out as layer_grad_sum + this batch's: see `_layers_into`."""
     h_BxTxD = constrain(layers.embed(ids_BxT, params["embed"]["wte"], tp_axis), HIDDEN_AXES)
     positions_1xT = jnp.arange(ids_BxT.shape[1])[None]
     sincos = layers.rotary_sincos(positions_1xT, cfg.pe_rotary_dims)
 
-    def step(h_BxTxD, layer_params):
+    def step(h_BxTxD, layer_params, sincos):
         layer_params = lora.adapt_layer(jax.tree.map(lambda x: x.astype(compute_dtype(cfg)), layer_params), cfg)
         h_BxTxD = layers.block(h_BxTxD, layer_params, cfg.head_dim, sincos, None, tp_axis,
                                join=cfg.join_projections)[0]
-        return constrain(h_BxTxD, HIDDEN_AXES), None
+        return constrain(h_BxTxD, HIDDEN_AXES)
 
+    if layer_grad_sum is not None:
+        return _layers_into(step, h_BxTxD, params["layers"], sincos, layer_grad_sum)
     if cfg.remat:
         step = jax.checkpoint(step, prevent_cse=False)
-    return lax.scan(step, h_BxTxD, params["layers"])[0]
+    return lax.scan(lambda h, layer: (step(h, layer, sincos), None), h_BxTxD, params["layers"])[0]
+
+
+def _trained(layers_: dict) -> tuple[dict, dict]:
+    """(trained, frozen) parts of the stacked layers: the adapters and the base with LoRA, else all and nothing."""
+    if lora.LORA_KEY in layers_:
+        return layers_[lora.LORA_KEY], {k: v for k, v in layers_.items() if k != lora.LORA_KEY}
+    return layers_, {}
+
+
+def _joined(trained: dict, frozen: dict) -> dict:
+    return {**frozen, lora.LORA_KEY: trained} if frozen else trained
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _layers_into(step: Callable, h_BxTxD: jax.Array, layers_: dict, sincos, grad_sum: dict) -> jax.Array:
+    """The layer scan (remat: each layer's input is saved, the rest recomputed in the backward) whose backward adds
+    each layer's gradient into `grad_sum` (stacked like the trained layers, f32) as the reverse scan makes it, in
+    place: gradient accumulation holds one set of layer gradients, not the sum and this micro-batch's. The trained
+    layers' cotangent it returns is grad_sum + this batch's gradient, the frozen layers and grad_sum get none. That
+    is not linear in the output's cotangent: it is for one value_and_grad of the loss (Layout's accumulate), not for
+    jvp or higher derivatives."""
+    return lax.scan(lambda h, layer: (step(h, layer, sincos), None), h_BxTxD, layers_)[0]
+
+
+def _layers_into_fwd(step, h_BxTxD, layers_, sincos, grad_sum):
+    out_BxTxD, inputs_LxBxTxD = lax.scan(lambda h, layer: (step(h, layer, sincos), h), h_BxTxD, layers_)
+    return out_BxTxD, (layers_, sincos, grad_sum, inputs_LxBxTxD)
+
+
+def _layers_into_bwd(step, residuals, d_out_BxTxD):
+    layers_, sincos, grad_sum, inputs_LxBxTxD = residuals
+
+    def back(carry, xs):
+        d_h_BxTxD, acc = carry
+        index, layer, h_BxTxD = xs
+        trained, frozen = _trained(layer)
+        _, vjp = jax.vjp(lambda t, h: step(h, _joined(t, frozen), sincos), trained, h_BxTxD)
+        d_trained, d_h_BxTxD = vjp(d_h_BxTxD)
+        acc = jax.tree.map(lambda a, g: lax.dynamic_update_index_in_dim(
+            a, lax.dynamic_index_in_dim(a, index, keepdims=False) + g.astype(a.dtype), index, 0), acc, d_trained)
+        return (d_h_BxTxD, acc), None
+
+    n_layers = inputs_LxBxTxD.shape[0]
+    (d_h_BxTxD, acc), _ = lax.scan(back, (d_out_BxTxD, grad_sum), (jnp.arange(n_layers), layers_, inputs_LxBxTxD),
+                                   reverse=True)
+    _, frozen = _trained(layers_)
+    return d_h_BxTxD, _joined(acc, jax.tree.map(lambda _: None, frozen)), None, None
+
+
+_layers_into.defvjp(_layers_into_fwd, _layers_into_bwd)
 
 
 def loss_fn(params: dict, tokens_BxT1: jax.Array, cfg: Config, tp_axis: str | None = None,
-            dp_axis: str | None = None, constrain: Constrain | None = None) -> jax.Array:
-    """Mean next-token cross entropy of a [B, T+1] token batch (inputs [:-1], targets [1:])."""
+            dp_axis: str | None = None, constrain: Constrain | None = None,
+            layer_grad_sum: dict | None = None) -> jax.Array:
+    """Mean next-token cross entropy of a [B, T+1] token batch (inputs [:-1], targets [1:]); `layer_grad_sum`:
+    see `hidden`."""
     constrain = constrain or _unconstrained
     params = cast_for_compute(params, cfg)
-    h_BxTxD = hidden(params, tokens_BxT1[:, :-1], cfg, tp_axis, constrain)
+    h_BxTxD = hidden(params, tokens_BxT1[:, :-1], cfg, tp_axis, constrain, layer_grad_sum)
     pin_logits = None if constrain is _unconstrained else (lambda logits: constrain(logits, LOGITS_AXES))
     ce_BxT = layers.head_cross_entropy(h_BxTxD, params["ln_f"], params["lm_head"], tokens_BxT1[:, 1:], tp_axis,
                                        pin_logits)

@@ -194,43 +194,54 @@ class Layout:
             fn = partial(model_loss, cfg=cfg, tp_axis=self.tp_axis, dp_axis=self.dp_axis)
             return self._per_device(fn, (*arg_specs, tokens_spec), P())
 
-        def loss(*args):
+        def loss(*args, **kw):
             *trees, tokens_BxT1 = args
             tokens_BxT1 = self._constrain(tokens_BxT1, ACTIVATION_AXES["tokens"])
-            return model_loss(*trees, tokens_BxT1, cfg, constrain=self._constrain)
+            return model_loss(*trees, tokens_BxT1, cfg, constrain=self._constrain, **kw)
 
         return loss
 
-    def _loss_and_grad(self, model_loss: Callable, arg_specs: tuple) -> Callable:
-        """`_loss` with the gradients w.r.t. its first tree only, placed like that tree."""
+    def _loss_and_grad(self, model_loss: Callable, arg_specs: tuple, accumulate: bool = False) -> Callable:
+        """`_loss` with the gradients w.r.t. its first tree only, placed like that tree. With `accumulate`: one more
+        argument after the tokens, a gradient sum placed like the first tree, and the gradients come out added to
+        it (the layers' inside their backward, so no second set of layer gradients is held: `gptj.hidden`)."""
         if self.tp_axis is not None:
-            fn = jax.value_and_grad(partial(model_loss, cfg=self.cfg, tp_axis=self.tp_axis, dp_axis=self.dp_axis))
-            return self._per_device(fn, (*arg_specs, self.spec(ACTIVATION_AXES["tokens"])), (P(), arg_specs[0]))
-        value_and_grad = jax.value_and_grad(self._loss(model_loss, arg_specs))
+            loss = partial(model_loss, cfg=self.cfg, tp_axis=self.tp_axis, dp_axis=self.dp_axis)
+        else:
+            loss = self._loss(model_loss, arg_specs)
         shardings = jax.tree.map(partial(NamedSharding, self.mesh), arg_specs[0])
 
         def fn(*args):
-            loss, grads = value_and_grad(*args)
-            return loss, lax.with_sharding_constraint(grads, shardings)
+            if accumulate:
+                *args, grad_sum = args
+                value, grads = _value_and_grad_into(loss, args, grad_sum, bool(self.cfg.lora_rank))
+            else:
+                value, grads = jax.value_and_grad(loss)(*args)
+            return value, grads if self.tp_axis is not None else lax.with_sharding_constraint(grads, shardings)
 
-        return fn
+        if self.tp_axis is None:
+            return fn
+        in_specs = (*arg_specs, self.spec(ACTIVATION_AXES["tokens"])) + ((arg_specs[0],) if accumulate else ())
+        return self._per_device(fn, in_specs, (P(), arg_specs[0]))
 
     def loss_fn(self) -> Callable:
         """(params, tokens [B, T+1]) -> mean loss (not jitted)."""
         return self._loss(gptj.loss_fn, (self.param_specs(),))
 
-    def loss_and_grad_fn(self) -> Callable:
-        """(params, tokens [B, T+1]) -> (loss, grads), grads placed like their params (FSDP reduce-scatters them)."""
-        return self._loss_and_grad(gptj.loss_fn, (self.param_specs(),))
+    def loss_and_grad_fn(self, accumulate: bool = False) -> Callable:
+        """(params, tokens [B, T+1]) -> (loss, grads), grads placed like their params (FSDP reduce-scatters them).
+        With `accumulate`: (params, tokens, grad_sum) -> (loss, grad_sum + grads)."""
+        return self._loss_and_grad(gptj.loss_fn, (self.param_specs(),), accumulate)
 
     def lora_loss_fn(self) -> Callable:
         """(adapters, base params, tokens [B, T+1]) -> mean loss of the adapted model (not jitted)."""
         return self._loss(_adapted_loss, (self.lora_specs(), self.param_specs()))
 
-    def lora_loss_and_grad_fn(self) -> Callable:
+    def lora_loss_and_grad_fn(self, accumulate: bool = False) -> Callable:
         """(adapters, base params, tokens) -> (loss, grads of the adapters): the base is a constant of the loss,
-        never differentiated. Under shard_map the adapters' partial sums join each block's one psum."""
-        return self._loss_and_grad(_adapted_loss, (self.lora_specs(), self.param_specs()))
+        never differentiated. Under shard_map the adapters' partial sums join each block's one psum. With
+        `accumulate`: (adapters, base, tokens, grad_sum) -> (loss, grad_sum + grads)."""
+        return self._loss_and_grad(_adapted_loss, (self.lora_specs(), self.param_specs()), accumulate)
 
     def logits_fn(self) -> Callable:
         """Jitted (params, ids [B, T]) -> logits [B, T, V] in f32, placed by the rules (batch and vocab split)."""
@@ -246,6 +257,16 @@ class Layout:
 
         return jax.jit(logits, in_shardings=(self.param_shardings(), self.sharding(ACTIVATION_AXES["tokens"])),
                        out_shardings=NamedSharding(self.mesh, logits_spec))
+
+
+def _value_and_grad_into(loss: Callable, args: list, grad_sum: dict, adapters: bool):
+    """(loss, grad_sum + the gradients of loss(*args) w.r.t. args[0]): the stacked layers' part is added inside
+    their backward (`gptj.hidden`'s layer_grad_sum; the adapters are layers alone), the rest here."""
+    layer_sum = grad_sum if adapters else grad_sum["layers"]
+    value, grads = jax.value_and_grad(partial(loss, layer_grad_sum=layer_sum))(*args)
+    if not adapters:
+        grads = {k: v if k == "layers" else jax.tree.map(jnp.add, grad_sum[k], v) for k, v in grads.items()}
+    return value, grads
 
 
 def _adapted_loss(adapters: dict, base: dict, tokens_BxT1: jax.Array, cfg: Config, **kw) -> jax.Array:

@@ -46,11 +46,15 @@ def init_train_state(layout: Layout, optimizer: optax.GradientTransformation, ke
 
 
 def accumulated_train_step(loss_and_grad: Callable, optimizer: optax.GradientTransformation,
-                           schedule: Callable) -> Callable:
-    """(state, tokens [G, B, T+1]) -> (state, metrics): gradients of G micro-batches summed in f32, one update."""
+                           schedule: Callable, loss_and_grad_into: Callable | None = None) -> Callable:
+    """(state, tokens [G, B, T+1]) -> (state, metrics): gradients of G micro-batches summed in f32, one update.
+    `loss_and_grad_into` (params, tokens, grad_sum) -> (loss, grad_sum + grads), where given, does the summing."""
     def step(state, tokens_GxBxT1):
         def micro(carry, tokens_BxT1):
             loss_sum, grad_sum = carry
+            if loss_and_grad_into is not None:
+                loss, grad_sum = loss_and_grad_into(state["params"], tokens_BxT1, grad_sum)
+                return (loss_sum + loss, grad_sum), None
             loss, grads = loss_and_grad(state["params"], tokens_BxT1)
             return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
@@ -74,17 +78,26 @@ def make_train_step(layout: Layout, optimizer: optax.GradientTransformation, sch
     metrics replicated. With LoRA: (state, tokens, base params) -> (state, metrics)."""
     shardings = shardings_of(abstract_train_state(layout, optimizer))
     in_shardings = (shardings, layout.batch_sharding())
+    # Micro-batches add their layer gradients into the sum inside the backward (Layout's accumulate). That backward
+    # recomputes each layer, as remat does, so it is used where remat is on.
+    into = layout.cfg.remat
     if not layout.cfg.lora_rank:
-        step = accumulated_train_step(layout.loss_and_grad_fn(), optimizer, schedule)
+        step = accumulated_train_step(layout.loss_and_grad_fn(), optimizer, schedule,
+                                      layout.loss_and_grad_fn(accumulate=True) if into else None)
     else:
         lora_loss_and_grad = layout.lora_loss_and_grad_fn()
+        lora_into = layout.lora_loss_and_grad_fn(accumulate=True) if into else None
         in_shardings += (layout.param_shardings(),)
 
         def step(train_state, tokens_GxBxT1, base):
             def loss_and_grad(adapters, tokens_BxT1):
                 return lora_loss_and_grad(adapters, base, tokens_BxT1)
 
-            return accumulated_train_step(loss_and_grad, optimizer, schedule)(train_state, tokens_GxBxT1)
+            def loss_and_grad_into(adapters, tokens_BxT1, grad_sum):
+                return lora_into(adapters, base, tokens_BxT1, grad_sum)
+
+            return accumulated_train_step(loss_and_grad, optimizer, schedule,
+                                          loss_and_grad_into if into else None)(train_state, tokens_GxBxT1)
 
     return jax.jit(step, in_shardings=in_shardings, out_shardings=(shardings, layout.replicated), donate_argnums=0)
 

@@ -1,0 +1,93 @@
+"""Gradient accumulation with remat adds each layer's gradient into the running sum inside the backward
+(`Layout.loss_and_grad_fn(accumulate=True)`, `gptj._layers_into`): equal to the sum of plainly computed gradients on
+every kind of mesh, full fine-tune and LoRA, in one set of layer gradients' less memory."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mesh_transformer import config
+from mesh_transformer.parallel.layout import make_layout
+from mesh_transformer.parallel.mesh import make_dp_mp, make_mesh
+from mesh_transformer.train import optim
+from mesh_transformer.train import state as state_lib
+
+CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "remat=true", "warmup_steps=0"])
+MESHES = [("shard_map", 1, 1), ("shard_map", 2, 4), ("fsdp", 1, 8, 1), ("fsdp_tp", 2, 2, 2)]
+FAST = {"xla_backend_optimization_level": 0}
+
+
+def layout_of(cfg, spec):
+    mode, *sizes = spec
+    if mode == "shard_map":
+        return make_layout(dataclasses.replace(cfg, cores_per_replica=sizes[1]), mesh=make_dp_mp(*sizes))
+    return make_layout(dataclasses.replace(cfg, parallelism=mode),
+                       mesh=make_mesh(dict(zip(("data", "fsdp", "tensor"), sizes))))
+
+
+def random_like(tree, seed):
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    return treedef.unflatten([jax.random.normal(k, x.shape, jnp.float32) * 0.1 for k, x in zip(keys, leaves)])
+
+
+def assert_close(a, b, rtol=1e-5):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=1e-6), a, b)
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+@pytest.mark.parametrize("spec", MESHES, ids=["-".join(map(str, m)) for m in MESHES])
+def test_gradients_added_in_the_backward_equal_the_sum(spec, lora_rank):
+    layout = layout_of(dataclasses.replace(CFG, lora_rank=lora_rank), spec)
+    base = layout.init_params(jax.random.PRNGKey(0))
+    tokens = jax.device_put(jax.random.randint(jax.random.PRNGKey(1), (8, CFG.seq + 1), 0, CFG.n_vocab),
+                            layout.batch_sharding(False))
+    if lora_rank:
+        trained = random_like(layout.init_lora(jax.random.PRNGKey(2)), 3)  # B nonzero: A gets gradients too
+        args = (trained, base, tokens)
+        plain, into = layout.lora_loss_and_grad_fn(), layout.lora_loss_and_grad_fn(accumulate=True)
+    else:
+        trained, args = base, (base, tokens)
+        plain, into = layout.loss_and_grad_fn(), layout.loss_and_grad_fn(accumulate=True)
+    grad_sum = random_like(trained, 4)
+    loss, grads = jax.jit(plain).lower(*args).compile(compiler_options=FAST)(*args)
+    loss_into, summed = jax.jit(into).lower(*args, grad_sum).compile(compiler_options=FAST)(*args, grad_sum)
+    np.testing.assert_allclose(loss_into, loss, rtol=1e-6)
+    assert_close(summed, jax.tree.map(jnp.add, grad_sum, grads))
+
+
+def test_remat_train_step_accumulating_4x2_equals_1x8():
+    cfg = dataclasses.replace(CFG, cores_per_replica=4)
+    layout = make_layout(cfg, mesh=make_dp_mp(2, 4))
+    optimizer = optim.make_optimizer(cfg)
+    step = state_lib.make_train_step(layout, optimizer, optim.lr_schedule(cfg))
+    tokens = np.random.default_rng(1).integers(0, cfg.n_vocab, (8, cfg.seq + 1)).astype(np.int32)
+    results = []
+    for shape in ((4, 2, -1), (1, 8, -1)):
+        state = state_lib.init_train_state(layout, optimizer, jax.random.PRNGKey(0))
+        batch = jax.device_put(tokens.reshape(shape), layout.batch_sharding())
+        results.append(jax.device_get(step(state, batch)))
+    (accumulated, metrics_acc), (full, metrics_full) = results
+    np.testing.assert_allclose(metrics_acc["loss"], metrics_full["loss"], rtol=1e-6)
+    np.testing.assert_allclose(metrics_acc["grad_norm"], metrics_full["grad_norm"], rtol=1e-5)
+    assert_close(accumulated["opt_state"][1].mu, full["opt_state"][1].mu)
+
+
+def test_summing_in_the_backward_holds_one_set_of_layer_gradients_fewer():
+    """Compiled temporaries of a 2-micro-batch step whose backward peak (activations, the sum, this micro-batch's
+    gradients) is the step's peak: the sum made in the backward saves one set of layer gradients."""
+    cfg = config.from_dict({"layers": 8, "d_model": 256, "n_heads": 4, "n_vocab": 256, "pe_rotary_dims": 16,
+                            "seq": 512, "cores_per_replica": 1, "per_replica_batch": 8, "warmup_steps": 0})
+    layout = make_layout(cfg, mesh=make_dp_mp(1, 1))
+    optimizer = optim.make_optimizer(cfg)
+    abstract = state_lib.abstract_train_state(layout, optimizer)
+    tokens = jax.ShapeDtypeStruct((2, 8, cfg.seq + 1), jnp.int32, sharding=layout.batch_sharding())
+    temps = []
+    for into in (None, layout.loss_and_grad_fn(accumulate=True)):
+        step = state_lib.accumulated_train_step(layout.loss_and_grad_fn(), optimizer, optim.lr_schedule(cfg), into)
+        temps.append(jax.jit(step, donate_argnums=0).lower(abstract, tokens).compile().memory_analysis()
+                     .temp_size_in_bytes)
+    layer_grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(abstract["params"]["layers"]))
+    assert temps[0] - temps[1] > 0.9 * layer_grad_bytes
