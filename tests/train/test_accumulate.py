@@ -10,21 +10,14 @@ import pytest
 
 from mesh_transformer import config
 from mesh_transformer.parallel.layout import make_layout
-from mesh_transformer.parallel.mesh import make_dp_mp, make_mesh
+from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.train import optim
 from mesh_transformer.train import state as state_lib
+from tests.train.test_lora import layout_of
 
 CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "remat=true", "warmup_steps=0"])
 MESHES = [("shard_map", 1, 1), ("shard_map", 2, 4), ("fsdp", 1, 8, 1), ("fsdp_tp", 2, 2, 2)]
 FAST = {"xla_backend_optimization_level": 0}
-
-
-def layout_of(cfg, spec):
-    mode, *sizes = spec
-    if mode == "shard_map":
-        return make_layout(dataclasses.replace(cfg, cores_per_replica=sizes[1]), mesh=make_dp_mp(*sizes))
-    return make_layout(dataclasses.replace(cfg, parallelism=mode),
-                       mesh=make_mesh(dict(zip(("data", "fsdp", "tensor"), sizes))))
 
 
 def random_like(tree, seed):
