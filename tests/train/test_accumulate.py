@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from mesh_transformer import config
+from mesh_transformer.model import gptj as model
 from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.train import optim
@@ -30,11 +31,26 @@ def assert_close(a, b, rtol=1e-5):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=1e-6), a, b)
 
 
-@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+VARIANTS = [{"join_projections": True}, {"compute_dtype": "bfloat16"}, {"lora_rank": 4, "base_dtype": "bfloat16"}]
+
+
+@pytest.mark.parametrize("extra", [{}, {"lora_rank": 4}], ids=["full", "lora"])
 @pytest.mark.parametrize("spec", MESHES, ids=["-".join(map(str, m)) for m in MESHES])
-def test_gradients_added_in_the_backward_equal_the_sum(spec, lora_rank):
-    layout = layout_of(dataclasses.replace(CFG, lora_rank=lora_rank), spec)
+def test_gradients_added_in_the_backward_equal_the_sum(spec, extra):
+    check_sum(layout_of(dataclasses.replace(CFG, **extra), spec))
+
+
+@pytest.mark.parametrize("extra", VARIANTS, ids=["joined", "bf16-compute", "lora-bf16-base"])
+def test_gradients_added_in_the_backward_equal_the_sum_joined_and_in_bf16(extra):
+    check_sum(layout_of(dataclasses.replace(CFG, **extra), ("shard_map", 2, 4)), rtol=1e-4)
+
+
+def check_sum(layout, rtol=1e-5):
+    """loss_and_grad with accumulate == (loss, grad_sum + the plain gradients) for a random grad_sum."""
+    lora_rank = layout.cfg.lora_rank
     base = layout.init_params(jax.random.PRNGKey(0))
+    if lora_rank:
+        base = jax.tree.map(lambda x: x.astype(model.DTYPES[layout.cfg.base_dtype]), base)
     tokens = jax.device_put(jax.random.randint(jax.random.PRNGKey(1), (8, CFG.seq + 1), 0, CFG.n_vocab),
                             layout.batch_sharding(False))
     if lora_rank:
@@ -48,7 +64,7 @@ def test_gradients_added_in_the_backward_equal_the_sum(spec, lora_rank):
     loss, grads = jax.jit(plain).lower(*args).compile(compiler_options=FAST)(*args)
     loss_into, summed = jax.jit(into).lower(*args, grad_sum).compile(compiler_options=FAST)(*args, grad_sum)
     np.testing.assert_allclose(loss_into, loss, rtol=1e-6)
-    assert_close(summed, jax.tree.map(jnp.add, grad_sum, grads))
+    assert_close(summed, jax.tree.map(jnp.add, grad_sum, grads), rtol)
 
 
 def test_remat_train_step_accumulating_4x2_equals_1x8():
