@@ -24,7 +24,7 @@ from mesh_transformer.infer.decode import KVCache, Programs, Steps, block_sizes,
 from mesh_transformer.infer.params import decode_specs, make_inference_layout
 from mesh_transformer.model import gptj, layers
 from mesh_transformer.parallel.layout import SHARD_MAP, Layout, make_layout
-from mesh_transformer.parallel.mesh import DP, MP, TENSOR
+from mesh_transformer.parallel.mesh import DP, MP
 from mesh_transformer.train import optim, state
 
 _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12, "kib": 2 ** 10,
@@ -98,11 +98,9 @@ def _memory(compiled) -> dict[str, float]:
 
 
 def _inference_layout(train_layout: Layout) -> Layout:
-    """The shard_map Layout the same devices run inference on: mp = the training tensor width."""
-    cfg = train_layout.cfg
-    mp = train_layout.mesh.shape.get(MP, train_layout.mesh.shape.get(TENSOR, 1))
-    return make_inference_layout(dataclasses.replace(cfg, cores_per_replica=mp),
-                                 list(train_layout.mesh.devices.flat), mp=mp)
+    """The shard_map Layout the sampling and serving tools run on these devices by default, whatever the training
+    mode: mp = cores_per_replica where it fits, else the widest that does (`infer.params.choose_mp`)."""
+    return make_inference_layout(train_layout.cfg, list(train_layout.mesh.devices.flat))
 
 
 def _abstract_decode_params(layout: Layout) -> dict:

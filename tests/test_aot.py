@@ -12,11 +12,13 @@ CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "rema
 
 
 def test_aot_check_reports_memory_and_whether_it_fits():
-    records = aot.run(CFG, "fsdp_tp", "fsdp=4,tensor=2", 8, "1KiB")
+    # Inference on the same devices at the width the sampling and serving tools choose (cores_per_replica), not
+    # the training mesh's tensor width.
+    records = aot.run(dataclasses.replace(CFG, cores_per_replica=4), "fsdp_tp", "fsdp=4,tensor=2", 8, "1KiB")
     train, decode, prefill, sample, fit = json.loads(json.dumps(records))  # what the CLI prints
     assert [r["check"] for r in (decode, prefill, sample)] == ["serve_decode_step", "serve_prefill",
                                                                "sample_decode_step"]
-    assert decode["decode_mesh"] == {"dp": 4, "mp": 2} and decode["slots"] == 8
+    assert decode["decode_mesh"] == {"dp": 2, "mp": 4} and decode["slots"] == 8
     # The decode step holds the params and the cache, little else, and more slots fit more memory.
     assert decode["total_bytes"] <= 1.5 * (decode["params_bytes"] + decode["kv_cache_bytes"])
     fit_slots = decode["slots_that_fit"]
