@@ -180,17 +180,6 @@ def hidden(params: dict, ids_BxT: jax.Array, cfg: Config, tp_axis: str | None, c
     return lax.scan(lambda h, layer: (step(h, layer, sincos), None), h_BxTxD, params["layers"])[0]
 
 
-def _trained(layers_: dict) -> tuple[dict, dict]:
-    """(trained, frozen) parts of the stacked layers: the adapters and the base with LoRA, else all and nothing."""
-    if lora.LORA_KEY in layers_:
-        return layers_[lora.LORA_KEY], {k: v for k, v in layers_.items() if k != lora.LORA_KEY}
-    return layers_, {}
-
-
-def _joined(trained: dict, frozen: dict) -> dict:
-    return {**frozen, lora.LORA_KEY: trained} if frozen else trained
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _layers_into(step: Callable, h_BxTxD: jax.Array, layers_: dict, sincos, grad_sum: dict) -> jax.Array:
     """The layer scan (remat: each layer's input is saved, the rest recomputed in the backward) whose backward adds
@@ -213,8 +202,8 @@ def _layers_into_bwd(step, residuals, d_out_BxTxD):
     def back(carry, xs):
         d_h_BxTxD, acc = carry
         index, layer, h_BxTxD = xs
-        trained, frozen = _trained(layer)
-        _, vjp = jax.vjp(lambda t, h: step(h, _joined(t, frozen), sincos), trained, h_BxTxD)
+        trained, frozen = lora.split_layers(layer)
+        _, vjp = jax.vjp(lambda t, h: step(h, lora.join_layers(t, frozen), sincos), trained, h_BxTxD)
         d_trained, d_h_BxTxD = vjp(d_h_BxTxD)
         acc = jax.tree.map(lambda a, g: lax.dynamic_update_index_in_dim(
             a, lax.dynamic_index_in_dim(a, index, keepdims=False) + g.astype(a.dtype), index, 0), acc, d_trained)
@@ -223,8 +212,8 @@ def _layers_into_bwd(step, residuals, d_out_BxTxD):
     n_layers = inputs_LxBxTxD.shape[0]
     (d_h_BxTxD, acc), _ = lax.scan(back, (d_out_BxTxD, grad_sum), (jnp.arange(n_layers), layers_, inputs_LxBxTxD),
                                    reverse=True)
-    _, frozen = _trained(layers_)
-    return d_h_BxTxD, _joined(acc, jax.tree.map(lambda _: None, frozen)), None, None
+    _, frozen = lora.split_layers(layers_)
+    return d_h_BxTxD, lora.join_layers(acc, jax.tree.map(lambda _: None, frozen)), None, None
 
 
 _layers_into.defvjp(_layers_into_fwd, _layers_into_bwd)

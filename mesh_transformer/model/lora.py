@@ -82,6 +82,19 @@ def attach(base: dict, adapters: dict) -> dict:
     return {**base, "layers": {**base["layers"], LORA_KEY: adapters}}
 
 
+def split_layers(layers: dict) -> tuple[dict, dict]:
+    """(trained, frozen) parts of params["layers"]: the adapters and the base where adapters are attached, else all
+    and nothing."""
+    if LORA_KEY in layers:
+        return layers[LORA_KEY], {k: v for k, v in layers.items() if k != LORA_KEY}
+    return layers, {}
+
+
+def join_layers(trained: dict, frozen: dict) -> dict:
+    """`split_layers` undone."""
+    return {**frozen, LORA_KEY: trained} if frozen else trained
+
+
 def _replaced(tree: dict, path: tuple[str, ...], value: Any) -> dict:
     """A copy of the nested dict `tree` with `value` at `path` (the dicts on the way copied, nothing else)."""
     if not path:
