@@ -11,7 +11,7 @@ import logging
 import sys
 from functools import partial
 
-from mesh_transformer.cli import Parser, add_inference_args, keep_host_memory, load_for_inference, run_main
+from mesh_transformer.cli import Parser, add_inference_args, load_for_inference, platform_setup, run_main
 
 DEFAULT_SEEDS = "0,1234,1234,1234"  # lm_eval's: python random, numpy, torch, few-shot sampling
 
@@ -82,5 +82,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    keep_host_memory()
+    platform_setup()
     sys.exit(main())

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import torch
 from transformers import GPTJConfig, GPTJForCausalLM
-from mesh_transformer import config
+from mesh_transformer import config, platforms
 from mesh_transformer.store import hf
 from mesh_transformer.model import gptj
 from mesh_transformer.infer.params import make_inference_layout
@@ -42,7 +42,8 @@ with torch.no_grad():
     model16.load_state_dict(model.state_dict())
     model16 = model16.to(torch.bfloat16)
     hf16 = model16(torch.tensor(ids)).logits.float().numpy()[0]
-ours16 = np.asarray(jax.jit(lambda p, x: gptj.forward(gptj.cast_for_compute(p, cfg16), x, cfg16))(params, ids),
+ours16 = np.asarray(jax.jit(lambda p, x: gptj.forward(gptj.cast_for_compute(p, cfg16), x, cfg16,
+                                                           policy=platforms.default()))(params, ids),
                     np.float32)[0]
 std = ref.std()
 rec = {"layers": layers, "d_model": d, "logit_std": round(float(std), 3)}

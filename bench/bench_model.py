@@ -37,7 +37,7 @@ def our_steps(cfg, ids_BxT1):
     opt = optim.make_optimizer(cfg)
     state = state_lib.init_train_state(layout, opt, jax.random.PRNGKey(0))
     hf_state = hf.params_to_hf(jax.tree.map(np.asarray, state["params"]), cfg.layers)
-    grad_fn = jax.jit(jax.value_and_grad(lambda p, x: model.loss_fn(p, x, cfg)))
+    grad_fn = jax.jit(jax.value_and_grad(lambda p, x: model.loss_fn(p, x, cfg, policy=layout.policy)))
     train_step = state_lib.make_train_step(layout, opt, optim.lr_schedule(cfg))
     batch = jax.device_put(ids_BxT1[None], layout.batch_sharding())
     box = [state]

@@ -1,9 +1,11 @@
-"""Ahead-of-time fit check: compile the train step (full, or LoRA when cfg.lora_rank > 0) and the serving decode step
-for faked CPU devices, report per-device memory.
+"""Ahead-of-time fit check: compile the train step (full, or LoRA when cfg.lora_rank > 0) and the inference programs
+(serving decode and prefill, the sampler's decode, the scorer) for faked CPU devices or for a real accelerator's
+compile-only devices (`targets`: a TPU slice through libtpu, NVIDIA GPUs through the CUDA plugin), report
+per-device memory and, on an accelerator, the train step's estimated time (`estimate`).
 
 Nothing is allocated: params, optimizer state, batch and KV cache are ShapeDtypeStructs with shardings. Reports
-params and optimizer bytes from the arrays' shard sizes; arguments, outputs and temporaries from XLA's memory
-analysis; compile times. aot_check.py is its command line.
+params and optimizer bytes from the arrays' shard sizes; arguments, outputs and temporaries from the compiler's
+memory analysis; compile times; which compiler made each record. aot_check.py is its command line.
 """
 from __future__ import annotations
 
@@ -18,12 +20,14 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mesh_transformer import estimate, platforms, targets
 from mesh_transformer.config import Config, ConfigError
 from mesh_transformer.infer.choose import Sampling
 from mesh_transformer.infer.decode import KVCache, Programs, Steps, block_sizes, cache_dtype, default_block
 from mesh_transformer.infer.params import decode_specs, make_inference_layout
+from mesh_transformer.infer.score import MAX_TOP, Rows, Scorer
 from mesh_transformer.model import gptj, layers
-from mesh_transformer.parallel.layout import SHARD_MAP, Layout, make_layout
+from mesh_transformer.parallel.layout import MODES, SHARD_MAP, Layout, make_layout
 from mesh_transformer.parallel.mesh import DP, MP
 from mesh_transformer.train import optim, state
 
@@ -75,17 +79,13 @@ def _abstract(shape, dtype, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
-# XLA's CPU backend multiplies bf16 by upcasting both operands to f32, and its loop-invariant code motion then
-# hoists the f32 copy of the whole stacked [L, ...] weights out of the layer loop: a bf16 base gets an f32 twice its
-# size in temporaries that a GPU or TPU (native bf16 matmuls) never holds. `no_loop_hoisting` measures without it.
-NO_LOOP_HOISTING = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
-
-
-def _compile(fn, *args, options: dict | None = None, **static) -> tuple[object, float]:
+def _compile(fn, *args, policy: platforms.Policy, **static) -> tuple[object, float]:
     start = time.perf_counter()
-    # Only XLA's buffer assignment matters here, which comes before code generation: skip LLVM's optimizations.
-    compiled = fn.lower(*args, **static).compile(compiler_options={"xla_backend_optimization_level": 0,
-                                                                   **(options or {})})
+    options = policy.compiler_options()
+    if policy.platform == platforms.CPU:
+        # Only XLA's buffer assignment matters here, which comes before code generation: skip LLVM's optimizations.
+        options["xla_backend_optimization_level"] = 0
+    compiled = fn.lower(*args, **static).compile(compiler_options=options)
     return compiled, time.perf_counter() - start
 
 
@@ -118,7 +118,7 @@ def _abstract_slots(programs: Programs, n_slots: int, sizes: list[int]) -> tuple
     """(cache, last tokens, Steps) of n_slots slots whose cache blocks have these lengths, abstract."""
     cfg = programs.layout.cfg
     row = programs.row_sharding
-    block = [jax.ShapeDtypeStruct((n_slots, cfg.n_heads, cfg.head_dim, size), cache_dtype(cfg),
+    block = [jax.ShapeDtypeStruct((n_slots, cfg.n_heads, cfg.head_dim, size), cache_dtype(cfg, programs.layout.policy),
                                   sharding=programs.cache_sharding) for size in sizes]
     ints = jax.ShapeDtypeStruct((n_slots,), jnp.int32, sharding=row)
     steps = Steps(ints, ints, _abstract_sampling(row, n_slots))
@@ -134,10 +134,11 @@ def _abstract_sampling(sharding: NamedSharding, n: int) -> Sampling:
 
 def _measure_inference(train_layout: Layout, n_slots: int, common: dict) -> list[dict]:
     """The programs inference really runs, every slot busy and the whole context used: the serving engine's decode
-    step (block cache) and prefill (one full-length prompt per dp group), and the offline sampler's decode step
-    (one block of seq). The engine's decode is compiled at two slot counts too, which gives the slots that fit."""
+    step (block cache) and prefill (one full-length prompt per dp group), the offline sampler's decode step (one
+    block of seq) and the scorer (lm-eval, echo + logprobs: one full-length row per dp group, every position
+    scored). The engine's decode is compiled at two slot counts too, which gives the slots that fit."""
     cfg, layout = train_layout.cfg, _inference_layout(train_layout)
-    programs, dp = Programs(layout), layout.mesh.shape[DP]
+    programs, dp, policy = Programs(layout), layout.mesh.shape[DP], layout.policy
     params = _abstract_decode_params(layout)
     n_slots = -(-n_slots // dp) * dp
     serve_blocks = block_sizes(cfg.seq, default_block(cfg.seq))
@@ -146,8 +147,8 @@ def _measure_inference(train_layout: Layout, n_slots: int, common: dict) -> list
 
     def decode(slots: int, sizes: list[int]) -> tuple[dict, dict]:
         cache, last, steps = _abstract_slots(programs, slots, sizes)
-        compiled, seconds = _compile(programs.jitted["decode"], params, cache, last, steps, rows=slots // dp,
-                                     n_blocks=len(sizes))
+        compiled, seconds = _compile(programs.jitted["decode"], params, cache, last, steps, policy=policy,
+                                     rows=slots // dp, n_blocks=len(sizes))
         return {**base, "slots": slots, "compile_s": round(seconds, 1), "kv_cache_bytes": shard_bytes(cache)}, \
             _memory(compiled)
 
@@ -155,18 +156,32 @@ def _measure_inference(train_layout: Layout, n_slots: int, common: dict) -> list
     _, double_memory = decode(2 * n_slots, serve_blocks)
     per_slot = (double_memory["total_bytes"] - serve_memory["total_bytes"]) / n_slots
     fixed = serve_memory["total_bytes"] - per_slot * n_slots
-    fit = {f"{gib}GiB": max(0, int((gib * 2 ** 30 - fixed) // per_slot) // dp * dp) for gib in (16, 24, 80)}
+    sizes = sorted({16, 24, 80, *([common["device_memory_bytes"] / 2 ** 30] if "device_memory_bytes" in common
+                                  else [])})
+    fit = {f"{gib:g}GiB": max(0, int((gib * 2 ** 30 - fixed) // per_slot) // dp * dp) for gib in sizes}
     sample, sample_memory = decode(n_slots, [cfg.seq])
     cache, last, _ = _abstract_slots(programs, n_slots, serve_blocks)
     ids = jax.ShapeDtypeStruct((dp, cfg.seq), jnp.int32, sharding=layout.sharding(("batch", "length")))
     rows = jax.ShapeDtypeStruct((dp,), jnp.int32, sharding=programs.row_sharding)
     prefill, prefill_s = _compile(programs.jitted["prefill"], params, cache, last, ids, rows, rows,
-                                  _abstract_sampling(programs.row_sharding, dp))
+                                  _abstract_sampling(programs.row_sharding, dp), policy=policy)
+    score_rows = Rows(*[ids] * 6)
+    scorer, scorer_s = _compile(Scorer(layout, None)._program, params, score_rows, policy=policy, top_k=MAX_TOP)
     return [{"check": "serve_decode_step", **serve, **serve_memory, "per_slot_bytes": round(per_slot),
              "slots_that_fit": fit},
             {"check": "serve_prefill", **base, "slots": n_slots, "prompt_tokens": cfg.seq,
              "compile_s": round(prefill_s, 1), "kv_cache_bytes": shard_bytes(cache), **_memory(prefill)},
-            {"check": "sample_decode_step", **sample, **sample_memory}]
+            {"check": "sample_decode_step", **sample, **sample_memory},
+            {"check": "scorer", **base, "rows": dp, "row_tokens": cfg.seq, "top_k": MAX_TOP,
+             "compile_s": round(scorer_s, 1), **_memory(scorer)}]
+
+
+def default_mesh(mode: str, n_devices: int) -> dict:
+    """A GSPMD mode's mesh sizes when none is given: dp and fsdp over every device, tp over up to 8 (the rest
+    data), fsdp_tp fsdp over all but a tensor width of 2."""
+    tensor = {"tp": math.gcd(n_devices, 8), "fsdp_tp": 2 if n_devices % 2 == 0 else 1}.get(mode, 1)
+    fsdp = n_devices // tensor if mode in ("fsdp", "fsdp_tp") else 1
+    return {"data": None, "fsdp": fsdp, "tensor": tensor}
 
 
 def training_programs(cfg: Config, mode: str, devices: list, sizes: dict) -> dict:
@@ -182,6 +197,7 @@ def training_programs(cfg: Config, mode: str, devices: list, sizes: dict) -> dic
             devices = devices[:needed]
     layout = make_layout(cfg, devices)
     optimizer = optim.make_optimizer(cfg)
+    cfg = layout.cfg
     tokens = jax.ShapeDtypeStruct((cfg.gradient_accumulation_steps, layout.global_batch, cfg.seq + 1), jnp.int32,
                                   sharding=layout.batch_sharding())
     frozen = (layout.abstract_params(gptj.DTYPES[cfg.base_dtype]),) if cfg.lora_rank else ()
@@ -189,39 +205,60 @@ def training_programs(cfg: Config, mode: str, devices: list, sizes: dict) -> dic
             "frozen": frozen, "train": state.make_train_step(layout, optimizer, optim.lr_schedule(cfg))}
 
 
-def _train_record(compiled: dict, common: dict, no_loop_hoisting: bool = False) -> dict:
-    """The train step's record: the full step's, or the LoRA step's (params = the frozen base, plus adapters)."""
-    train_state, frozen = compiled["state"], compiled["frozen"]
-    options = NO_LOOP_HOISTING if no_loop_hoisting else None
-    train, train_s = _compile(compiled["train"], train_state, compiled["tokens"], *frozen, options=options)
+def _train_record(compiled: dict, common: dict, no_loop_hoisting: bool = False,
+                  chip: targets.Chip | None = None) -> dict:
+    """The train step's record: the full step's, or the LoRA step's (params = the frozen base, plus adapters);
+    with the target's chip, the step's estimated time."""
+    train_state, frozen, layout = compiled["state"], compiled["frozen"], compiled["layout"]
+    policy = dataclasses.replace(layout.policy, loop_hoisting=not no_loop_hoisting)
+    train, train_s = _compile(compiled["train"], train_state, compiled["tokens"], *frozen, policy=policy)
     params = frozen[0] if frozen else train_state["params"]
-    record = {"check": "lora_train_step" if frozen else "train_step", **common,
-              "params": sum(x.size for x in jax.tree.leaves(params)), "tokens": list(compiled["tokens"].shape),
+    cfg = layout.cfg
+    record = {"check": "lora_train_step" if frozen else "train_step", **common, "mode": cfg.parallelism,
+              "mesh": dict(layout.mesh.shape), "params": sum(x.size for x in jax.tree.leaves(params)),
+              "tokens": list(compiled["tokens"].shape), "compute_dtype": cfg.compute_dtype, "remat": cfg.remat,
               "compile_s": round(train_s, 1), "params_bytes": shard_bytes(params),
               "opt_state_bytes": shard_bytes(train_state["opt_state"]), "no_loop_hoisting": no_loop_hoisting}
     if frozen:
-        cfg = compiled["layout"].cfg
         record.update(adapter_params=sum(x.size for x in jax.tree.leaves(train_state["params"])),
                       adapters_bytes=shard_bytes(train_state["params"]), lora_rank=cfg.lora_rank,
                       lora_targets=list(cfg.lora_targets), base_dtype=cfg.base_dtype)
+    if chip is not None:
+        n_tokens = math.prod(compiled["tokens"].shape[:2]) * cfg.seq
+        n_devices = layout.mesh.devices.size
+        model_flops = n_tokens * estimate.model_flops_per_token(cfg, lora=bool(frozen)) / n_devices
+        record.update(estimate.step_estimate(train, chip.peak_flops, chip.bandwidth, n_tokens, model_flops))
     return {**record, **_memory(train)}
 
 
-def measure(cfg: Config, mode: str, devices: list, sizes: dict, n_slots: int = 8,
-            no_loop_hoisting: bool = False) -> list[dict]:
-    """Compile the train step of `mode` and the inference programs on the same devices and measure their
-    per-device memory: one JSON record each."""
-    compiled = training_programs(cfg, mode, devices, sizes)
-    common = {"mode": mode, "mesh": dict(compiled["layout"].mesh.shape), "devices": len(devices)}
-    return [_train_record(compiled, common, no_loop_hoisting), *_measure_inference(compiled["layout"], n_slots, common)]
+def measure(cfg: Config, mode: str, devices: list, sizes: dict | None, n_slots: int = 8,
+            no_loop_hoisting: bool = False, target: targets.Target | None = None) -> list[dict]:
+    """Compile the train step of `mode` (every mode's: "all") and the inference programs on the same devices and
+    measure their per-device memory: one JSON record each."""
+    common = {"devices": len(devices), "target": target.name if target else f"cpu-{len(devices)}",
+              "compiler": target.compiler if target else "XLA:CPU (faked devices)"}
+    if target is not None:
+        common["device_memory_bytes"] = target.chip.memory_bytes
+    modes = [SHARD_MAP, *MODES] if mode == "all" else [mode]
+    records, first = [], None
+    for name in modes:
+        mesh = sizes if sizes and name == mode else default_mesh(name, len(devices))
+        compiled = training_programs(cfg, name, devices, mesh)
+        first = first or compiled
+        records.append(_train_record(compiled, common, no_loop_hoisting, target.chip if target else None))
+    return [*records, *_measure_inference(first["layout"], n_slots, common)]
 
 
 def verdict(records: list[dict], device_memory: int) -> dict:
-    """The fit record: the largest per-device need of the programs against one device's memory."""
-    need = max(r["total_bytes"] for r in records)
-    common = {k: records[0][k] for k in ("mode", "mesh", "devices")}
-    return {"check": "fit", **common, "per_device_need_bytes": need, "device_memory_bytes": device_memory,
-            "fits": need <= device_memory}
+    """The fit record: the largest per-device need of the programs against one device's memory (with several
+    training modes, each mode's train step with the inference programs)."""
+    inference = max((r["total_bytes"] for r in records if "train_step" not in r["check"]), default=0)
+    by_mode = {r["mode"]: max(r["total_bytes"], inference) for r in records if "train_step" in r["check"]}
+    need = max(by_mode.values(), default=inference)
+    first = records[0]
+    return {"check": "fit", "mode": first["mode"], "mesh": first["mesh"], "devices": first["devices"],
+            "per_device_need_bytes": need, "device_memory_bytes": device_memory, "fits": need <= device_memory,
+            "fits_by_mode": {mode: n <= device_memory for mode, n in by_mode.items()}}
 
 
 def _size(n_bytes: int) -> str:
@@ -231,25 +268,47 @@ def _size(n_bytes: int) -> str:
     return f"{n_bytes} B"
 
 
-def human_line(records: list[dict]) -> str:
-    train, decode, fit = records[0], records[1], records[-1]
-    mesh = " x ".join(f"{k}{v}" for k, v in fit["mesh"].items())
+def _train_line(train: dict) -> str:
+    mesh = " x ".join(f"{k}{v}" for k, v in train["mesh"].items())
     kind = f"LoRA rank {train['lora_rank']} train step" if "lora_rank" in train else "train step"
-    return (f"{fit['mode']} on {mesh}: {kind} {_size(train['total_bytes'])} per device (params "
+    line = (f"{train['mode']} on {mesh}: {kind} {_size(train['total_bytes'])} per device (params "
             f"{_size(train['params_bytes'])}, optimizer {_size(train['opt_state_bytes'])}, temporaries "
-            f"{_size(train['temp_bytes'])}; compiled in {train['compile_s']:.0f} s), serving decode step "
-            f"{_size(decode['total_bytes'])} for {decode['slots']} slots (params {_size(decode['params_bytes'])}, KV "
-            f"cache {_size(decode['kv_cache_bytes'])}): {'fits' if fit['fits'] else 'does NOT fit'} in "
-            f"{_size(fit['device_memory_bytes'])}")
+            f"{_size(train['temp_bytes'])}; compiled in {train['compile_s']:.0f} s)")
+    if "estimated_step_s" in train:
+        line += (f", estimated {train['estimated_step_s']:.2f} s per step, {train['estimated_tokens_per_s']:,.0f} "
+                 f"tokens/s, MFU {100 * train['estimated_mfu']:.0f}% (an estimate from the compiler's cost model)")
+    return line
 
 
-def run(cfg: Config, mode: str | None, mesh_text: str, n_devices: int, device_memory_text: str,
-        n_slots: int = 8, no_loop_hoisting: bool = False) -> list[dict]:
-    """The JSON records of a fit check (train step, serving decode step and prefill, sampler decode step, verdict);
-    the last says whether it fits."""
+def human_line(records: list[dict]) -> str:
+    """What a person reads: one line per train step, one for serving and the verdict."""
+    fit = records[-1]
+    trains = [r for r in records if "train_step" in r["check"]]
+    decode = next(r for r in records if r["check"] == "serve_decode_step")
+    lines = [_train_line(r) for r in trains]
+    lines.append(f"serving decode step {_size(decode['total_bytes'])} for {decode['slots']} slots (params "
+                 f"{_size(decode['params_bytes'])}, KV cache {_size(decode['kv_cache_bytes'])}) on {decode['target']} "
+                 f"({decode['compiler']}): {'fits' if fit['fits'] else 'does NOT fit'} in "
+                 f"{_size(fit['device_memory_bytes'])}")
+    return "\n".join(lines)
+
+
+def run(cfg: Config, mode: str | None, mesh_text: str, n_devices: int, device_memory_text: str | None,
+        n_slots: int = 8, no_loop_hoisting: bool = False, topology: str | None = None) -> list[dict]:
+    """The JSON records of a fit check (train step(s), serving decode step and prefill, sampler decode step, scorer,
+    verdict) on `n_devices` faked CPU devices or the compile-only devices of `topology` (`targets.target`); the
+    last says whether it fits."""
     mode = mode or cfg.parallelism
     if mode == "shard_map" and mesh_text:
         raise ConfigError("--mesh is for the GSPMD modes; the shard_map path takes mp from cores_per_replica")
-    device_memory, sizes = parse_bytes(device_memory_text), parse_mesh(mesh_text)
-    records = measure(cfg, mode, start_devices(n_devices), sizes, n_slots, no_loop_hoisting)
+    target = targets.target(topology) if topology else None
+    if target is not None and no_loop_hoisting:
+        raise ConfigError("--no-loop-hoisting is for the CPU's compile; a TPU or GPU program hoists no f32 copy")
+    sizes = parse_mesh(mesh_text) if mesh_text else None
+    if device_memory_text:
+        device_memory = parse_bytes(device_memory_text)
+    else:
+        device_memory = target.chip.memory_bytes if target else 16 * 2 ** 30
+    devices = target.devices() if target else start_devices(n_devices)
+    records = measure(cfg, mode, devices, sizes, n_slots, no_loop_hoisting, target)
     return [*records, verdict(records, device_memory)]

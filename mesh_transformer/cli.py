@@ -4,13 +4,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import importlib.util
 import os
 import platform
 import sys
 from collections.abc import Callable, Iterator
 
-from mesh_transformer import config
+from mesh_transformer import config, platforms
 
 
 class Parser(argparse.ArgumentParser):
@@ -173,25 +172,7 @@ def run_main(fn: Callable[[], int]) -> int:
         return 2
 
 
-def expected_platform() -> str:
-    """The backend JAX will start on ("cpu", "gpu", "tpu"), told without starting it, for what must happen before it
-    starts: JAX_PLATFORMS when set; else "tpu" where libtpu is installed, "gpu" where a CUDA plugin is installed and
-    an NVIDIA device is present; else "cpu"."""
-    requested = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
-    if requested:
-        return {"cuda": "gpu", "rocm": "gpu"}.get(requested, requested)
-    if _installed("libtpu"):
-        return "tpu"
-    if os.path.exists("/dev/nvidiactl") and any(_installed(f"jax_plugins.xla_cuda{v}") for v in (12, 13)):
-        return "gpu"
-    return "cpu"
-
-
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # its parent package is not installed
-        return False
+expected_platform, pin_platform = platforms.expected_platform, platforms.pin_platform
 
 
 # XLA's flags for GPUs, set here and nowhere else (`platform_setup`): the latency-hiding scheduler moves collectives
@@ -202,8 +183,10 @@ GPU_XLA_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",
 
 
 def platform_setup() -> None:
-    """What every script does first thing in its `__main__`, before JAX starts: on CPU the glibc restart
-    (`keep_host_memory`), on GPU XLA's GPU flags (GPU_XLA_FLAGS) added to XLA_FLAGS."""
+    """What every script does first thing in its `__main__`, before JAX starts: on CPU JAX pinned to it
+    (`pin_platform`) and the glibc restart (`keep_host_memory`), on GPU XLA's GPU flags (GPU_XLA_FLAGS) added to
+    XLA_FLAGS."""
+    pin_platform()
     if expected_platform() == "gpu":
         flags = os.environ.get("XLA_FLAGS", "")
         missing = [f for f in GPU_XLA_FLAGS if f.partition("=")[0] not in flags]

@@ -32,6 +32,7 @@ from mesh_transformer.infer.choose import Sampling, choose
 from mesh_transformer.infer.params import decode_specs
 from mesh_transformer.model import gptj, layers
 from mesh_transformer.parallel.layout import ACTIVATION_AXES, Layout
+from mesh_transformer.platforms import Policy
 
 MIN_BUCKET = 16
 
@@ -107,13 +108,14 @@ def gather_vocab(logits_BxV: jax.Array, tp_axis: str | None) -> jax.Array:
 
 
 # ------------------------------------------------------------------------------------------------------- programs
-def in_turn(h: jax.Array, weights: Any) -> tuple[jax.Array, Any]:
-    """(h, weights), where on CPU the bf16/fp16 matrices are made to depend on h. XLA's CPU dot has no bf16 kernel,
-    so it converts such operands to f32 first; nothing ordered those converts, and the scheduler ran all of them up
-    front, every layer's f32 copy alive at once (2x the model in temporaries; an optimization_barrier does not help,
-    it is converted too). A select on a value of h, fused into the convert, makes each layer's copy wait for the
-    layer before, so one is alive at a time. Accelerators have bf16 dots: nothing is done there."""
-    if jax.default_backend() != "cpu":
+def in_turn(h: jax.Array, weights: Any, policy: Policy) -> tuple[jax.Array, Any]:
+    """(h, weights), where the policy orders converts (CPU) the bf16/fp16 matrices are made to depend on h. XLA's
+    CPU dot has no bf16 kernel, so it converts such operands to f32 first; nothing ordered those converts, and the
+    scheduler ran all of them up front, every layer's f32 copy alive at once (2x the model in temporaries; an
+    optimization_barrier does not help, it is converted too). A select on a value of h, fused into the convert, makes
+    each layer's copy wait for the layer before, so one is alive at a time. Accelerators have bf16 dots: nothing is
+    done there."""
+    if not policy.ordered_converts:
         return h, weights
     first = h.reshape(-1)[0]
     keep = first == first  # false only where h is NaN, which the layer's output would be anyway
@@ -124,25 +126,27 @@ def in_turn(h: jax.Array, weights: Any) -> tuple[jax.Array, Any]:
     return h, jax.tree.map(tied, weights)
 
 
-def cache_dtype(cfg: Config) -> jnp.dtype:
-    """What the cache stores: the bits of compute-dtype values, as unsigned integers of the same width. XLA's CPU
-    scatter has no bf16 kernel: on bf16 values it rewrote each whole block in f32 where only the new positions
-    change, and a bitcast of a whole block is a copy there; on integers a write touches only its positions."""
-    return jnp.dtype(f"uint{8 * jnp.dtype(gptj.compute_dtype(cfg)).itemsize}")
+def cache_dtype(cfg: Config, policy: Policy) -> jnp.dtype:
+    """What the cache stores: compute-dtype values, or where the policy says (CPU) their bits, as unsigned integers
+    of the same width. XLA's CPU scatter has no bf16 kernel: on bf16 values it rewrote each whole block in f32 where
+    only the new positions change, and a bitcast of a whole block is a copy there; on integers a write touches only
+    its positions."""
+    dtype = jnp.dtype(gptj.compute_dtype(cfg))
+    return jnp.dtype(f"uint{8 * dtype.itemsize}") if policy.cache_bits else dtype
 
 
 def scatter(block: jax.Array, index: tuple, values: jax.Array) -> jax.Array:
-    """block.at[index].set(values) on a block of bits (`cache_dtype`), out-of-range rows dropped."""
+    """block.at[index].set(values) on a block of the cache (`cache_dtype`), out-of-range rows dropped."""
     return block.at[index].set(lax.bitcast_convert_type(values, block.dtype), mode="drop")
 
 
 def cached(block: jax.Array, cfg: Config) -> jax.Array:
-    """A block of bits read as values of the compute dtype."""
+    """A block of the cache read as values of the compute dtype (of bits: bitcast; of values: as it is)."""
     return lax.bitcast_convert_type(block, gptj.compute_dtype(cfg))
 
 
 def prefill_logits(params: dict, cache: KVCache, ids_RxT: jax.Array, length_R: jax.Array, slot_R: jax.Array,
-                   cfg: Config, tp_axis: str | None = None) -> tuple[jax.Array, KVCache]:
+                   cfg: Config, tp_axis: str | None = None, *, policy: Policy) -> tuple[jax.Array, KVCache]:
     """Run R prompts (right-padded to T) together, write each one's keys and values from position 0 of its slot
     (a slot of -1 is a padding row, written nowhere), and return the logits after each prompt's last token [R, V]."""
     width = ids_RxT.shape[1]
@@ -151,11 +155,11 @@ def prefill_logits(params: dict, cache: KVCache, ids_RxT: jax.Array, length_R: j
     sincos = layers.rotary_sincos(jnp.arange(width)[None], cfg.pe_rotary_dims)
     kv = []
     for layer_params in params["layers"]:
-        h_RxTxD, layer_params = in_turn(h_RxTxD, layer_params)
-        h_RxTxD, kv_layer = layers.block(h_RxTxD, layer_params, cfg.head_dim, sincos, None, tp_axis)
+        h_RxTxD, layer_params = in_turn(h_RxTxD, layer_params, policy)
+        h_RxTxD, kv_layer = layers.block(h_RxTxD, layer_params, cfg.head_dim, sincos, None, tp_axis, policy=policy)
         kv.append(kv_layer)
     last_Rx1xD, lm_head = in_turn(jnp.take_along_axis(h_RxTxD, (length_R - 1)[:, None, None], axis=1),
-                                  params["lm_head"])
+                                  params["lm_head"], policy)
     logits_RxV = gather_vocab(layers.head(last_Rx1xD, params["ln_f"], lm_head)[:, 0], tp_axis)
     target_R = jnp.where(slot_R >= 0, slot_R, n_slots)  # past the end: the scatter drops it
 
@@ -175,7 +179,7 @@ def prefill_logits(params: dict, cache: KVCache, ids_RxT: jax.Array, length_R: j
 
 
 def decode_logits(params: dict, cache: KVCache, token_R: jax.Array, position_R: jax.Array, cfg: Config,
-                  n_blocks: int, tp_axis: str | None = None) -> tuple[jax.Array, KVCache]:
+                  n_blocks: int, tp_axis: str | None = None, *, policy: Policy) -> tuple[jax.Array, KVCache]:
     """Feed one token to each of the first R slots: write its key at the slot's own position, attend to the cache
     positions in the first `n_blocks` blocks (keys after a slot's own position are masked), return logits [R, V]."""
     rows = token_R.shape[0]
@@ -201,35 +205,36 @@ def decode_logits(params: dict, cache: KVCache, token_R: jax.Array, position_R: 
         # The first `rows` slots of each block read: a copy unless that is every slot, but only of them.
         past_k, past_v = ([cached(b[:rows], cfg).transpose(0, 3, 1, 2) for b in k_cache[layer][:n_blocks]],
                           [cached(b[:rows], cfg).transpose(0, 3, 1, 2) for b in v_cache[layer][:n_blocks]])
-        h_Rx1xD, (layer_params, past_k, past_v) = in_turn(h_Rx1xD, (layer_params, past_k, past_v))
+        h_Rx1xD, (layer_params, past_k, past_v) = in_turn(h_Rx1xD, (layer_params, past_k, past_v), policy)
         past = (past_k, past_v, past_mask_Rx1xS)
         h_Rx1xD, (k_Rx1xHxK, v_Rx1xHxK) = layers.block(h_Rx1xD, layer_params, cfg.head_dim, sincos, new_mask_Rx1x1,
-                                                       tp_axis, past)
+                                                       tp_axis, past, policy=policy)
         # Only the one new key and value per slot go back, so the cache is updated in place. The write must come
         # after attention's reads of the cache, else XLA copies the whole cache to keep them apart: adding 0 * h
         # (which attention produced) makes it depend on them.
         after_Rx1x1 = 0 * h_Rx1xD[:, :, :1, None].astype(k_Rx1xHxK.dtype)
         k_cache[layer] = write(k_cache[layer], (k_Rx1xHxK + after_Rx1x1)[:, 0].astype(past_k[0].dtype))
         v_cache[layer] = write(v_cache[layer], (v_Rx1xHxK + after_Rx1x1)[:, 0].astype(past_k[0].dtype))
-    h_Rx1xD, lm_head = in_turn(h_Rx1xD, params["lm_head"])
+    h_Rx1xD, lm_head = in_turn(h_Rx1xD, params["lm_head"], policy)
     logits_RxV = gather_vocab(layers.head(h_Rx1xD, params["ln_f"], lm_head)[:, 0], tp_axis)
     return logits_RxV, KVCache(k_cache, v_cache)
 
 
-def prefill_local(params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R, *, cfg, tp_axis=None):
+def prefill_local(params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R, *, cfg, policy, tp_axis=None):
     """`prefill_logits`, then each row's first token: returns tokens and log-probs [R], the slots' last tokens [N]
     with these written into theirs (the next decode step's input), and the cache. Per dp group: its own rows, its
     own slots."""
-    logits_RxV, cache = prefill_logits(params, cache, ids_RxT, length_R, slot_R, cfg, tp_axis)
+    logits_RxV, cache = prefill_logits(params, cache, ids_RxT, length_R, slot_R, cfg, tp_axis, policy=policy)
     token_R, logprob_R = choose(logits_RxV, sampling_R, jnp.zeros_like(length_R))
     last_N = last_N.at[jnp.where(slot_R >= 0, slot_R, last_N.shape[0])].set(token_R, mode="drop")
     return token_R, logprob_R, last_N, cache
 
 
-def decode_local(params, cache, last_N, steps_N: Steps, *, cfg, rows: int, n_blocks: int, tp_axis=None):
+def decode_local(params, cache, last_N, steps_N: Steps, *, cfg, policy, rows: int, n_blocks: int, tp_axis=None):
     """One token for each of the first `rows` slots, from its last token. Returns tokens and log-probs [R], the
     slots' last tokens [N] with these written into the first R, the steps advanced by one token, and the cache."""
-    logits_RxV, cache = decode_logits(params, cache, last_N[:rows], steps_N.position[:rows], cfg, n_blocks, tp_axis)
+    logits_RxV, cache = decode_logits(params, cache, last_N[:rows], steps_N.position[:rows], cfg, n_blocks, tp_axis,
+                                      policy=policy)
     sampling_R = jax.tree.map(lambda x: x[:rows], steps_N.sampling)
     token_R, logprob_R = choose(logits_RxV, sampling_R, steps_N.index[:rows])
     advanced = steps_N._replace(position=steps_N.position + 1, index=steps_N.index + 1)
@@ -305,7 +310,7 @@ class Programs:
 
     def _zero_cache(self, n_slots: int, sizes: tuple[int, ...]):
         cfg = self.layout.cfg
-        dtype = cache_dtype(cfg)
+        dtype = cache_dtype(cfg, self.layout.policy)
 
         def zeros():
             return [[jnp.zeros((n_slots, cfg.n_heads, cfg.head_dim, size), dtype) for size in sizes]
@@ -322,7 +327,7 @@ class Programs:
 
     def _prefill(self, params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R):
         params_spec, cache_spec, row = self._specs()
-        fn = partial(prefill_local, cfg=self.layout.cfg, tp_axis=self.layout.tp_axis)
+        fn = partial(prefill_local, cfg=self.layout.cfg, policy=self.layout.policy, tp_axis=self.layout.tp_axis)
         return jax.shard_map(fn, mesh=self.layout.mesh,
                              in_specs=(params_spec, cache_spec, row, self.layout.spec(("batch", "length")), row, row,
                                        row),
@@ -331,7 +336,8 @@ class Programs:
 
     def _decode(self, params, cache, last_N, steps_N, *, rows: int, n_blocks: int):
         params_spec, cache_spec, row = self._specs()
-        fn = partial(decode_local, cfg=self.layout.cfg, rows=rows, n_blocks=n_blocks, tp_axis=self.layout.tp_axis)
+        fn = partial(decode_local, cfg=self.layout.cfg, policy=self.layout.policy, rows=rows, n_blocks=n_blocks,
+                     tp_axis=self.layout.tp_axis)
         return jax.shard_map(fn, mesh=self.layout.mesh, in_specs=(params_spec, cache_spec, row, row),
                              out_specs=(row, row, row, row, cache_spec), check_vma=True)(params, cache, last_N,
                                                                                        steps_N)

@@ -27,6 +27,7 @@ from mesh_transformer.infer.params import decode_specs, place_params
 from mesh_transformer.model import attention, layers
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import DP
+from mesh_transformer.platforms import Policy
 
 MAX_TOP = 5  # the most alternatives a position reports (OpenAI's limit for completions)
 
@@ -118,13 +119,13 @@ def _top(logits_RxTxV: jax.Array, k: int, tp_axis: str | None) -> tuple[jax.Arra
     return ids_RxTxk, values_RxTxk - lse_RxT[..., None]
 
 
-def score_local(params: dict, rows: Rows, *, cfg: Config, top_k: int, tp_axis: str | None = None):
+def score_local(params: dict, rows: Rows, *, cfg: Config, policy: Policy, top_k: int, tp_axis: str | None = None):
     """Per device: the forward over packed rows, then `Scores` of each position (this dp group's rows)."""
     h_RxTxD = layers.embed(rows.ids, params["embed"]["wte"], tp_axis)
     sincos = layers.rotary_sincos(rows.positions, cfg.pe_rotary_dims)
     mask_RxTxT = packed_mask(rows.groups, rows.segments)
     for layer_params in params["layers"]:
-        h_RxTxD = layers.block(h_RxTxD, layer_params, cfg.head_dim, sincos, mask_RxTxT, tp_axis)[0]
+        h_RxTxD = layers.block(h_RxTxD, layer_params, cfg.head_dim, sincos, mask_RxTxT, tp_axis, policy=policy)[0]
     h_RxCxD = jnp.take_along_axis(h_RxTxD, rows.columns[..., None], axis=1)
     logits_RxTxV = layers.head(h_RxCxD, params["ln_f"], params["lm_head"])
     targets_RxT = jnp.maximum(rows.targets, 0)
@@ -138,13 +139,14 @@ def score_local(params: dict, rows: Rows, *, cfg: Config, top_k: int, tp_axis: s
 
 class Scorer:
     """The scoring program of one shard_map Layout over params placed for decoding; `batch_rows` rows (a multiple
-    of dp) per program, so compiles are one per width bucket (and top k)."""
+    of dp) per program, so compiles are one per width bucket (and top k). Without params it only compiles
+    (`aot`)."""
 
-    def __init__(self, layout: Layout, params: dict, batch_rows: int = 8):
+    def __init__(self, layout: Layout, params: dict | None, batch_rows: int = 8):
         self.layout, self.cfg = layout, layout.cfg
         dp = layout.mesh.shape[DP]
         self.batch_rows = -(-max(1, batch_rows) // dp) * dp
-        self.params = place_params(params, layout)
+        self.params = None if params is None else place_params(params, layout)
         self.traces = 0
         self._program = jax.jit(self._score, static_argnames=("top_k",))
 
@@ -152,7 +154,7 @@ class Scorer:
         self.traces += 1
         row = self.layout.spec(("batch", "length"))
         top = self.layout.spec(("batch", "length", None))
-        fn = partial(score_local, cfg=self.cfg, top_k=top_k, tp_axis=self.layout.tp_axis)
+        fn = partial(score_local, cfg=self.cfg, policy=self.layout.policy, top_k=top_k, tp_axis=self.layout.tp_axis)
         return jax.shard_map(fn, mesh=self.layout.mesh, in_specs=(decode_specs(self.cfg), Rows(*[row] * 6)),
                              out_specs=(row, row, top, top), check_vma=True)(params, rows)
 

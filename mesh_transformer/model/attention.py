@@ -1,8 +1,9 @@
 """Attention for training, prefill and the block cache, as pure functions (shape letters: see `layers`).
 
 `attend` is the masked softmax attention every program can run, with an optional KV cache read where it lies;
-`self_attention` is the causal one of training and prefill: `blocked_attention` on CPU, `jax.nn.dot_product_attention`
-(cuDNN's fused kernel on GPU where it applies) elsewhere.
+`self_attention` is the causal one of training and prefill, by the kernel the platform policy names
+(`mesh_transformer.platforms`): `blocked_attention` on CPU, `jax.nn.dot_product_attention` elsewhere (cuDNN's fused
+kernel on GPU where it applies).
 """
 from __future__ import annotations
 
@@ -52,29 +53,34 @@ def causal_mask(length: int) -> jax.Array:
 CPU_QUERY_BLOCKS, MIN_QUERY_BLOCK = 4, 64
 
 
+KERNELS = ("blocked", "xla", "cudnn")
+
+
 def self_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array,
-                   length_B: jax.Array | None = None) -> jax.Array:
+                   length_B: jax.Array | None = None, kernel: str = "xla") -> jax.Array:
     """Causal self-attention for training and prefill; returns [B, T, H*K]. With `length_B` (right-padded rows),
     keys at or after a row's length are masked. Scores and softmax in f32, as in `attend`.
 
-    On CPU `blocked_attention`, which skips the masked blocks (the fused layers of inference programs keep
-    `dot_product_attention`: see `layers._fused_block`). Elsewhere `jax.nn.dot_product_attention`: on GPU
-    cuDNN's fused (flash) kernel where it takes the dtype and head dim (bf16 or fp16; head dim a multiple of 8, at
-    most 128, 256 from Hopper on), else XLA's implementation, as on TPU.
+    `kernel` "blocked" (the CPU's): `blocked_attention`, which skips the masked blocks. "xla":
+    `jax.nn.dot_product_attention` in XLA's implementation (TPU). "cudnn": cuDNN's fused (flash) kernel where it
+    takes the dtype and head dim (bf16 or fp16; head dim a multiple of 8, at most 128, 256 from Hopper on), else
+    XLA's.
     """
-    if jax.default_backend() == "cpu":
+    if kernel not in KERNELS:
+        raise ValueError(f"attention kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "blocked":
         return blocked_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, length_B)
-    return dot_product_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, length_B)
+    return dot_product_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, length_B, cudnn=kernel == "cudnn")
 
 
 def dot_product_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array,
-                          length_B: jax.Array | None = None) -> jax.Array:
-    """`self_attention` through `jax.nn.dot_product_attention`: cuDNN's kernel on GPU where it applies."""
+                          length_B: jax.Array | None = None, cudnn: bool = False) -> jax.Array:
+    """`self_attention` through `jax.nn.dot_product_attention`; with `cudnn`, cuDNN's kernel where it applies."""
     lengths_B = None if length_B is None else length_B.astype(jnp.int32)
     run = partial(jax.nn.dot_product_attention, q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, is_causal=True,
                   key_value_seq_lengths=lengths_B)
     ctx_BxTxHxK = None
-    if jax.default_backend() == "gpu" and q_BxTxHxK.dtype in (jnp.bfloat16, jnp.float16):
+    if cudnn and q_BxTxHxK.dtype in (jnp.bfloat16, jnp.float16):
         try:
             ctx_BxTxHxK = run(implementation="cudnn")
         except Exception as e:  # refused when traced (dtype, head dim, cuDNN version, layout): XLA's is always there

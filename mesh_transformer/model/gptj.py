@@ -13,12 +13,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mesh_transformer.model import layers, lora
 from mesh_transformer.config import Config
+from mesh_transformer.model import layers, lora
+from mesh_transformer.platforms import Policy
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-# compute_dtype "auto": bf16 where the matrix units are (GPU, TPU); f32 on CPU, where XLA's bf16 matmul is slower.
-AUTO_COMPUTE_DTYPE = {"gpu": "bfloat16", "tpu": "bfloat16", "cpu": "float32"}
 Path = tuple[str, ...]  # a param's keys from the root of the tree, e.g. ("layers", "attn", "q")
 HIDDEN_AXES = ("batch", "length", "embed")
 LOGITS_AXES = ("batch", "length", "vocab")
@@ -130,11 +129,13 @@ def init_unsharded(cfg: Config, key: jax.Array) -> dict:
     return jax.jit(partial(init_params, cfg))(key)
 
 
-def compute_dtype(cfg: Config, platform: str | None = None) -> jnp.dtype:
-    """The dtype matmuls run in: cfg.compute_dtype, with "auto" resolved for `platform` (default: JAX's backend)."""
+def compute_dtype(cfg: Config, policy: Policy | None = None) -> jnp.dtype:
+    """The dtype matmuls run in: cfg.compute_dtype, with "auto" what the platform policy says (bf16 where the
+    matrix units are, f32 on CPU, where XLA's bf16 matmul is slower). A Layout's config has "auto" resolved for its
+    devices already; with neither, "auto" is f32."""
     name = cfg.compute_dtype
     if name == "auto":
-        name = AUTO_COMPUTE_DTYPE.get(platform or jax.default_backend(), "float32")
+        name = policy.compute_dtype if policy is not None else "float32"
     return jnp.dtype(DTYPES[name])
 
 
@@ -146,7 +147,7 @@ def cast_for_compute(params: dict, cfg: Config) -> dict:
 
 
 def forward(params: dict, ids_BxT: jax.Array, cfg: Config, tp_axis: str | None = None,
-            constrain: Constrain | None = None) -> jax.Array:
+            constrain: Constrain | None = None, *, policy: Policy) -> jax.Array:
     """Logits [B, T, V] in f32 (this device's vocab columns under tensor parallelism).
 
     `constrain` pins activations between layers (GSPMD): under FSDP that makes XLA gather one layer's weights per
@@ -154,12 +155,12 @@ def forward(params: dict, ids_BxT: jax.Array, cfg: Config, tp_axis: str | None =
     """
     constrain = constrain or _unconstrained
     params = cast_for_compute(params, cfg)
-    h_BxTxD = hidden(params, ids_BxT, cfg, tp_axis, constrain)
+    h_BxTxD = hidden(params, ids_BxT, cfg, tp_axis, constrain, policy=policy)
     return constrain(layers.head(h_BxTxD, params["ln_f"], params["lm_head"]), LOGITS_AXES)
 
 
 def hidden(params: dict, ids_BxT: jax.Array, cfg: Config, tp_axis: str | None, constrain: Constrain,
-           layer_grad_sum: dict | None = None) -> jax.Array:
+           layer_grad_sum: dict | None = None, *, policy: Policy) -> jax.Array:
     """The last block's output [B, T, D], before the final LayerNorm; each layer (and its adapters, if any: see
     model/lora.py) cast to the compute dtype as the scan reaches it. With `layer_grad_sum` (gradient accumulation,
     remat on) the trained layers' gradient comes out as layer_grad_sum + this batch's: see `_layers_into`."""
@@ -170,7 +171,7 @@ def hidden(params: dict, ids_BxT: jax.Array, cfg: Config, tp_axis: str | None, c
     def step(h_BxTxD, layer_params, sincos):
         layer_params = lora.adapt_layer(jax.tree.map(lambda x: x.astype(compute_dtype(cfg)), layer_params), cfg)
         h_BxTxD = layers.block(h_BxTxD, layer_params, cfg.head_dim, sincos, None, tp_axis,
-                               join=cfg.join_projections)[0]
+                               join=cfg.join_projections, policy=policy)[0]
         return constrain(h_BxTxD, HIDDEN_AXES)
 
     if layer_grad_sum is not None:
@@ -221,12 +222,12 @@ _layers_into.defvjp(_layers_into_fwd, _layers_into_bwd)
 
 def loss_fn(params: dict, tokens_BxT1: jax.Array, cfg: Config, tp_axis: str | None = None,
             dp_axis: str | None = None, constrain: Constrain | None = None,
-            layer_grad_sum: dict | None = None) -> jax.Array:
+            layer_grad_sum: dict | None = None, *, policy: Policy) -> jax.Array:
     """Mean next-token cross entropy of a [B, T+1] token batch (inputs [:-1], targets [1:]); `layer_grad_sum`:
     see `hidden`."""
     constrain = constrain or _unconstrained
     params = cast_for_compute(params, cfg)
-    h_BxTxD = hidden(params, tokens_BxT1[:, :-1], cfg, tp_axis, constrain, layer_grad_sum)
+    h_BxTxD = hidden(params, tokens_BxT1[:, :-1], cfg, tp_axis, constrain, layer_grad_sum, policy=policy)
     pin_logits = None if constrain is _unconstrained else (lambda logits: constrain(logits, LOGITS_AXES))
     ce_BxT = layers.head_cross_entropy(h_BxTxD, params["ln_f"], params["lm_head"], tokens_BxT1[:, 1:], tp_axis,
                                        pin_logits)

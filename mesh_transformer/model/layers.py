@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from functools import partial
+
 from jax import lax
 
-from mesh_transformer.model.attention import attend, causal_mask, dot_product_attention, self_attention
+from mesh_transformer.model.attention import attend, causal_mask, self_attention
+from mesh_transformer.platforms import Policy
 
 LN_EPS = 1e-5
 F32 = jnp.float32
@@ -49,9 +52,12 @@ def apply_rotary(x_BxTxHxK: jax.Array, sin_BxTxP: jax.Array, cos_BxTxP: jax.Arra
     return jnp.concatenate([x_rot.astype(x_BxTxHxK.dtype), x_pass], -1)
 
 
-def dense(x: jax.Array, w) -> jax.Array:
-    """x @ w; a LoRA-adapted weight (model/lora.py's `Adapted`, a callable) adds its low-rank path itself."""
-    return w(x) if callable(w) else _matmul(*_same_varying_axes(x, w))
+def dense(x: jax.Array, w, policy: Policy) -> jax.Array:
+    """x @ w, differentiated as the policy says (`_matmul`'s backward on CPU, autodiff elsewhere); a LoRA-adapted
+    weight (model/lora.py's `Adapted`, a callable) adds its low-rank path itself."""
+    if callable(w):
+        return w(x)
+    return _matmul(*_same_varying_axes(x, w)) if policy.dense_backward == "ordered" else x @ w
 
 
 @jax.custom_vjp
@@ -60,7 +66,7 @@ def _matmul(x: jax.Array, w_DxF: jax.Array) -> jax.Array:
     XLA's CPU backend transposes the left side of such a product into a copy; JAX's own transpose of x @ w always
     computes (dy^T x)^T, so XLA copied dy (for fc_in the wider side) and ran a slower product. On a 2-core CPU at
     1024 tokens, forward + backward of a [512, 2048] projection took 0.65 of autodiff's time, [512, 512] 0.66,
-    [2048, 512] 0.93; the bench model's fwd + bwd 0.97 (0.93 without its head). The same products on any backend.
+    [2048, 512] 0.93; the bench model's fwd + bwd 0.97 (0.93 without its head). The CPU policy's dense backward.
     """
     return x @ w_DxF
 
@@ -82,17 +88,17 @@ def _matmul_bwd(residuals, dy):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def qkv(n_BxTxD: jax.Array, p: dict, head_dim: int, sincos: tuple[jax.Array, jax.Array]):
+def qkv(n_BxTxD: jax.Array, p: dict, head_dim: int, sincos: tuple[jax.Array, jax.Array], policy: Policy):
     """Project to queries, keys and values [B, T, H, K], rotary applied to q and k."""
     def heads(w):
-        y = dense(n_BxTxD, w)
+        y = dense(n_BxTxD, w, policy)
         return y.reshape(*y.shape[:-1], -1, head_dim)
 
     q, k, v = heads(p["q"]), heads(p["k"]), heads(p["v"])
     return apply_rotary(q, *sincos), apply_rotary(k, *sincos), v
 
 
-def _attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask_BxTxT, past, causal=self_attention) -> jax.Array:
+def _attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask_BxTxT, past, causal) -> jax.Array:
     """`causal` attention when the mask is None and there is no cache; else `attend` (the block cache)."""
     if mask_BxTxT is None and past is None:
         return causal(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK)
@@ -100,30 +106,32 @@ def _attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask_BxTxT, past, causal=self_at
     return attend(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask_BxTxT, past)
 
 
-def mlp(n_BxTxD: jax.Array, p: dict) -> jax.Array:
+def mlp(n_BxTxD: jax.Array, p: dict, policy: Policy) -> jax.Array:
     """This device's part of the MLP, before the reduction and without fc_out's bias (added once, after it)."""
-    h_BxTxF = jax.nn.gelu(dense(n_BxTxD, p["fc_in"]["kernel"]) + p["fc_in"]["bias"], approximate=True)
-    return dense(h_BxTxF, p["fc_out"]["kernel"])
+    h_BxTxF = jax.nn.gelu(dense(n_BxTxD, p["fc_in"]["kernel"], policy) + p["fc_in"]["bias"], approximate=True)
+    return dense(h_BxTxF, p["fc_out"]["kernel"], policy)
 
 
 def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, mask_BxTxT: jax.Array | None = None,
           tp_axis: str | None = None, past: tuple | None = None,
-          join: bool = False) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+          join: bool = False, *, policy: Policy) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """One GPT-J block: h + Attn(LN(h)) + MLP(LN(h)), with one all-reduce of attn + mlp under tensor parallelism.
 
     Returns the new h and this block's keys and values [B, T, H, K], for a caller that keeps a KV cache. A mask of
     None is causal self-attention (`self_attention`: training, prefill). With `past=(k_blocks, v_blocks,
     mask_BxTxS)` attention also sees those cached keys (see `attend`). `p` is a layer of the param tree, or one
     whose projections `fuse_layer` joined (for inference). With `join`, a param-tree layer's projections are joined
-    inside the computation (`_joined_block`).
+    inside the computation (`_joined_block`). The policy names the kernels (attention, the dense backward).
     """
     n_BxTxD = layer_norm(h_BxTxD, p["ln_1"])
     if "fused" in p:
-        return _fused_block(h_BxTxD, n_BxTxD, p["fused"], head_dim, sincos, mask_BxTxT, tp_axis, past)
+        return _fused_block(h_BxTxD, n_BxTxD, p["fused"], head_dim, sincos, mask_BxTxT, tp_axis, past, policy)
     if join:
-        return _joined_block(h_BxTxD, n_BxTxD, p, head_dim, sincos, mask_BxTxT, tp_axis, past)
-    q, k, v = qkv(n_BxTxD, p["attn"], head_dim, sincos)
-    out_BxTxD = dense(_attention(q, k, v, mask_BxTxT, past), p["attn"]["out"]) + mlp(n_BxTxD, p["mlp"])
+        return _joined_block(h_BxTxD, n_BxTxD, p, head_dim, sincos, mask_BxTxT, tp_axis, past, policy)
+    q, k, v = qkv(n_BxTxD, p["attn"], head_dim, sincos, policy)
+    causal = partial(self_attention, kernel=policy.attention)
+    out_BxTxD = (dense(_attention(q, k, v, mask_BxTxT, past, causal), p["attn"]["out"], policy)
+                 + mlp(n_BxTxD, p["mlp"], policy))
     return _residual(h_BxTxD, out_BxTxD, p["mlp"]["fc_out"]["bias"], tp_axis), (k, v)
 
 
@@ -164,31 +172,32 @@ def _by_rows(x: jax.Array, w_NxK: jax.Array) -> jax.Array:
     return lax.dot_general(x, w_NxK, (((x.ndim - 1,), (1,)), ((), ())))
 
 
-def _fused_block(h_BxTxD, n_BxTxD, p: dict, head_dim: int, sincos, mask_BxTxT, tp_axis, past):
+def _fused_block(h_BxTxD, n_BxTxD, p: dict, head_dim: int, sincos, mask_BxTxT, tp_axis, past, policy: Policy):
     """`block` over `fuse_layer`'s matrices (this device's slice: the device axis is 1 here)."""
     d = p["in"].shape[-1]
     d_local = (p["in"].shape[1] - p["out"].shape[-1]) // 2  # in: 3 * D/tp + F/tp rows, out: D/tp + F/tp columns
     y = _by_rows(n_BxTxD, p["in"].reshape(-1, d)) + p["in_bias"].reshape(-1)
-    # Inference only, so forward only: prefill keeps XLA's attention, whose programs compile faster. On CPU the
+    # Inference only, so forward only: on CPU prefill keeps XLA's attention, whose programs compile faster: the
     # blocked one took 1.2-2.2 s more per 6B prefill program (the serving warm-up compiles 17 of them).
-    joined, kv = _attention_and_mlp(y, d_local, None, head_dim, sincos, mask_BxTxT, past, dot_product_attention)
+    causal = partial(self_attention, kernel="xla" if policy.attention == "blocked" else policy.attention)
+    joined, kv = _attention_and_mlp(y, d_local, None, head_dim, sincos, mask_BxTxT, past, causal)
     return _residual(h_BxTxD, _by_rows(joined, p["out"].reshape(d, -1)), p["out_bias"], tp_axis), kv
 
 
-def _joined_block(h_BxTxD, n_BxTxD, p: dict, head_dim: int, sincos, mask_BxTxT, tp_axis, past):
+def _joined_block(h_BxTxD, n_BxTxD, p: dict, head_dim: int, sincos, mask_BxTxT, tp_axis, past, policy: Policy):
     """`block` with q, k, v and fc_in (which all read LN(h)) joined into one matrix product, and out and fc_out
     (whose outputs are summed) into another: the joined matrices are made from a param-tree layer inside the
     computation, so training keeps its params as they are and autodiff splits the joined gradients back."""
     attn, mlp_p = p["attn"], p["mlp"]
     in_DxN = jnp.concatenate([attn["q"], attn["k"], attn["v"], mlp_p["fc_in"]["kernel"]], -1)
-    joined, kv = _attention_and_mlp(dense(n_BxTxD, in_DxN), attn["q"].shape[-1], mlp_p["fc_in"]["bias"], head_dim,
-                                    sincos, mask_BxTxT, past)
+    causal = partial(self_attention, kernel=policy.attention)
+    joined, kv = _attention_and_mlp(dense(n_BxTxD, in_DxN, policy), attn["q"].shape[-1], mlp_p["fc_in"]["bias"],
+                                    head_dim, sincos, mask_BxTxT, past, causal)
     out_MxD = jnp.concatenate([attn["out"], mlp_p["fc_out"]["kernel"]], 0)
-    return _residual(h_BxTxD, dense(joined, out_MxD), mlp_p["fc_out"]["bias"], tp_axis), kv
+    return _residual(h_BxTxD, dense(joined, out_MxD, policy), mlp_p["fc_out"]["bias"], tp_axis), kv
 
 
-def _attention_and_mlp(y, width: int, fc_in_bias, head_dim: int, sincos, mask_BxTxT, past,
-                       causal=self_attention):
+def _attention_and_mlp(y, width: int, fc_in_bias, head_dim: int, sincos, mask_BxTxT, past, causal):
     """From the joined input product y [B, T, 3 * width + F] (q, k, v, fc_in; `width` = this device's H*K, fc_in's
     bias added here unless None): attention's output and the MLP's activation side by side [B, T, width + F], and
     the new keys and values."""

@@ -29,9 +29,11 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from mesh_transformer import platforms
 from mesh_transformer.config import Config, ConfigError, check_devices
 from mesh_transformer.model import gptj, lora
 from mesh_transformer.parallel.mesh import DATA, DP, FSDP, MP, TENSOR, make_mesh
+from mesh_transformer.platforms import Policy
 
 Rules = list[tuple[str, str | tuple[str, ...] | None]]
 
@@ -104,11 +106,12 @@ def unstacked(specs: dict, n_layers: int) -> dict:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Layout:
     """One parallelism mode on one mesh. Build it with `make_layout`."""
-    cfg: Config
+    cfg: Config  # compute_dtype "auto" resolved for the mesh's devices
     mesh: Mesh
     rules: Rules
     tp_axis: str | None  # the tensor-parallel axis the layers reduce over (shard_map kind), else None
     dp_axis: str | None  # the batch axis a per-device loss is averaged over (shard_map kind), else None
+    policy: Policy  # the platform choices of the mesh's devices (mesh_transformer.platforms)
 
     # ----------------------------------------------------------------------------------------------- placement
     def spec(self, logical_axes: Sequence[str]) -> P:
@@ -191,13 +194,13 @@ class Layout:
         """(*param trees, tokens [B, T+1]) -> mean loss of `model_loss(*trees, tokens, cfg, ...)` (not jitted)."""
         cfg, tokens_spec = self.cfg, self.spec(ACTIVATION_AXES["tokens"])
         if self.tp_axis is not None:
-            fn = partial(model_loss, cfg=cfg, tp_axis=self.tp_axis, dp_axis=self.dp_axis)
+            fn = partial(model_loss, cfg=cfg, tp_axis=self.tp_axis, dp_axis=self.dp_axis, policy=self.policy)
             return self._per_device(fn, (*arg_specs, tokens_spec), P())
 
         def loss(*args, **kw):
             *trees, tokens_BxT1 = args
             tokens_BxT1 = self._constrain(tokens_BxT1, ACTIVATION_AXES["tokens"])
-            return model_loss(*trees, tokens_BxT1, cfg, constrain=self._constrain, **kw)
+            return model_loss(*trees, tokens_BxT1, cfg, constrain=self._constrain, policy=self.policy, **kw)
 
         return loss
 
@@ -206,7 +209,7 @@ class Layout:
         argument after the tokens, a gradient sum placed like the first tree, and the gradients come out added to
         it (the layers' inside their backward, so no second set of layer gradients is held: `gptj.hidden`)."""
         if self.tp_axis is not None:
-            loss = partial(model_loss, cfg=self.cfg, tp_axis=self.tp_axis, dp_axis=self.dp_axis)
+            loss = partial(model_loss, cfg=self.cfg, tp_axis=self.tp_axis, dp_axis=self.dp_axis, policy=self.policy)
         else:
             loss = self._loss(model_loss, arg_specs)
         shardings = jax.tree.map(partial(NamedSharding, self.mesh), arg_specs[0])
@@ -247,13 +250,13 @@ class Layout:
         """Jitted (params, ids [B, T]) -> logits [B, T, V] in f32, placed by the rules (batch and vocab split)."""
         cfg, logits_spec = self.cfg, self.spec(ACTIVATION_AXES["logits"])
         if self.tp_axis is not None:
-            fn = partial(gptj.forward, cfg=cfg, tp_axis=self.tp_axis)
+            fn = partial(gptj.forward, cfg=cfg, tp_axis=self.tp_axis, policy=self.policy)
             return jax.jit(self._per_device(fn, (self.param_specs(), self.spec(ACTIVATION_AXES["tokens"])),
                                             logits_spec))
 
         def logits(params, ids_BxT):
             return gptj.forward(params, self._constrain(ids_BxT, ACTIVATION_AXES["tokens"]), cfg,
-                                constrain=self._constrain)
+                                constrain=self._constrain, policy=self.policy)
 
         return jax.jit(logits, in_shardings=(self.param_shardings(), self.sharding(ACTIVATION_AXES["tokens"])),
                        out_shardings=NamedSharding(self.mesh, logits_spec))
@@ -310,10 +313,12 @@ def gspmd_rules(cfg: Config) -> Rules:
     return GSPMD_RULES[cfg.parallelism]
 
 
-def make_layout(cfg: Config, devices: Sequence[jax.Device] | None = None, mesh: Mesh | None = None) -> Layout:
+def make_layout(cfg: Config, devices: Sequence[jax.Device] | None = None, mesh: Mesh | None = None,
+                policy: Policy | None = None) -> Layout:
     """The Layout of cfg.parallelism: on `mesh` when given, else on a mesh built from the devices (by default all)
     by the config: shard_map mp = cores_per_replica, GSPMD fsdp = mesh_fsdp and tensor = mesh_tensor, the remaining
-    devices data parallel."""
+    devices data parallel. The platform policy is the mesh's devices' unless given; compute_dtype "auto" becomes
+    the policy's."""
     if mesh is None:
         devices = list(jax.devices() if devices is None else devices)
         check_devices(cfg, len(devices))
@@ -324,8 +329,11 @@ def make_layout(cfg: Config, devices: Sequence[jax.Device] | None = None, mesh: 
             shape = {DATA: len(devices) // group, FSDP: cfg.mesh_fsdp, TENSOR: cfg.mesh_tensor}
         mesh = make_mesh(shape, devices)
     _check_axes(cfg, mesh)
+    policy = policy or platforms.for_devices(list(mesh.devices.flat))
+    if cfg.compute_dtype == "auto":
+        cfg = dataclasses.replace(cfg, compute_dtype=policy.compute_dtype)
     if cfg.parallelism == SHARD_MAP:
-        return Layout(cfg, mesh, MEGATRON_RULES, tp_axis=MP, dp_axis=DP)
+        return Layout(cfg, mesh, MEGATRON_RULES, tp_axis=MP, dp_axis=DP, policy=policy)
     rules = gspmd_rules(cfg)
     _check_gspmd(cfg, mesh, rules)
-    return Layout(cfg, mesh, rules, tp_axis=None, dp_axis=None)
+    return Layout(cfg, mesh, rules, tp_axis=None, dp_axis=None, policy=policy)

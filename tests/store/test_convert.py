@@ -14,7 +14,7 @@ import torch
 from transformers import AutoTokenizer, GPTJForCausalLM
 
 from mesh_transformer.store import checkpoint, convert, storage
-from mesh_transformer import config
+from mesh_transformer import config, platforms
 from mesh_transformer.parallel import mesh
 from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.model import gptj as model
@@ -26,6 +26,8 @@ from mesh_transformer.train.state import abstract_train_state
 from tests.gcs_emulator import create_bucket, gcs_emulator
 from tests.helpers import run_script
 from tests.store.test_mtj_v1 import original_shards, random_params, write_mtj_v1
+
+CPU_POLICY = platforms.for_platform("cpu")
 
 CONFIG = "configs/tiny_rot_partial.json"  # 2 layers, D 64, 8 heads, V 256
 CFG4 = config.load(CONFIG, ["cores_per_replica=4"])
@@ -123,7 +125,7 @@ def test_export_split_over_files_loads_in_transformers_with_our_logits(trained, 
     assert AutoTokenizer.from_pretrained(out).encode("Hello world") == [15496, 995]
     with torch.no_grad():
         hf_logits = hf_model(torch.tensor(IDS)).logits.numpy()
-    ours = np.asarray(jax.jit(lambda p, x: model.forward(p, x, CFG4))(state["params"], IDS))
+    ours = np.asarray(jax.jit(lambda p, x: model.forward(p, x, CFG4, policy=CPU_POLICY))(state["params"], IDS))
     np.testing.assert_allclose(ours, hf_logits, atol=1e-4, rtol=0)
     # Greedy decoding agrees too: our forward over a fixed buffer (causal, so later slots don't matter).
     prompt, n_new = IDS[:1, :5], 8
@@ -132,7 +134,7 @@ def test_export_split_over_files_loads_in_transformers_with_our_logits(trained, 
                                       pad_token_id=0)[0, 5:].tolist()
     buffer = np.zeros((1, CFG4.seq), np.int32)
     buffer[0, :5] = prompt[0]
-    forward = jax.jit(lambda p, x: model.forward(p, x, CFG4))
+    forward = jax.jit(lambda p, x: model.forward(p, x, CFG4, policy=CPU_POLICY))
     for t in range(5, 5 + n_new):
         buffer[0, t] = int(jnp.argmax(forward(state["params"], buffer)[0, t - 1]))
     assert buffer[0, 5:5 + n_new].tolist() == hf_tokens

@@ -6,9 +6,11 @@ import pytest
 import torch
 from transformers import GPTJConfig, GPTJForCausalLM
 
-from mesh_transformer import config
+from mesh_transformer import config, platforms
 from mesh_transformer.store import hf
 from mesh_transformer.model import gptj as model
+
+CPU_POLICY = platforms.for_platform("cpu")
 
 TINY = {
     "rotary-partial": config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1"]),
@@ -43,7 +45,7 @@ def test_logits_equal_hf_gptj(name):
     ids = np.random.default_rng(0).integers(0, vocab_used, (2, cfg.seq))
     with torch.no_grad():
         expected = hf_model(torch.tensor(ids)).logits.numpy()
-    ours = np.asarray(jax.jit(lambda p, x: model.forward(p, x, cfg))(params, ids))
+    ours = np.asarray(jax.jit(lambda p, x: model.forward(p, x, cfg, policy=CPU_POLICY))(params, ids))
     np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=0)
 
 

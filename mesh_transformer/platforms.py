@@ -1,0 +1,134 @@
+"""What differs by platform, chosen once from the devices a program is for: one small named value (`Policy`) that a
+Layout carries and the programs read. Model, infer and train code never ask JAX which backend it runs.
+
+The CPU policy holds the workarounds for XLA's CPU backend, each measured where it is written: blocked training
+attention (`model/attention.py`), the dense layers' hand-written backward (`model/layers.py`), weight converts
+ordered layer by layer and a KV cache stored as bits (`infer/decode.py`). TPU and GPU programs hold none of them.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import importlib.util
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+
+CPU, TPU, GPU = "cpu", "tpu", "gpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The platform choices of one set of devices."""
+    platform: str  # "cpu", "tpu" or "gpu"
+    device_kind: str
+    compute_dtype: str  # what the config's compute_dtype "auto" means here
+    attention: str  # training and prefill's causal attention: "blocked", "xla" or "cudnn" (XLA's where refused)
+    dense_backward: str  # "ordered" (the CPU's weight-gradient product order) or "autodiff"
+    ordered_converts: bool  # bf16 weights converted to f32 one layer at a time (XLA's CPU dot has no bf16 kernel)
+    cache_bits: bool  # the KV cache stored as unsigned bits (XLA's CPU scatter has no bf16 kernel)
+    loop_hoisting: bool = True  # XLA's loop-invariant code motion (the CPU fit check can turn it off)
+
+    def compiler_options(self) -> dict:
+        """XLA options of this policy's programs."""
+        return {} if self.loop_hoisting else {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+
+
+_POLICIES = {
+    CPU: Policy(CPU, "cpu", "float32", attention="blocked", dense_backward="ordered", ordered_converts=True,
+                cache_bits=True),
+    TPU: Policy(TPU, "", "bfloat16", attention="xla", dense_backward="autodiff", ordered_converts=False,
+                cache_bits=False),
+    GPU: Policy(GPU, "", "bfloat16", attention="cudnn", dense_backward="autodiff", ordered_converts=False,
+                cache_bits=False),
+}
+_PLATFORM_NAMES = {"cpu": CPU, "tpu": TPU, "gpu": GPU, "cuda": GPU, "rocm": GPU}
+
+
+def for_platform(platform: str, device_kind: str = "") -> Policy:
+    """The policy of a platform name as JAX devices give it ("cpu", "tpu", "gpu", "cuda", "rocm")."""
+    name = _PLATFORM_NAMES.get(platform.lower())
+    if name is None:
+        raise ValueError(f"no platform policy for {platform!r}")
+    return dataclasses.replace(_POLICIES[name], device_kind=device_kind or name)
+
+
+def for_devices(devices: Sequence) -> Policy:
+    """The policy of the devices a program is for (all of one platform)."""
+    platforms = {d.platform for d in devices}
+    if len(platforms) != 1:
+        raise ValueError(f"the devices of one program must be of one platform, got {sorted(platforms)}")
+    return for_platform(platforms.pop(), devices[0].device_kind)
+
+
+def default() -> Policy:
+    """The policy of the devices JAX has, for code called outside a Layout (tests, tools on one device)."""
+    import jax
+
+    return for_devices(jax.devices())
+
+
+# ---------------------------------------------------------------------------------------- before JAX starts
+# A TPU VM's chips: /dev/accel* (v2 to v5e), /dev/vfio/<n> (v5p, v6e).
+TPU_DEVICE_FILES = ("/dev/accel*", "/dev/vfio/[0-9]*")
+CUDA_PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is not installed
+        return False
+
+
+def expected_platform() -> str:
+    """The backend JAX will start on ("cpu", "gpu", "tpu"), told without starting it, for what must happen before it
+    starts: JAX_PLATFORMS when set; else "tpu" where libtpu is installed and a TPU is attached (its device files),
+    "gpu" where a CUDA plugin is installed and an NVIDIA device is present; else "cpu". libtpu or the CUDA plugin
+    without such a device (installed for compile-only targets: `targets`) make a CPU machine."""
+    requested = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip().lower()
+    if requested:
+        return {"cuda": "gpu", "rocm": "gpu"}.get(requested, requested)
+    if installed("libtpu") and any(glob.glob(pattern) for pattern in TPU_DEVICE_FILES):
+        return TPU
+    if os.path.exists("/dev/nvidiactl") and any(installed(m) for m in CUDA_PLUGINS):
+        return GPU
+    return CPU
+
+
+def pin_platform() -> None:
+    """Make a machine without an accelerator a CPU machine, whatever plugins are installed (called when the package
+    is imported). JAX would try libtpu or the CUDA plugin first, print their start-up failures and fall back: so
+    JAX_PLATFORMS=cpu unless set already, and where a CUDA plugin is installed without a GPU, JAX's plugin
+    discovery (whose import of the plugin prints "could not find cuda drivers" lines) runs with stderr held."""
+    if "JAX_PLATFORMS" not in os.environ and expected_platform() == CPU:
+        os.environ["JAX_PLATFORMS"] = CPU
+    if "jax" in sys.modules or os.path.exists("/dev/nvidiactl") or not any(installed(m) for m in CUDA_PLUGINS):
+        return
+    with quiet_stderr():
+        import jax  # noqa: F401
+        from jax._src import xla_bridge
+
+        getattr(xla_bridge, "_discover_and_register_pjrt_plugins", lambda: None)()
+
+
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """Hold back what C++ libraries print on file descriptor 2 while inside (libtpu's and the CUDA plugin's start-up
+    lines on a machine without such a device); shown after all if the block raises."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            held.seek(0)
+            sys.stderr.write(held.read().decode(errors="replace"))
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)

@@ -1,0 +1,152 @@
+"""Compile-only accelerator targets: names to devices, the platform policy in the programs they get, the fit check's
+records on real TPU and GPU compilers, and the step-time estimate against an analytic FLOP count."""
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from mesh_transformer import aot, config, estimate, platforms, targets
+from mesh_transformer.config import ConfigError
+from mesh_transformer.infer.decode import Programs, block_sizes, default_block
+
+CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=4", "warmup_steps=0"])
+
+
+@pytest.fixture(scope="module")
+def v3_8():
+    return targets.target("v3-8").devices()
+
+
+def test_cloud_names_map_to_libtpu_topologies():
+    assert targets.target("v3-8").topology == "v3:2x2" and targets.target("v3-8").n_devices == 8
+    assert targets.target("v4-8").topology == "v4:2x2x1"
+    assert targets.target("v5litepod-8").topology == "v5e:2x4" and targets.target("v5litepod-8").n_devices == 8
+    one = targets.target("v5litepod-1")
+    assert one.topology == "v5e:1x1" and dict(one.options)["chips_per_host_bounds"] == (1, 1, 1)
+    assert targets.target("v6e-8").topology == "v6e:2x4" and targets.target("v3-32").n_devices == 32
+    assert targets.target("V3-8").chip.memory_bytes == 16 * 2 ** 30
+    with pytest.raises(ConfigError, match="unknown target 'v9-8'.*h100-8"):
+        targets.target("v9-8")
+    with pytest.raises(ConfigError, match="v3-7: a v3 slice counts 2 cores per chip"):
+        targets.target("v3-7")
+
+
+def test_gpu_sets_name_their_spec_and_count():
+    h100 = targets.target("h100-8")
+    assert h100.platform == "gpu" and h100.n_devices == 8 and h100.chip.memory_bytes >= 80 * 10 ** 9
+    assert targets.target("h200-1").chip.memory_bytes > h100.chip.memory_bytes
+    assert targets.target("a100-80-8").chip.peak_flops < h100.chip.peak_flops
+
+
+@pytest.mark.parametrize("name, kind", [("v3-8", "TPU v3"), ("v5litepod-1", "TPU v5 lite"), ("h100-1", "H100")])
+def test_targets_give_compile_only_devices_of_their_kind(name, kind):
+    devices = targets.target(name).devices()
+    assert len(devices) == targets.target(name).n_devices and kind in devices[0].device_kind
+    policy = platforms.for_devices(devices)
+    assert policy.platform == targets.target(name).platform and policy.compute_dtype == "bfloat16"
+
+
+def _locations(lowered) -> set[str]:
+    """The source names a lowered program's operations carry (function names, op names)."""
+    return set(re.findall(r'^#loc\d+ = loc\("([^"]*)"', lowered.as_text(debug_info=True), re.M))
+
+
+def _programs(cfg, devices):
+    train = aot.training_programs(cfg, "shard_map", devices, None)
+    layout = aot._inference_layout(train["layout"])
+    programs = Programs(layout)
+    cache, last, steps = aot._abstract_slots(programs, 8, block_sizes(cfg.seq, default_block(cfg.seq)))
+    decode = programs.jitted["decode"].lower(aot._abstract_decode_params(layout), cache, last, steps, rows=4,
+                                             n_blocks=1)
+    return train, train["train"].lower(train["state"], train["tokens"]), decode
+
+
+def test_a_tpu_program_holds_none_of_the_cpu_workarounds(v3_8):
+    cfg = dataclasses.replace(CFG, compute_dtype="auto")
+    train, train_lowered, decode = _programs(cfg, v3_8)
+    assert train["layout"].cfg.compute_dtype == "bfloat16"  # "auto" on a TPU
+    assert train["layout"].policy == platforms.for_platform("tpu", v3_8[0].device_kind)
+    names = _locations(train_lowered) | _locations(decode)
+    assert "dot_product_attention" in names and not {"blocked_attention", "in_turn"} & names
+    assert "ui16" not in decode.as_text()  # the cache holds bf16 values, not their bits
+    # Every matrix product XLA:TPU made (a convolution on TPU) is fed bf16, but for the gradient of attention's
+    # scores, which jax.nn.dot_product_attention's backward takes from the f32 softmax.
+    hlo = train_lowered.compile().as_text()
+    products = re.findall(r"= \w+\[[^\]]*\]\S* convolution\(%([\w.\-]+), %([\w.\-]+)\)[^\n]*op_name=\"([^\"]*)\"", hlo)
+    dtypes = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", hlo))
+    wider = [name for a, b, name in products if {dtypes[a], dtypes[b]} != {"bf16"}]
+    assert len(products) > 20 and all("BTNH,BSNH->BNTS" in name for name in wider), wider
+
+
+def test_the_same_program_for_the_cpu_holds_them():
+    cfg = dataclasses.replace(CFG, compute_dtype="bfloat16")
+    _, train_lowered, decode = _programs(cfg, aot.start_devices(8))
+    assert "blocked_attention" in _locations(train_lowered) and "in_turn" in _locations(decode)
+    assert "ui16" in decode.as_text()
+
+
+@pytest.mark.parametrize("topology", ["v3-8", "v5litepod-8", "h100-1", "h100-8"])
+def test_fit_check_compiles_every_program_for_a_target(topology):
+    cfg = dataclasses.replace(CFG, cores_per_replica=1 if topology == "h100-1" else 4)
+    target = targets.target(topology)
+    records = aot.run(cfg, None, "", 0, None, topology=topology)
+    train, serve, prefill, sample, scorer, fit = records
+    assert [r["check"] for r in records] == ["train_step", "serve_decode_step", "serve_prefill",
+                                             "sample_decode_step", "scorer", "fit"]
+    assert all(r["compiler"] == target.compiler and r["target"] == topology for r in records[:-1])
+    assert fit["device_memory_bytes"] == target.chip.memory_bytes and fit["fits"]
+    # Memory from the target's compiler, against the shard sizes: f32 params split over mp, Adam's two moments.
+    mp = train["mesh"]["mp"]
+    assert train["params_bytes"] == pytest.approx(4 * train["params"] / mp, rel=0.05)
+    assert train["opt_state_bytes"] == pytest.approx(2 * train["params_bytes"], rel=0.05)
+    assert train["argument_bytes"] >= train["params_bytes"] + train["opt_state_bytes"]
+    assert serve["argument_bytes"] >= serve["params_bytes"] + serve["kv_cache_bytes"]
+    assert serve["params_bytes"] == pytest.approx(2 * train["params"] / serve["decode_mesh"]["mp"], rel=0.05)
+    assert 0 < train["estimated_step_s"] and 0 < train["estimated_mfu"] < 1
+    assert scorer["total_bytes"] > 0 and prefill["total_bytes"] > 0 and sample["total_bytes"] > 0
+    assert f"on {topology} ({target.compiler})" in aot.human_line(records) and "estimated" in aot.human_line(records)
+
+
+def test_the_lora_step_and_a_gspmd_mode_compile_for_a_tpu(v3_8):
+    lora = dataclasses.replace(CFG, lora_rank=4, base_dtype="bfloat16")
+    train = aot.measure(lora, "shard_map", v3_8, None, target=targets.target("v3-8"))[0]
+    assert train["check"] == "lora_train_step" and train["params_bytes"] == pytest.approx(
+        2 * train["params"] / 4, rel=0.1)
+    fsdp = aot.measure(CFG, "fsdp", v3_8, None, target=targets.target("v3-8"))[0]
+    assert fsdp["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert fsdp["params_bytes"] == pytest.approx(4 * fsdp["params"] / 8, rel=0.05)
+
+
+def test_the_estimate_counts_every_trip_of_the_loops(v3_8):
+    # XLA's cost analysis counts each loop body once; the estimate multiplies by the trip counts (layers, micro
+    # steps), which must agree with the analytic count of the step's matrix FLOPs (remat's recompute included).
+    cfg = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=4", "layers=4", "d_model=256",
+                                                        "seq=64", "gradient_accumulation_steps=3"])
+    for remat in (True, False):
+        step = aot.training_programs(dataclasses.replace(cfg, remat=remat), "shard_map", v3_8, None)
+        weighted, once = estimate.loop_flops(step["train"].lower(step["state"], step["tokens"]).compile().as_text())
+        tokens = 3 * step["layout"].global_batch * cfg.seq
+        analytic = estimate.executed_flops_per_token(cfg, remat) * tokens / 8
+        assert weighted == pytest.approx(analytic, rel=0.02), (remat, weighted / analytic)
+        assert weighted > 3 * once  # at least the micro-steps' three trips and the layers' four
+
+
+def test_aot_check_cli_tells_an_unknown_topology_on_one_line():
+    result = subprocess.run([sys.executable, "aot_check.py", "--config", "configs/tiny_rot_partial.json", "--set",
+                             "cores_per_replica=4", "--topology", "v9-8"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().startswith("error: unknown target 'v9-8'")
+
+
+def test_a_machine_with_the_plugins_and_no_accelerator_is_a_cpu_machine():
+    # libtpu and the CUDA plugin are installed here (the dev requirements) and no TPU or GPU is attached: importing
+    # the package pins JAX to the CPU, quietly.
+    assert platforms.installed("libtpu") and platforms.installed("jax_plugins.xla_cuda12")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    result = subprocess.run([sys.executable, "-c", "import mesh_transformer, jax; print(jax.devices()[0].platform)"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0 and result.stdout.strip() == "cpu"
+    assert result.stderr == ""
