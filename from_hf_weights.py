@@ -34,5 +34,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    cli.pin_platform()
     sys.exit(main())

@@ -156,9 +156,8 @@ def _measure_inference(train_layout: Layout, n_slots: int, common: dict) -> list
     _, double_memory = decode(2 * n_slots, serve_blocks)
     per_slot = (double_memory["total_bytes"] - serve_memory["total_bytes"]) / n_slots
     fixed = serve_memory["total_bytes"] - per_slot * n_slots
-    sizes = sorted({16, 24, 80, *([common["device_memory_bytes"] / 2 ** 30] if "device_memory_bytes" in common
-                                  else [])})
-    fit = {f"{gib:g}GiB": max(0, int((gib * 2 ** 30 - fixed) // per_slot) // dp * dp) for gib in sizes}
+    gibs = {16, 24, 80, round(common.get("device_memory_bytes", 16 * 2 ** 30) / 2 ** 30, 2)}
+    fit = {f"{gib:g}GiB": max(0, int((gib * 2 ** 30 - fixed) // per_slot) // dp * dp) for gib in sorted(gibs)}
     sample, sample_memory = decode(n_slots, [cfg.seq])
     cache, last, _ = _abstract_slots(programs, n_slots, serve_blocks)
     ids = jax.ShapeDtypeStruct((dp, cfg.seq), jnp.int32, sharding=layout.sharding(("batch", "length")))

@@ -172,7 +172,7 @@ def run_main(fn: Callable[[], int]) -> int:
         return 2
 
 
-expected_platform, pin_platform = platforms.expected_platform, platforms.pin_platform
+expected_platform = platforms.expected_platform
 
 
 # XLA's flags for GPUs, set here and nowhere else (`platform_setup`): the latency-hiding scheduler moves collectives
@@ -183,10 +183,9 @@ GPU_XLA_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",
 
 
 def platform_setup() -> None:
-    """What every script does first thing in its `__main__`, before JAX starts: on CPU JAX pinned to it
-    (`pin_platform`) and the glibc restart (`keep_host_memory`), on GPU XLA's GPU flags (GPU_XLA_FLAGS) added to
-    XLA_FLAGS."""
-    pin_platform()
+    """What every script does first thing in its `__main__`, before JAX starts: on CPU the glibc restart
+    (`keep_host_memory`), on GPU XLA's GPU flags (GPU_XLA_FLAGS) added to XLA_FLAGS. (Importing the package has
+    pinned JAX to the CPU where no accelerator is attached: `platforms.pin_platform`.)"""
     if expected_platform() == "gpu":
         flags = os.environ.get("XLA_FLAGS", "")
         missing = [f for f in GPU_XLA_FLAGS if f.partition("=")[0] not in flags]

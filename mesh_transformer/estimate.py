@@ -180,15 +180,13 @@ def model_flops_per_token(cfg, lora: bool = False) -> float:
 
 
 def executed_flops_per_token(cfg, remat: bool) -> float:
-    """The matrix FLOPs a full train step runs per token: the model FLOPs with attention over the whole square (XLA's
-    attention computes the masked scores too) and, with remat, a second forward of the products whose outputs the
-    backward reads (q, k, v, fc_in and attention; the out and fc_out products' outputs are not read, so XLA drops
-    their recompute)."""
-    d, f, layers, seq = cfg.d_model, cfg.d_ff, cfg.layers, cfg.seq
-    flops = 6.0 * (_layer_params(cfg) + d * cfg.n_vocab) + 12.0 * layers * seq * d
-    if remat:
-        flops += 2.0 * layers * (3 * d * d + d * f) + 4.0 * layers * seq * d
-    return flops
+    """The matrix FLOPs a full train step runs per token: the model FLOPs (XLA's attention computes the masked scores
+    too, as that count has it) and, with remat, a second forward of the products whose outputs the backward reads
+    (q, k, v, fc_in and attention; the out and fc_out products' outputs are not read, so XLA drops their
+    recompute)."""
+    d, layers = cfg.d_model, cfg.layers
+    recompute = 2.0 * layers * (3 * d * d + d * cfg.d_ff) + 4.0 * layers * cfg.seq * d if remat else 0.0
+    return model_flops_per_token(cfg) + recompute
 
 
 def step_estimate(compiled, peak_flops: float, bandwidth: float, tokens: int, model_flops: float) -> dict:
@@ -196,11 +194,13 @@ def step_estimate(compiled, peak_flops: float, bandwidth: float, tokens: int, mo
     memory bandwidth (bytes/s) each. `tokens`: the step's, all devices'; `model_flops`: one device's share."""
     weighted, once = loop_flops(compiled.as_text())
     scale = weighted / once if once else 1.0
-    cost = compiled.cost_analysis() or {}
+    cost = compiled.cost_analysis() or {}  # None on GPU
     cost = cost[0] if isinstance(cost, list) else cost
-    roofline = max(weighted / peak_flops, scale * float(cost.get("bytes accessed", 0.0)) / bandwidth)
-    seconds = scale * float(cost["optimal_seconds"]) if cost.get("optimal_seconds", 0) > 0 else roofline
-    seconds = max(seconds, weighted / peak_flops)
+    if cost.get("optimal_seconds", 0) > 0:
+        xla_s = scale * float(cost["optimal_seconds"])
+    else:
+        xla_s = scale * float(cost.get("bytes accessed", 0.0)) / bandwidth
+    seconds = max(weighted / peak_flops, xla_s)
     return {"estimated_flops": weighted, "xla_counted_flops": float(cost.get("flops", 0.0)),
             "loop_scale": round(scale, 2), "estimated_step_s": seconds,
             "estimated_tokens_per_s": tokens / seconds, "estimated_mfu": model_flops / (seconds * peak_flops)}

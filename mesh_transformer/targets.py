@@ -69,8 +69,8 @@ _GRID_2D = {1: "1x1", 2: "1x2", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8
             512: "16x32", 1024: "32x32"}
 _GRID_3D = {1: "1x1x1", 2: "1x2x1", 4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
             256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
-# Per-host chip bounds where a slice is smaller than a host, or one 8-chip host of v5e / v6e.
-_HOST_BOUNDS = {1: (1, 1, 1), 2: (1, 2, 1), 4: (2, 2, 1), 8: (2, 4, 1)}
+# Per-host chip bounds where a slice is not libtpu's default host of 4 chips: smaller, or one 8-chip v5e / v6e host.
+_HOST_BOUNDS = {1: (1, 1, 1), 2: (1, 2, 1), 8: (2, 4, 1)}
 
 
 def tpu_target(name: str) -> Target:
@@ -111,10 +111,9 @@ def gpu_target(name: str) -> Target:
 
 def target(name: str) -> Target:
     """The target of a name users type: a Cloud TPU type, or a GPU set."""
-    kind, _, count = name.strip().lower().rpartition("-")
-    if count.isdigit() and kind in gpu_names():
-        return gpu_target(name.strip().lower())
-    return tpu_target(name.strip().lower())
+    name = name.strip().lower()
+    kind, _, count = name.rpartition("-")
+    return gpu_target(name) if count.isdigit() and kind in gpu_names() else tpu_target(name)
 
 
 def compile_devices(t: Target) -> list:
@@ -126,10 +125,10 @@ def compile_devices(t: Target) -> list:
     if not platforms.installed(plugin):
         raise ConfigError(f"{t.name}: {t.compiler} needs {plugin.replace('jax_plugins.xla_', 'the CUDA plugin of ')}, "
                           f"which is not installed (pip install -r requirements-dev.txt)")
-    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server to ask: this is not a TPU VM
     # libtpu takes a lock file so that one process owns a host's TPU; compile-only devices own nothing, and two
     # processes compiling at once (pytest's workers, a script beside them) would find it taken.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no metadata server to ask: this is not a TPU VM
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     with contextlib.suppress(RuntimeError):  # already started: fine if it started on the CPU
         jax.config.update("jax_platforms", "cpu")
     with platforms.quiet_stderr():

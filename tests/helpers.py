@@ -5,7 +5,10 @@ import os
 import subprocess
 import sys
 
+from mesh_transformer.platforms import for_platform
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU_POLICY = for_platform("cpu")  # the platform policy of the tests' devices, for model code called without a Layout
 
 
 def run_script(script: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:

@@ -25,9 +25,6 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-GIB = 2 ** 30
-
-
 @dataclasses.dataclass(frozen=True)
 class GpuSpec:
     """One GPU kind: the name CUDA gives it, datasheet figures, and its target description file."""

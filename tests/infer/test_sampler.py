@@ -15,13 +15,11 @@ from mesh_transformer.infer import choose, decode, sampler as sampling
 from mesh_transformer.infer import params as infer_params
 from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.parallel.mesh import make_dp_mp
-from mesh_transformer.platforms import for_platform
 from mesh_transformer.tokenizer import load_tokenizer
-from tests.helpers import run_script, run_scripts
+from tests.helpers import CPU_POLICY, run_script, run_scripts
 from tests.store.test_hf import random_hf_model, state_dict_numpy
 
 CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "remat=false"])  # seq 32, vocab 256
-CPU = for_platform("cpu")
 PROMPTS = [[5, 17, 42], [100, 3, 7, 9, 250, 11, 2], list(range(20, 32))]  # lengths 3, 7, 12: one bucket (16)
 MIXED = {"temperature": [0.0, 0.8, 1.0], "top_k": [0, 0, 20], "top_p": [1.0, 0.9, 1.0], "seed": [0, 1, 2]}
 # GPT-2's vocabulary (padded to divide 8 shards), so that text round-trips through the real tokenizer.
@@ -82,16 +80,16 @@ def test_kv_cache_logits_equal_full_forward_at_every_step(params, dtype, atol):
     ids = right_pad(prompts + [[0] * width])[:2]
     length = np.array([len(p) for p in prompts], np.int32)
     decode_params = infer_params.place_params(params, make_inference_layout(cfg, mesh=make_dp_mp(1, 1)))
-    cache = decode.KVCache(*([[jnp.zeros((2, cfg.n_heads, cfg.head_dim, size), decode.cache_dtype(cfg, CPU))
+    cache = decode.KVCache(*([[jnp.zeros((2, cfg.n_heads, cfg.head_dim, size), decode.cache_dtype(cfg, CPU_POLICY))
                                for size in (8, 4)]
                               for _ in range(cfg.layers)] for _ in range(2)))
     prefill = jax.jit(lambda p, c: decode.prefill_logits(p, c, ids, length, np.arange(2, dtype=np.int32), cfg,
-                                                              policy=CPU))
+                                                              policy=CPU_POLICY))
     step = jax.jit(lambda p, c, token, position: decode.decode_logits(p, c, token, position, cfg, n_blocks=2,
-                                                                                   policy=CPU))
+                                                                                   policy=CPU_POLICY))
     # Right-padded rows in one causal forward: padding after a position does not change its logits.
     rows = [p + f.tolist() for p, f in zip(prompts, fed)]
-    full = np.asarray(jax.jit(lambda p, x: model.forward(p, x, cfg, policy=CPU))(params, right_pad(rows)))
+    full = np.asarray(jax.jit(lambda p, x: model.forward(p, x, cfg, policy=CPU_POLICY))(params, right_pad(rows)))
     expected = [full[row, len(p) - 1:] for row, p in enumerate(prompts)]
 
     logits, cache = prefill(decode_params, cache)
@@ -108,7 +106,7 @@ def test_the_cache_scatter_on_bits_equals_a_plain_scatter(dtype):
     block = jax.random.normal(jax.random.PRNGKey(0), (3, 2, 4, 8)).astype(dtype)
     values = jax.random.normal(jax.random.PRNGKey(1), (3, 2, 4)).astype(dtype)
     index = (jnp.array([2, 0, 3]), slice(None), slice(None), jnp.array([5, 7, 1]))  # row 3: out of range, dropped
-    bits = jax.lax.bitcast_convert_type(block, decode.cache_dtype(cfg, CPU))
+    bits = jax.lax.bitcast_convert_type(block, decode.cache_dtype(cfg, CPU_POLICY))
     written = jax.jit(lambda b, v: decode.cached(decode.scatter(b, index, v), cfg))(bits, values)
     np.testing.assert_array_equal(written, block.at[index].set(values, mode="drop"))
 

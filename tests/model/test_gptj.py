@@ -6,14 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mesh_transformer import config
+from mesh_transformer import config, platforms
 from mesh_transformer.model import layers, gptj as model
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.parallel.layout import make_layout
-from mesh_transformer.platforms import for_platform
+from tests.helpers import CPU_POLICY
 
 CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "remat=false"])
-CPU = for_platform("cpu")
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
 
 
@@ -41,11 +40,12 @@ def test_sharded_forward_loss_and_grads_match_single_device(params, tokens, dp, 
     assert sharded["layers"]["attn"]["q"].addressable_shards[0].data.shape[-1] == CFG.d_model // mp
 
     logits = layout.logits_fn()(sharded, tokens[:, :-1])
-    ref_logits = jax.jit(lambda p, x: model.forward(p, x, CFG, policy=CPU))(params, tokens[:, :-1])
+    ref_logits = jax.jit(lambda p, x: model.forward(p, x, CFG, policy=CPU_POLICY))(params, tokens[:, :-1])
     np.testing.assert_allclose(logits, ref_logits, atol=1e-5)
 
     loss, grads = jax.jit(layout.loss_and_grad_fn())(sharded, tokens)
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p, x: model.loss_fn(p, x, CFG, policy=CPU)))(params, tokens)
+    value_and_grad = jax.value_and_grad(lambda p, x: model.loss_fn(p, x, CFG, policy=CPU_POLICY))
+    ref_loss, ref_grads = jax.jit(value_and_grad)(params, tokens)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     np.testing.assert_allclose(jax.jit(layout.loss_fn())(sharded, tokens), ref_loss, rtol=1e-6)
     assert max_diff(grads, ref_grads) < 1e-6
@@ -109,11 +109,14 @@ def test_dense_gradients_equal_autodiff_of_the_product(d_in, d_out, dtype):
 
     want = jax.grad(loss(lambda x, w: x @ w), (0, 1))(x, w)
     P = jax.sharding.PartitionSpec
-    sharded = jax.shard_map(lambda x, w, g: (layers.dense(x, w, CPU).astype(jnp.float32) * g).sum(keepdims=True),
+    def dense_loss(x, w, g):
+        return (layers.dense(x, w, CPU_POLICY).astype(jnp.float32) * g).sum(keepdims=True)
+
+    sharded = jax.shard_map(dense_loss,
                             mesh=make_dp_mp(2, 2), in_specs=(P("dp"), P(None, "mp"), P("dp", None, "mp")),
                             out_specs=P(("dp", "mp")))
     tol = 1e-6 if dtype == jnp.float32 else 1e-2
-    for got in (jax.jit(jax.grad(loss(partial(layers.dense, policy=CPU)), (0, 1)))(x, w),
+    for got in (jax.jit(jax.grad(loss(partial(layers.dense, policy=CPU_POLICY)), (0, 1)))(x, w),
                 jax.jit(jax.grad(lambda x, w: sharded(x, w, g).sum(), (0, 1)))(x, w)):
         for a, b in zip(got, want):
             assert a.dtype == b.dtype == dtype
@@ -125,7 +128,7 @@ def test_changing_a_token_changes_no_earlier_logit(params, tokens):
     ids = tokens[:2, :-1]
     t = 10
     changed = ids.at[:, t].set((ids[:, t] + 1) % CFG.n_vocab)
-    fwd = jax.jit(lambda p, x: model.forward(p, x, CFG, policy=CPU))
+    fwd = jax.jit(lambda p, x: model.forward(p, x, CFG, policy=CPU_POLICY))
     a, b = fwd(params, ids), fwd(params, changed)
     np.testing.assert_array_equal(a[:, :t], b[:, :t])
     assert float(jnp.abs(a[:, t:] - b[:, t:]).max()) > 1e-3
@@ -134,19 +137,19 @@ def test_changing_a_token_changes_no_earlier_logit(params, tokens):
 def test_remat_gives_equal_gradients(params, tokens):
     def grads(remat):
         cfg = dataclasses.replace(CFG, remat=remat)
-        return jax.jit(jax.grad(lambda p, x: model.loss_fn(p, x, cfg, policy=CPU)))(params, tokens)
+        return jax.jit(jax.grad(lambda p, x: model.loss_fn(p, x, cfg, policy=CPU_POLICY)))(params, tokens)
 
     assert max_diff(grads(True), grads(False)) < 1e-6
 
 
 def test_bf16_compute_stays_close_to_f32(params, tokens):
-    f32 = jax.jit(lambda p, x: model.forward(p, x, CFG, policy=CPU))(params, tokens[:, :-1])
+    f32 = jax.jit(lambda p, x: model.forward(p, x, CFG, policy=CPU_POLICY))(params, tokens[:, :-1])
     bf16_cfg = dataclasses.replace(CFG, compute_dtype="bfloat16")
-    bf16 = jax.jit(lambda p, x: model.forward(p, x, bf16_cfg, policy=CPU))(params, tokens[:, :-1])
+    bf16 = jax.jit(lambda p, x: model.forward(p, x, bf16_cfg, policy=CPU_POLICY))(params, tokens[:, :-1])
     assert bf16.dtype == jnp.float32  # logits stay f32
     assert float(jnp.abs(bf16 - f32).max()) < 0.05 * float(jnp.abs(f32).max())
-    loss32 = model.loss_fn(params, tokens, CFG, policy=CPU)
-    loss16 = model.loss_fn(params, tokens, bf16_cfg, policy=CPU)
+    loss32 = model.loss_fn(params, tokens, CFG, policy=CPU_POLICY)
+    loss16 = model.loss_fn(params, tokens, bf16_cfg, policy=CPU_POLICY)
     assert abs(float(loss16) - float(loss32)) < 0.01 * float(loss32)
 
 
@@ -163,11 +166,11 @@ def test_init_follows_the_original_scales(params):
 def test_auto_compute_dtype_is_bf16_on_accelerators_and_f32_on_cpu():
     auto = dataclasses.replace(CFG, compute_dtype="auto")
     assert config.Config().compute_dtype == "auto"
-    gpu, tpu = for_platform("gpu"), for_platform("tpu")
+    gpu, tpu = platforms.for_platform("gpu"), platforms.for_platform("tpu")
     assert model.compute_dtype(auto, gpu) == jnp.bfloat16 and model.compute_dtype(auto, tpu) == jnp.bfloat16
-    assert model.compute_dtype(auto, CPU) == jnp.float32 and model.compute_dtype(auto) == jnp.float32
-    assert model.compute_dtype(dataclasses.replace(CFG, compute_dtype="bfloat16"), CPU) == jnp.bfloat16
-    # A Layout resolves "auto" for its devices (the tests': CPU).
+    assert model.compute_dtype(auto, CPU_POLICY) == jnp.float32 and model.compute_dtype(auto) == jnp.float32
+    assert model.compute_dtype(dataclasses.replace(CFG, compute_dtype="bfloat16"), CPU_POLICY) == jnp.bfloat16
+    # A Layout resolves "auto" for its devices (the tests': CPU_POLICY).
     assert make_layout(auto, jax.devices()[:1]).cfg.compute_dtype == "float32"
 
 

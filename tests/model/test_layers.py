@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 from mesh_transformer.model import attention, layers
-from mesh_transformer.platforms import for_platform
+from tests.helpers import CPU_POLICY
 
-CPU = for_platform("cpu")
 
 B, T, H, K = 3, 12, 4, 16
 
@@ -69,8 +68,8 @@ def test_block_without_a_mask_is_causal_attention_as_before():
                  "fc_out": {"kernel": jax.random.normal(keys[5], (4 * D, D)) / D ** 0.5, "bias": jnp.zeros(D)}}}
     h = jax.random.normal(keys[6], (B, T, D))
     sincos = layers.rotary_sincos(jnp.arange(T)[None], 8)
-    got, (k, v) = jax.jit(lambda h: layers.block(h, p, K, sincos, policy=CPU))(h)
+    got, (k, v) = jax.jit(lambda h: layers.block(h, p, K, sincos, policy=CPU_POLICY))(h)
     want, (k_ref, v_ref) = jax.jit(lambda h: layers.block(h, p, K, sincos, attention.causal_mask(T),
-                                                               policy=CPU))(h)
+                                                               policy=CPU_POLICY))(h)
     np.testing.assert_allclose(got, want, atol=1e-5)
     np.testing.assert_array_equal(k, k_ref)

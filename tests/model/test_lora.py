@@ -8,11 +8,10 @@ import numpy as np
 from mesh_transformer import config
 from mesh_transformer.model import gptj as model
 from mesh_transformer.model import lora
-from mesh_transformer.platforms import for_platform
+from tests.helpers import CPU_POLICY
 
 CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "remat=false", "lora_rank=4",
                                                     "lora_alpha=8"])
-CPU = for_platform("cpu")
 
 
 def random_adapters(cfg, seed=0):
@@ -36,15 +35,15 @@ def test_init_is_normal_a_and_zero_b_stacked_over_layers():
 def test_step_zero_equals_the_base_model():
     base = model.init_unsharded(CFG, jax.random.PRNGKey(0))
     ids = jax.random.randint(jax.random.PRNGKey(1), (2, CFG.seq), 0, CFG.n_vocab)
-    adapted = model.forward(lora.attach(base, lora.init_lora(CFG, jax.random.PRNGKey(2))), ids, CFG, policy=CPU)
-    np.testing.assert_array_equal(adapted, model.forward(base, ids, CFG, policy=CPU))
+    adapted = model.forward(lora.attach(base, lora.init_lora(CFG, jax.random.PRNGKey(2))), ids, CFG, policy=CPU_POLICY)
+    np.testing.assert_array_equal(adapted, model.forward(base, ids, CFG, policy=CPU_POLICY))
 
 
 def test_merged_logits_equal_adapted_logits():
     base = model.init_unsharded(CFG, jax.random.PRNGKey(0))
     adapters = random_adapters(CFG)
     ids = jax.random.randint(jax.random.PRNGKey(1), (2, CFG.seq), 0, CFG.n_vocab)
-    forward = jax.jit(lambda p, x: model.forward(p, x, CFG, policy=CPU))
+    forward = jax.jit(lambda p, x: model.forward(p, x, CFG, policy=CPU_POLICY))
     adapted = forward(lora.attach(base, adapters), ids)
     assert float(jnp.abs(adapted - forward(base, ids)).max()) > 1e-2  # the adapters do change the model
     np.testing.assert_allclose(adapted, forward(lora.merge(base, adapters, lora.scale(CFG)), ids), atol=1e-5, rtol=0)

@@ -1,4 +1,5 @@
 import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -14,11 +15,10 @@ from mesh_transformer.parallel import layout as partitioning
 from mesh_transformer.config import ConfigError
 from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.parallel.mesh import make_mesh
-from mesh_transformer.platforms import for_platform
 from mesh_transformer.train import state as state_lib
+from tests.helpers import CPU_POLICY
 
 CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "remat=false", "warmup_steps=0"])
-CPU = for_platform("cpu")
 MESHES = [("dp", 8, 1, 1), ("fsdp", 1, 8, 1), ("tp", 2, 1, 4), ("fsdp_tp", 1, 4, 2), ("fsdp_tp", 2, 2, 2)]
 MESH_IDS = [f"{m}-data{d}-fsdp{f}-tensor{t}" for m, d, f, t in MESHES]
 N_MICRO = 2
@@ -27,7 +27,7 @@ FAST = {"xla_backend_optimization_level": 0}  # these tests check numbers, not s
 
 
 def fast_jit(fn, *args):
-    """jax.jit(fn) compiled for `args` without backend optimization (a third of the compile time on CPU)."""
+    """jax.jit(fn) compiled for `args` without backend optimization (a third of the compile time on CPU_POLICY)."""
     return jax.jit(fn).lower(*args).compile(compiler_options=FAST)
 
 
@@ -50,7 +50,8 @@ def tokens():
 def reference(tokens):
     """One step on one device with the unsharded model.loss_fn: start state, loss, grads, next state."""
     params = model.init_unsharded(CFG, jax.random.PRNGKey(0))
-    value_and_grad = fast_jit(jax.value_and_grad(lambda p, x: model.loss_fn(p, x, CFG, policy=CPU)), params, tokens[0])
+    loss_fn = partial(model.loss_fn, cfg=CFG, policy=CPU_POLICY)
+    value_and_grad = fast_jit(jax.value_and_grad(loss_fn), params, tokens[0])
     losses, grads = zip(*(value_and_grad(params, tokens[i]) for i in range(N_MICRO)))
     grads = jax.tree.map(lambda *g: sum(g) / N_MICRO, *grads)
     opt_state = OPTIMIZER.init(params)
@@ -134,7 +135,8 @@ def test_fsdp8_keeps_an_eighth_of_params_and_optimizer_state_per_device(fsdp8_st
 def test_eval_step_matches_single_device(fsdp8_state, reference, tokens):
     layout = make_layout(gspmd("fsdp"), mesh=make_mesh({"data": 1, "fsdp": 8, "tensor": 1}))
     loss = state_lib.make_eval_step(layout)(fsdp8_state["params"], tokens[0])
-    np.testing.assert_allclose(loss, model.loss_fn(reference["start"]["params"], tokens[0], CFG, policy=CPU), rtol=1e-6)
+    expected = model.loss_fn(reference["start"]["params"], tokens[0], CFG, policy=CPU_POLICY)
+    np.testing.assert_allclose(loss, expected, rtol=1e-6)
 
 
 @pytest.mark.parametrize("mode, sizes, message", [

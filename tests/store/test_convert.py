@@ -14,7 +14,7 @@ import torch
 from transformers import AutoTokenizer, GPTJForCausalLM
 
 from mesh_transformer.store import checkpoint, convert, storage
-from mesh_transformer import config, platforms
+from mesh_transformer import config
 from mesh_transformer.parallel import mesh
 from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.model import gptj as model
@@ -24,10 +24,8 @@ from mesh_transformer.store.safetensors_io import parse_size
 from mesh_transformer.parallel.layout import MEGATRON_RULES, param_specs
 from mesh_transformer.train.state import abstract_train_state
 from tests.gcs_emulator import create_bucket, gcs_emulator
-from tests.helpers import run_script
+from tests.helpers import CPU_POLICY, run_script
 from tests.store.test_mtj_v1 import original_shards, random_params, write_mtj_v1
-
-CPU_POLICY = platforms.for_platform("cpu")
 
 CONFIG = "configs/tiny_rot_partial.json"  # 2 layers, D 64, 8 heads, V 256
 CFG4 = config.load(CONFIG, ["cores_per_replica=4"])

@@ -6,11 +6,10 @@ import pytest
 import torch
 from transformers import GPTJConfig, GPTJForCausalLM
 
-from mesh_transformer import config, platforms
+from mesh_transformer import config
 from mesh_transformer.store import hf
 from mesh_transformer.model import gptj as model
-
-CPU_POLICY = platforms.for_platform("cpu")
+from tests.helpers import CPU_POLICY
 
 TINY = {
     "rotary-partial": config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1"]),

@@ -9,15 +9,13 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import GPTJForCausalLM
 
-from mesh_transformer import config, platforms
+from mesh_transformer import config
 from mesh_transformer.infer import params as infer_params
 from mesh_transformer.model import gptj as model
 from mesh_transformer.model import lora
 from mesh_transformer.store import checkpoint, convert, hf
-from tests.helpers import run_script
+from tests.helpers import CPU_POLICY, run_script
 from tests.train.test_finetune import TINY, hf_dir
-
-CPU_POLICY = platforms.for_platform("cpu")
 
 CFG = config.from_dict({**TINY, "seq": 16, "cores_per_replica": 1, "lora_rank": 4, "lora_alpha": 8})
 IDS = np.random.default_rng(0).integers(0, CFG.n_vocab, (2, CFG.seq))
