@@ -313,12 +313,10 @@ def gspmd_rules(cfg: Config) -> Rules:
     return GSPMD_RULES[cfg.parallelism]
 
 
-def make_layout(cfg: Config, devices: Sequence[jax.Device] | None = None, mesh: Mesh | None = None,
-                policy: Policy | None = None) -> Layout:
+def make_layout(cfg: Config, devices: Sequence[jax.Device] | None = None, mesh: Mesh | None = None) -> Layout:
     """The Layout of cfg.parallelism: on `mesh` when given, else on a mesh built from the devices (by default all)
     by the config: shard_map mp = cores_per_replica, GSPMD fsdp = mesh_fsdp and tensor = mesh_tensor, the remaining
-    devices data parallel. The platform policy is the mesh's devices' unless given; compute_dtype "auto" becomes
-    the policy's."""
+    devices data parallel. The platform policy is the mesh's devices'; compute_dtype "auto" becomes the policy's."""
     if mesh is None:
         devices = list(jax.devices() if devices is None else devices)
         check_devices(cfg, len(devices))
@@ -329,7 +327,7 @@ def make_layout(cfg: Config, devices: Sequence[jax.Device] | None = None, mesh: 
             shape = {DATA: len(devices) // group, FSDP: cfg.mesh_fsdp, TENSOR: cfg.mesh_tensor}
         mesh = make_mesh(shape, devices)
     _check_axes(cfg, mesh)
-    policy = policy or platforms.for_devices(list(mesh.devices.flat))
+    policy = platforms.for_devices(list(mesh.devices.flat))
     if cfg.compute_dtype == "auto":
         cfg = dataclasses.replace(cfg, compute_dtype=policy.compute_dtype)
     if cfg.parallelism == SHARD_MAP:
