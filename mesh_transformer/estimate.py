@@ -1,11 +1,13 @@
 """Step-time estimates from a compiled program, for targets this machine can compile for but not run.
 
 XLA's cost analysis (`flops`, `bytes accessed`, and on TPU `optimal_seconds`) counts the body of a while loop once:
-the 6B train step's layer scan and micro-step scan each look like one trip. `loop_flops` reads the optimized HLO's
-loop structure instead: each computation's matrix-product FLOPs (dot, convolution, cuBLAS gemm), multiplied by the
-trip counts of the loops around it (XLA's `known_trip_count` where it wrote one, else the loop condition's bound).
-The estimate scales XLA's own once-counted figures by the ratio of the two counts, so it is XLA's roofline with the
-loops counted: an estimate, not a measurement (no overlap, collectives or host time modelled beyond XLA's own).
+the 6B train step's layer scan and micro-step scan each look like one trip, and its figures cannot be scaled as a
+whole (the optimizer update outside the loops would be multiplied too). So this module reads the optimized HLO
+itself: each computation's matrix-product FLOPs (dot, convolution, cuBLAS gemm) and each scheduled instruction's
+memory traffic (its operands and result; a slice of a stacked array counts as the slice), multiplied by the trip
+counts of the loops around it (XLA's `known_trip_count` where it wrote one, else the loop condition's bound). The
+estimated time is the sum over instructions of max(FLOPs / peak, bytes / bandwidth), a per-instruction roofline:
+an estimate, not a measurement. Collectives, their overlap with compute and the host are not modelled.
 """
 from __future__ import annotations
 
@@ -18,11 +20,24 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\([^=]*?\)|\w+\[[^\]]*
 _SHAPE = re.compile(r"\w+\[([\d,]*)\]")
 _CALLED = re.compile(r"(?:calls|to_apply|body|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+                "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+# Instructions that move no data of their own (or whose work is their called computations').
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+         "after-all", "partition-id", "replica-id", "opt-barrier", "iota"}
+_SLICES = {"dynamic-slice", "slice"}
 
 
 def _dims(shape: str) -> list[int]:
     match = _SHAPE.match(shape)
     return [int(d) for d in match.group(1).split(",") if d] if match else []
+
+
+def _bytes(shape: str) -> int:
+    """Bytes of an array or tuple shape."""
+    return sum(_DTYPE_BYTES.get(dtype, 0) * math.prod(int(d) for d in dims.split(",") if d)
+               for dtype, dims in _ARRAY.findall(shape.split("{")[0] if not shape.startswith("(") else shape))
 
 
 def _field(rest: str, name: str) -> list[int]:
@@ -65,6 +80,8 @@ class _Module:
         self.flops: dict[str, float] = defaultdict(float)
         self.calls: dict[str, list[tuple[str, str]]] = defaultdict(list)  # computation -> [(callee, while name)]
         self.lines: dict[str, list[str]] = defaultdict(list)
+        self.instructions: dict[str, list[tuple[str, str, str, list[str]]]] = defaultdict(list)
+        self.fused: set[str] = set()  # computations a fusion calls: their instructions touch no memory of their own
         self.entry = ""
         current, shapes = "", {}
         for line in re.sub(r"/\*.*?\*/", "", text).splitlines():  # /*index=5*/ inside tuple shapes
@@ -79,6 +96,9 @@ class _Module:
             name, shape, opcode, rest = match.groups()
             shapes[name] = shape
             self.lines[current].append(line)
+            self.instructions[current].append((name, shape, opcode, _operands(rest)))
+            if opcode == "fusion":
+                self.fused.update(re.findall(r"calls=%?([\w.\-]+)", rest))
             self.flops[current] += self._flops(opcode, shape, shapes, rest)
             loop = name if opcode == "while" else ""
             for callee in _CALLED.findall(rest):
@@ -143,21 +163,99 @@ class _Module:
                 todo += [callee for callee, _ in self.calls[name]]
         return out
 
-    def weighted(self) -> tuple[float, float]:
-        """(FLOPs with each loop's trip count, FLOPs with each reachable computation counted once)."""
+    def times(self) -> dict[str, float]:
+        """How many times one run of the program runs each computation (loops by their trip counts)."""
         times: dict[str, float] = defaultdict(float)
-        once: set[str] = set()
 
         def visit(name: str, factor: float, depth: int = 0) -> None:
             if depth > 64:
                 return
             times[name] += factor
-            once.add(name)
             for callee, loop in self.calls[name]:
                 visit(callee, factor * (self.trip_count(name, loop) if loop else 1), depth + 1)
 
         visit(self.entry, 1.0)
-        return sum(self.flops[n] * t for n, t in times.items()), sum(self.flops[n] for n in once)
+        return times
+
+    def weighted(self) -> tuple[float, float]:
+        """(FLOPs with each loop's trip count, FLOPs with each reachable computation counted once)."""
+        times = self.times()
+        return sum(self.flops[n] * t for n, t in times.items()), sum(self.flops[n] for n in times)
+
+    def roofline_s(self, peak_flops: float, bandwidth: float) -> float:
+        """Seconds of one run: over the scheduled (unfused) instructions, max(FLOPs / peak, bytes / bandwidth)
+        each, times the runs of their computation."""
+        seconds = 0.0
+        for computation, runs in self.times().items():
+            if computation in self.fused:
+                continue
+            shapes = {name: shape for name, shape, _, _ in self.instructions[computation]}
+            for name, shape, opcode, operands in self.instructions[computation]:
+                if opcode in _FREE or any(c in opcode for c in ("all-", "reduce-scatter", "collective", "send",
+                                                                "recv")):
+                    continue
+                flops, traffic = self._instruction_cost(shape, opcode, operands, shapes, computation, name)
+                seconds += runs * max(flops / peak_flops, traffic / bandwidth)
+        return seconds
+
+    def _instruction_cost(self, shape, opcode, operands, shapes, computation, name) -> tuple[float, float]:
+        """(FLOPs, bytes read and written) of one scheduled instruction."""
+        if opcode in _SLICES:
+            return 0.0, 2.0 * _bytes(shape)
+        if opcode == "dynamic-update-slice":
+            return 0.0, 2.0 * _bytes(shapes.get(operands[1], ""))
+        if opcode != "fusion":
+            line = self._defining(computation, name)
+            return self._flops(opcode, shape, shapes, line.split(f" {opcode}(", 1)[-1]), \
+                _bytes(shape) + sum(_bytes(shapes.get(o, "")) for o in operands)
+        fused = re.search(r"calls=%?([\w.\-]+)", self._defining(computation, name)).group(1)
+        reads = sum(self._parameter_reads(fused, i, shapes.get(o, "")) for i, o in enumerate(operands))
+        return self._fused_flops(fused), reads + self._fusion_writes(fused, shape)
+
+    def _fused_flops(self, computation: str) -> float:
+        nested = [c for line in self.lines[computation] if " fusion(" in line
+                  for c in re.findall(r"calls=%?([\w.\-]+)", line)]
+        return self.flops[computation] + sum(self._fused_flops(c) for c in nested)
+
+    def _parameter_reads(self, fused: str, index: int, shape: str) -> float:
+        """Bytes a fusion reads of its operand `index`: the slices where it only slices it (here or in a fusion it
+        calls), nothing where it only updates it in place, else the whole operand."""
+        instructions = self.instructions[fused]
+        parameter = next((n for n, _, op, _ in instructions if op == "parameter" and re.search(
+            rf"parameter\({index}\)", self._defining(fused, n))), None)
+        reads = 0.0
+        for name, user_shape, opcode, operands in instructions:
+            if parameter not in operands:
+                continue
+            if opcode in _SLICES:
+                reads += _bytes(user_shape)
+            elif opcode == "dynamic-update-slice" and operands[0] == parameter:
+                continue
+            elif opcode == "fusion":
+                nested = re.search(r"calls=%?([\w.\-]+)", self._defining(fused, name)).group(1)
+                reads += self._parameter_reads(nested, operands.index(parameter), shape)
+            else:
+                return _bytes(shape)
+        return min(reads, _bytes(shape)) if parameter is not None else _bytes(shape)
+
+    def _fusion_writes(self, fused: str, shape: str) -> float:
+        """Bytes a fusion writes: its result, but for an in-place update (through bitcasts) only the update."""
+        by_name = {n: (s, op, ops) for n, s, op, ops in self.instructions[fused]}
+        root = next((line for line in self.lines[fused] if line.lstrip().startswith("ROOT ")), "")
+        match = _INSTRUCTION.match(root)
+        if not match:
+            return _bytes(shape)
+        root_name = match.group(1)
+        _, opcode, operands = by_name[root_name]
+        parts = operands if opcode == "tuple" else [root_name]
+
+        def written(name: str) -> float:
+            part_shape, op, ops = by_name.get(name, ("", "", []))
+            if op == "bitcast" and ops:
+                return written(ops[0])
+            return _bytes(by_name.get(ops[1], ("",))[0]) if op == "dynamic-update-slice" else _bytes(part_shape)
+
+        return sum(written(part) for part in parts)
 
 
 def loop_flops(hlo_text: str) -> tuple[float, float]:
@@ -192,15 +290,11 @@ def executed_flops_per_token(cfg, remat: bool) -> float:
 def step_estimate(compiled, peak_flops: float, bandwidth: float, tokens: int, model_flops: float) -> dict:
     """Estimated seconds, tokens/s and MFU of one run of a compiled step on devices of this peak (FLOP/s) and
     memory bandwidth (bytes/s) each. `tokens`: the step's, all devices'; `model_flops`: one device's share."""
-    weighted, once = loop_flops(compiled.as_text())
-    scale = weighted / once if once else 1.0
+    module = _Module(compiled.as_text())
+    weighted, once = module.weighted()
     cost = compiled.cost_analysis() or {}  # None on GPU
     cost = cost[0] if isinstance(cost, list) else cost
-    if cost.get("optimal_seconds", 0) > 0:
-        xla_s = scale * float(cost["optimal_seconds"])
-    else:
-        xla_s = scale * float(cost.get("bytes accessed", 0.0)) / bandwidth
-    seconds = max(weighted / peak_flops, xla_s)
+    seconds = module.roofline_s(peak_flops, bandwidth)
     return {"estimated_flops": weighted, "xla_counted_flops": float(cost.get("flops", 0.0)),
-            "loop_scale": round(scale, 2), "estimated_step_s": seconds,
+            "loop_scale": round(weighted / once, 2) if once else 1.0, "estimated_step_s": seconds,
             "estimated_tokens_per_s": tokens / seconds, "estimated_mfu": model_flops / (seconds * peak_flops)}

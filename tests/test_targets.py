@@ -134,6 +134,28 @@ def test_the_estimate_counts_every_trip_of_the_loops(v3_8):
         assert weighted > 3 * once  # at least the micro-steps' three trips and the layers' four
 
 
+def test_the_estimate_reads_one_layer_of_stacked_weights_per_trip(v3_8):
+    # A layer loop over stacked weights [L, D, D] reads one layer's slice per trip: its estimated time grows as L,
+    # not as L squared (which counting the whole stack at every trip would give).
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(v3_8, ("x",))
+
+    def seconds(n_layers: int) -> float:
+        def layers(h_BxD, w_LxDxD):
+            return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h_BxD, w_LxDxD)[0]
+
+        h = jax.ShapeDtypeStruct((8 * 128, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P("x")))
+        w = jax.ShapeDtypeStruct((n_layers, 1024, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+        compiled = jax.jit(layers).lower(h, w).compile()
+        chip = targets.target("v3-8").chip
+        return estimate.step_estimate(compiled, chip.peak_flops, chip.bandwidth, 1, 1.0)["estimated_step_s"]
+
+    assert seconds(16) / seconds(4) == pytest.approx(4, rel=0.15)
+
+
 def test_aot_check_cli_tells_an_unknown_topology_on_one_line():
     result = subprocess.run([sys.executable, "aot_check.py", "--config", "configs/tiny_rot_partial.json", "--set",
                              "cores_per_replica=4", "--topology", "v9-8"], capture_output=True, text=True,
