@@ -79,17 +79,43 @@ def _abstract(shape, dtype, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """A program the target's compiler refused for want of device memory (XLA:TPU does, where XLA:CPU compiles
+    anything): what it said, the arguments' bytes and the temporaries beyond them that it said it needed."""
+    message: str
+    argument_bytes: int
+    temp_bytes: int
+
+
+_UNIT_BYTES = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
 def _compile(fn, *args, policy: platforms.Policy, **static) -> tuple[object, float]:
     start = time.perf_counter()
     options = policy.compiler_options()
     if policy.platform == platforms.CPU:
         # Only XLA's buffer assignment matters here, which comes before code generation: skip LLVM's optimizations.
         options["xla_backend_optimization_level"] = 0
-    compiled = fn.lower(*args, **static).compile(compiler_options=options)
+    try:
+        compiled = fn.lower(*args, **static).compile(compiler_options=options)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        message = next((line.strip() for line in str(e).splitlines() if line.strip()), str(e))
+        # XLA:TPU's "memory required for HLO temporaries" is the program's whole need, its arguments included.
+        need = re.search(r"HLO temporaries \(([\d.]+)([KMGT])\)", message)
+        arguments = shard_bytes([x for x in jax.tree.leaves(args) if hasattr(x, "sharding")])
+        need_bytes = int(float(need.group(1)) * _UNIT_BYTES[need.group(2)]) if need else arguments
+        compiled = Refused(message, arguments, max(0, need_bytes - arguments))
     return compiled, time.perf_counter() - start
 
 
 def _memory(compiled) -> dict[str, float]:
+    if isinstance(compiled, Refused):
+        return {"argument_bytes": compiled.argument_bytes, "output_bytes": 0, "alias_bytes": 0,
+                "temp_bytes": compiled.temp_bytes, "total_bytes": compiled.argument_bytes + compiled.temp_bytes,
+                "refused": compiled.message}
     mem = compiled.memory_analysis()
     total = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
              - mem.alias_size_in_bytes)
@@ -222,7 +248,7 @@ def _train_record(compiled: dict, common: dict, no_loop_hoisting: bool = False,
         record.update(adapter_params=sum(x.size for x in jax.tree.leaves(train_state["params"])),
                       adapters_bytes=shard_bytes(train_state["params"]), lora_rank=cfg.lora_rank,
                       lora_targets=list(cfg.lora_targets), base_dtype=cfg.base_dtype)
-    if chip is not None:
+    if chip is not None and not isinstance(train, Refused):
         n_tokens = math.prod(compiled["tokens"].shape[:2]) * cfg.seq
         n_devices = layout.mesh.devices.size
         model_flops = n_tokens * estimate.model_flops_per_token(cfg, lora=bool(frozen)) / n_devices
@@ -255,7 +281,7 @@ def verdict(records: list[dict], device_memory: int) -> dict:
     by_mode = {r["mode"]: max(r["total_bytes"], inference) for r in records if "train_step" in r["check"]}
     need = max(by_mode.values(), default=inference)
     first = records[0]
-    return {"check": "fit", "mode": first["mode"], "mesh": first["mesh"], "devices": first["devices"],
+    return {"check": "fit", "mode": first.get("mode"), "mesh": first.get("mesh"), "devices": first.get("devices"),
             "per_device_need_bytes": need, "device_memory_bytes": device_memory, "fits": need <= device_memory,
             "fits_by_mode": {mode: n <= device_memory for mode, n in by_mode.items()}}
 
@@ -273,6 +299,8 @@ def _train_line(train: dict) -> str:
     line = (f"{train['mode']} on {mesh}: {kind} {_size(train['total_bytes'])} per device (params "
             f"{_size(train['params_bytes'])}, optimizer {_size(train['opt_state_bytes'])}, temporaries "
             f"{_size(train['temp_bytes'])}; compiled in {train['compile_s']:.0f} s)")
+    if "refused" in train:
+        line += f"; the compiler refused it: {train['refused']}"
     if "estimated_step_s" in train:
         line += (f", estimated {train['estimated_step_s']:.2f} s per step, {train['estimated_tokens_per_s']:,.0f} "
                  f"tokens/s, MFU {100 * train['estimated_mfu']:.0f}% (an estimate from the compiler's cost model)")
@@ -280,15 +308,17 @@ def _train_line(train: dict) -> str:
 
 
 def human_line(records: list[dict]) -> str:
-    """What a person reads: one line per train step, one for serving and the verdict."""
+    """What a person reads: one line per train step, one for serving, one for the verdict."""
     fit = records[-1]
     trains = [r for r in records if "train_step" in r["check"]]
     decode = next(r for r in records if r["check"] == "serve_decode_step")
     lines = [_train_line(r) for r in trains]
     lines.append(f"serving decode step {_size(decode['total_bytes'])} for {decode['slots']} slots (params "
-                 f"{_size(decode['params_bytes'])}, KV cache {_size(decode['kv_cache_bytes'])}) on {decode['target']} "
-                 f"({decode['compiler']}): {'fits' if fit['fits'] else 'does NOT fit'} in "
-                 f"{_size(fit['device_memory_bytes'])}")
+                 f"{_size(decode['params_bytes'])}, KV cache {_size(decode['kv_cache_bytes'])})")
+    largest = max(records[:-1], key=lambda r: r["total_bytes"])
+    lines.append(f"on {decode['target']} ({decode['compiler']}): {'fits' if fit['fits'] else 'does NOT fit'} in "
+                 f"{_size(fit['device_memory_bytes'])} (the largest need: {largest['check']}, "
+                 f"{_size(largest['total_bytes'])})")
     return "\n".join(lines)
 
 

@@ -156,6 +156,22 @@ def test_the_estimate_reads_one_layer_of_stacked_weights_per_trip(v3_8):
     assert seconds(16) / seconds(4) == pytest.approx(4, rel=0.15)
 
 
+def test_a_program_the_tpu_compiler_refuses_for_memory_is_a_record_that_does_not_fit():
+    # XLA:TPU refuses to compile what exceeds the chip's memory; the fit check reports it instead of failing.
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    devices = targets.target("v5litepod-1").devices()
+    x = jax.ShapeDtypeStruct((40000,), jnp.float32, sharding=SingleDeviceSharding(devices[0]))
+    big = jax.jit(lambda x: jnp.sort(jnp.outer(x, x).ravel()) + jnp.outer(x + 1, x).ravel())  # ~19 GB of temps
+    refused, _ = aot._compile(big, x, policy=platforms.for_devices(devices))
+    memory = aot._memory(refused)
+    assert isinstance(refused, aot.Refused) and "RESOURCE_EXHAUSTED" in memory["refused"]
+    assert memory["temp_bytes"] > 16 * 2 ** 30 and memory["argument_bytes"] == 4 * 40000
+    assert not aot.verdict([{"check": "scorer", **memory}], targets.target("v5litepod-1").chip.memory_bytes)["fits"]
+
+
 def test_aot_check_cli_tells_an_unknown_topology_on_one_line():
     result = subprocess.run([sys.executable, "aot_check.py", "--config", "configs/tiny_rot_partial.json", "--set",
                              "cores_per_replica=4", "--topology", "v9-8"], capture_output=True, text=True,

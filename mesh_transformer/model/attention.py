@@ -7,6 +7,7 @@ kernel on GPU where it applies).
 """
 from __future__ import annotations
 
+import functools
 import logging
 from functools import partial
 
@@ -73,6 +74,12 @@ def self_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Ar
     return dot_product_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, length_B, cudnn=kernel == "cudnn")
 
 
+@functools.cache
+def _cudnn_refused(shape: tuple, dtype: str, reason: str) -> None:
+    """Say once per shape and reason (a program traces its attention many times) that XLA's attention runs instead."""
+    log.warning("cuDNN attention not used for q %s %s: %s", shape, dtype, reason)
+
+
 def dot_product_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array,
                           length_B: jax.Array | None = None, cudnn: bool = False) -> jax.Array:
     """`self_attention` through `jax.nn.dot_product_attention`; with `cudnn`, cuDNN's kernel where it applies."""
@@ -84,7 +91,7 @@ def dot_product_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK:
         try:
             ctx_BxTxHxK = run(implementation="cudnn")
         except Exception as e:  # refused when traced (dtype, head dim, cuDNN version, layout): XLA's is always there
-            log.warning("cuDNN attention not used for q %s %s: %s", q_BxTxHxK.shape, q_BxTxHxK.dtype, e)
+            _cudnn_refused(q_BxTxHxK.shape, str(q_BxTxHxK.dtype), str(e))
     if ctx_BxTxHxK is None:
         ctx_BxTxHxK = run(implementation=None)
     return ctx_BxTxHxK.reshape(*ctx_BxTxHxK.shape[:2], -1)
