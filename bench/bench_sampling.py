@@ -4,11 +4,17 @@ Batch 1 is bound by reading the weights once per token, so it is also reported a
 roofline (measured here): bandwidth / bytes of weights read per token. One real CPU device, mp 1.
 
     python bench/bench_sampling.py [--config configs/bench.json] [--prompt-len 32] [--new-tokens 128]
+        [--ab COMMIT [--ab-rounds 2]]
+
+--ab COMMIT runs the commit's copy of this bench and this tree's in alternating rounds (child processes, same
+arguments) and prints each side's decode tokens/s per round and the median of the per-round ratios new / base, for
+ours and, as the control for the machine's state, for HF's.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -19,6 +25,7 @@ import numpy as np
 import torch
 from transformers import GPTJConfig, GPTJForCausalLM
 
+from bench.ab import ab_rounds
 from bench.common import best_time_s, emit, read_bandwidth_bytes_per_s
 from mesh_transformer.cli import platform_setup
 from mesh_transformer import config
@@ -74,7 +81,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ab", metavar="COMMIT", help="A/B against this commit's copy of the bench")
+    parser.add_argument("--ab-rounds", type=int, default=2)
     args = parser.parse_args()
+    if args.ab:
+        return ab(args)
     cfg = config.load(args.config, ["cores_per_replica=1"])
     # Measured again after the decode runs, and the best kept: on a shared machine a low first reading would
     # flatter the fraction of the roofline.
@@ -119,6 +130,22 @@ def main() -> None:
             row.update(roofline_tokens_per_s=round(roofline, 1), weight_mb_per_token=round(bytes_per_token / 1e6, 1),
                        fraction_of_roofline=round(row["decode_tokens_per_s"] / roofline, 3))
         emit(**row)
+
+
+def ab(args) -> None:
+    passed = ["--config", args.config, "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+              "--repeats", str(args.repeats), "--batches", *map(str, args.batches)]
+
+    def pick(record):
+        if record.get("bench") == "greedy_decode":
+            return (record["impl"], record["batch"]), record["decode_tokens_per_s"]
+
+    values = ab_rounds(args.ab, "bench/bench_sampling.py", passed, args.ab_rounds, pick)
+    for (impl, batch), sides in sorted(values.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        ratios = [new / base for base, new in zip(sides["base"], sides["new"])]
+        emit(bench="greedy_decode_ab", impl=impl, batch=batch, base=args.ab, base_decode_tokens_per_s=sides["base"],
+             new_decode_tokens_per_s=sides["new"], new_over_base=[round(r, 3) for r in ratios],
+             median_new_over_base=round(statistics.median(ratios), 3))
 
 
 if __name__ == "__main__":

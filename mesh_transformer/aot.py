@@ -68,9 +68,11 @@ def start_devices(n: int) -> list[jax.Device]:
 
 
 def shard_bytes(tree) -> int:
-    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard of each leaf)."""
+    """Bytes one device holds of a tree of ShapeDtypeStructs (the largest shard of each leaf; without a sharding,
+    all of it)."""
     def leaf_bytes(s):
-        return jnp.dtype(s.dtype).itemsize * math.prod(s.sharding.shard_shape(s.shape))
+        shape = s.shape if s.sharding is None else s.sharding.shard_shape(s.shape)
+        return jnp.dtype(s.dtype).itemsize * math.prod(shape)
 
     return sum(leaf_bytes(s) for s in jax.tree.leaves(tree))
 
@@ -105,7 +107,7 @@ def _compile(fn, *args, policy: platforms.Policy, **static) -> tuple[object, flo
         message = next((line.strip() for line in str(e).splitlines() if line.strip()), str(e))
         # XLA:TPU's "memory required for HLO temporaries" is the program's whole need, its arguments included.
         need = re.search(r"HLO temporaries \(([\d.]+)([KMGT])\)", message)
-        arguments = shard_bytes([x for x in jax.tree.leaves(args) if hasattr(x, "sharding")])
+        arguments = shard_bytes([x for x in jax.tree.leaves(args) if isinstance(x, jax.ShapeDtypeStruct)])
         need_bytes = int(float(need.group(1)) * _UNIT_BYTES[need.group(2)]) if need else arguments
         compiled = Refused(message, arguments, max(0, need_bytes - arguments))
     return compiled, time.perf_counter() - start
@@ -160,7 +162,7 @@ def _abstract_sampling(sharding: NamedSharding, n: int) -> Sampling:
 
 def _measure_inference(train_layout: Layout, n_slots: int, common: dict) -> list[dict]:
     """The programs inference really runs, every slot busy and the whole context used: the serving engine's decode
-    step (block cache) and prefill (one full-length prompt per dp group), the offline sampler's decode step (one
+    step (block cache) and prefill (one full-length prompt per dp group), the offline sampler's decode loop (one
     block of seq) and the scorer (lm-eval, echo + logprobs: one full-length row per dp group, every position
     scored). The engine's decode is compiled at two slot counts too, which gives the slots that fit."""
     cfg, layout = train_layout.cfg, _inference_layout(train_layout)
@@ -184,7 +186,13 @@ def _measure_inference(train_layout: Layout, n_slots: int, common: dict) -> list
     fixed = serve_memory["total_bytes"] - per_slot * n_slots
     gibs = {16, 24, 80, round(common.get("device_memory_bytes", 16 * 2 ** 30) / 2 ** 30, 2)}
     fit = {f"{gib:g}GiB": max(0, int((gib * 2 ** 30 - fixed) // per_slot) // dp * dp) for gib in sorted(gibs)}
-    sample, sample_memory = decode(n_slots, [cfg.seq])
+    cache, last, steps = _abstract_slots(programs, n_slots, [cfg.seq])
+    live = jax.ShapeDtypeStruct((n_slots,), jnp.bool_, sharding=programs.row_sharding)
+    generate, generate_s = _compile(programs.jitted["generate"], params, cache, last, steps, live,
+                                    jax.ShapeDtypeStruct((4,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
+                                    policy=programs.compile_policy("generate"), rows=n_slots // dp, n_blocks=1,
+                                    out_len=cfg.seq)
+    sample = {**base, "slots": n_slots, "compile_s": round(generate_s, 1), "kv_cache_bytes": shard_bytes(cache)}
     cache, last, _ = _abstract_slots(programs, n_slots, serve_blocks)
     ids = jax.ShapeDtypeStruct((dp, cfg.seq), jnp.int32, sharding=layout.sharding(("batch", "length")))
     rows = jax.ShapeDtypeStruct((dp,), jnp.int32, sharding=programs.row_sharding)
@@ -196,7 +204,7 @@ def _measure_inference(train_layout: Layout, n_slots: int, common: dict) -> list
              "slots_that_fit": fit},
             {"check": "serve_prefill", **base, "slots": n_slots, "prompt_tokens": cfg.seq,
              "compile_s": round(prefill_s, 1), "kv_cache_bytes": shard_bytes(cache), **_memory(prefill)},
-            {"check": "sample_decode_step", **sample, **sample_memory},
+            {"check": "sample_decode_step", **sample, **_memory(generate)},
             {"check": "scorer", **base, "rows": dp, "row_tokens": cfg.seq, "top_k": MAX_TOP,
              "compile_s": round(scorer_s, 1), **_memory(scorer)}]
 
@@ -257,9 +265,10 @@ def _train_record(compiled: dict, common: dict, no_loop_hoisting: bool = False,
 
 
 def measure(cfg: Config, mode: str, devices: list, sizes: dict | None, n_slots: int = 8,
-            no_loop_hoisting: bool = False, target: targets.Target | None = None) -> list[dict]:
-    """Compile the train step of `mode` (every mode's: "all") and the inference programs on the same devices and
-    measure their per-device memory: one JSON record each."""
+            no_loop_hoisting: bool = False, target: targets.Target | None = None,
+            train_only: bool = False) -> list[dict]:
+    """Compile the train step of `mode` (every mode's: "all") and, unless `train_only`, the inference programs on
+    the same devices and measure their per-device memory: one JSON record each."""
     common = {"devices": len(devices), "target": target.name if target else f"cpu-{len(devices)}",
               "compiler": target.compiler if target else "XLA:CPU (faked devices)"}
     if target is not None:
@@ -271,7 +280,7 @@ def measure(cfg: Config, mode: str, devices: list, sizes: dict | None, n_slots: 
         compiled = training_programs(cfg, name, devices, mesh)
         first = first or compiled
         records.append(_train_record(compiled, common, no_loop_hoisting, target.chip if target else None))
-    return [*records, *_measure_inference(first["layout"], n_slots, common)]
+    return records if train_only else [*records, *_measure_inference(first["layout"], n_slots, common)]
 
 
 def verdict(records: list[dict], device_memory: int) -> dict:
@@ -311,19 +320,21 @@ def human_line(records: list[dict]) -> str:
     """What a person reads: one line per train step, one for serving, one for the verdict."""
     fit = records[-1]
     trains = [r for r in records if "train_step" in r["check"]]
-    decode = next(r for r in records if r["check"] == "serve_decode_step")
     lines = [_train_line(r) for r in trains]
-    lines.append(f"serving decode step {_size(decode['total_bytes'])} for {decode['slots']} slots (params "
-                 f"{_size(decode['params_bytes'])}, KV cache {_size(decode['kv_cache_bytes'])})")
+    if decode := next((r for r in records if r["check"] == "serve_decode_step"), None):
+        lines.append(f"serving decode step {_size(decode['total_bytes'])} for {decode['slots']} slots (params "
+                     f"{_size(decode['params_bytes'])}, KV cache {_size(decode['kv_cache_bytes'])})")
     largest = max(records[:-1], key=lambda r: r["total_bytes"])
-    lines.append(f"on {decode['target']} ({decode['compiler']}): {'fits' if fit['fits'] else 'does NOT fit'} in "
+    first = records[0]
+    lines.append(f"on {first['target']} ({first['compiler']}): {'fits' if fit['fits'] else 'does NOT fit'} in "
                  f"{_size(fit['device_memory_bytes'])} (the largest need: {largest['check']}, "
                  f"{_size(largest['total_bytes'])})")
     return "\n".join(lines)
 
 
 def run(cfg: Config, mode: str | None, mesh_text: str, n_devices: int, device_memory_text: str | None,
-        n_slots: int = 8, no_loop_hoisting: bool = False, topology: str | None = None) -> list[dict]:
+        n_slots: int = 8, no_loop_hoisting: bool = False, topology: str | None = None,
+        train_only: bool = False) -> list[dict]:
     """The JSON records of a fit check (train step(s), serving decode step and prefill, sampler decode step, scorer,
     verdict) on `n_devices` faked CPU devices or the compile-only devices of `topology` (`targets.target`); the
     last says whether it fits."""
@@ -339,5 +350,5 @@ def run(cfg: Config, mode: str | None, mesh_text: str, n_devices: int, device_me
     else:
         device_memory = target.chip.memory_bytes if target else 16 * 2 ** 30
     devices = target.devices() if target else start_devices(n_devices)
-    records = measure(cfg, mode, devices, sizes, n_slots, no_loop_hoisting, target)
+    records = measure(cfg, mode, devices, sizes, n_slots, no_loop_hoisting, target, train_only)
     return [*records, verdict(records, device_memory)]

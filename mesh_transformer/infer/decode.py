@@ -18,6 +18,7 @@ model/layers.py (here N cache slots, R of them computed in a step, S cache lengt
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import threading
 from functools import partial
 from typing import Any, NamedTuple
@@ -26,12 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from mesh_transformer.config import Config
 from mesh_transformer.infer.choose import Sampling, choose
 from mesh_transformer.infer.params import decode_specs
 from mesh_transformer.model import gptj, layers
 from mesh_transformer.parallel.layout import ACTIVATION_AXES, Layout
+from mesh_transformer.parallel.mesh import DP
 from mesh_transformer.platforms import Policy
 
 MIN_BUCKET = 16
@@ -127,12 +130,13 @@ def in_turn(h: jax.Array, weights: Any, policy: Policy) -> tuple[jax.Array, Any]
 
 
 def cache_dtype(cfg: Config, policy: Policy) -> jnp.dtype:
-    """What the cache stores: compute-dtype values, or where the policy says (CPU) their bits, as unsigned integers
-    of the same width. XLA's CPU scatter has no bf16 kernel: on bf16 values it rewrote each whole block in f32 where
-    only the new positions change, and a bitcast of a whole block is a copy there; on integers a write touches only
-    its positions."""
+    """What the cache stores: compute-dtype values, or where the policy says (CPU) the bits of 16-bit ones, as
+    unsigned integers of the same width. XLA's CPU scatter has no bf16 kernel: on bf16 values it rewrote each whole
+    block in f32 where only the new positions change; on integers a write touches only its positions. But reading a
+    block of bits as values is a copy of the block on that backend, every step: f32 values, which its scatter
+    handles, are stored as they are (bits cost the bench config's batch-32 decode a third of its speed)."""
     dtype = jnp.dtype(gptj.compute_dtype(cfg))
-    return jnp.dtype(f"uint{8 * dtype.itemsize}") if policy.cache_bits else dtype
+    return jnp.dtype(f"uint{8 * dtype.itemsize}") if policy.cache_bits and dtype.itemsize < 4 else dtype
 
 
 def scatter(block: jax.Array, index: tuple, values: jax.Array) -> jax.Array:
@@ -241,6 +245,36 @@ def decode_local(params, cache, last_N, steps_N: Steps, *, cfg, policy, rows: in
     return token_R, logprob_R, lax.dynamic_update_slice_in_dim(last_N, token_R, 0, 0), advanced, cache
 
 
+def generate_local(params, cache, last_N, steps_N: Steps, live_N, stop_S, n_steps, *, cfg, policy, rows: int,
+                   n_blocks: int, out_len: int, tp_axis=None, dp_axis=None):
+    """Up to `n_steps` (at most out_len) decode steps of the first `rows` slots in one program, ending early once
+    every live row of every dp group has drawn one of `stop_S` (padded with -1) since its last token: tokens and
+    log-probs [R, out_len] (a step not run holds zeros) and the cache. The offline sampler's loop: one dispatch for
+    a whole completion, where a host loop pays the dispatch of every token (5% of a small model's batch-1 step)."""
+    def busy(done_R):
+        any_R = jnp.any(~done_R).astype(jnp.int32)
+        return (lax.psum(any_R, dp_axis) if dp_axis else any_R) > 0
+
+    def body(state):
+        i, last_N, steps_N, cache, tokens_RxS, logprobs_RxS, done_R, _ = state
+        token_R, logprob_R, last_N, steps_N, cache = decode_local(params, cache, last_N, steps_N, cfg=cfg,
+                                                                  policy=policy, rows=rows, n_blocks=n_blocks,
+                                                                  tp_axis=tp_axis)
+        tokens_RxS = lax.dynamic_update_index_in_dim(tokens_RxS, token_R, i, 1)
+        logprobs_RxS = lax.dynamic_update_index_in_dim(logprobs_RxS, logprob_R, i, 1)
+        done_R = done_R | jnp.isin(token_R, stop_S)
+        return i + 1, last_N, steps_N, cache, tokens_RxS, logprobs_RxS, done_R, busy(done_R)
+
+    def rows_of(dtype):  # typed as varying over dp, like the rows the loop writes into it
+        zeros = jnp.zeros((rows, out_len), dtype)
+        return lax.pcast(zeros, (dp_axis,), to="varying") if dp_axis else zeros
+
+    done_R = ~live_N[:rows] | jnp.isin(last_N[:rows], stop_S)
+    state = (jnp.int32(0), last_N, steps_N, cache, rows_of(jnp.int32), rows_of(jnp.float32), done_R, busy(done_R))
+    state = lax.while_loop(lambda s: (s[0] < n_steps) & s[-1], body, state)
+    return state[4], state[5], state[3]
+
+
 class Programs:
     """The prefill and decode programs of one Layout (a shard_map one: see `params.make_inference_layout`), and the
     cache they run over. Engines and samplers given the same Programs share its compiles.
@@ -248,7 +282,9 @@ class Programs:
     prefill(params, cache, last_N, ids [R, T], length [R], slot [R], Sampling [R]) -> (tokens [R], logprobs [R],
     last_N, cache): R rows split over dp like the slots, each row's slot an index into its own dp group's slots.
     decode(params, cache, last_N, Steps [N], rows=, n_blocks=) -> (tokens, logprobs [dp x rows], last_N, Steps,
-    cache). Cache and last tokens are donated.
+    cache). generate(params, cache, last_N, Steps [N], live [N], stop ids, n_steps, rows=, n_blocks=, out_len=)
+    -> (tokens, logprobs [dp x rows, out_len], cache): `generate_local`. The cache is donated, and to the step programs
+    the last tokens too.
 
     Each shape runs its own compiled executable, kept here: `compile` makes them ahead of time from the arguments'
     shapes alone (nothing runs, so a warm-up need not execute a 2048-token prefill to compile it), and a call with a
@@ -261,7 +297,9 @@ class Programs:
         self.row_sharding = layout.sharding(("batch",))
         self.cache_sharding = layout.sharding(ACTIVATION_AXES["kv_cache"])
         self.jitted = {"prefill": jax.jit(self._prefill, donate_argnums=(1, 2)),
-                       "decode": jax.jit(self._decode, static_argnames=("rows", "n_blocks"), donate_argnums=(1, 2))}
+                       "decode": jax.jit(self._decode, static_argnames=("rows", "n_blocks"), donate_argnums=(1, 2)),
+                       "generate": jax.jit(self._generate, static_argnames=("rows", "n_blocks", "out_len"),
+                                           donate_argnums=(1,))}
         self._executables: dict[tuple, Any] = {}
         self._lock = threading.Lock()
         # One program per cache shape, compiled once: a jit made afresh for each new cache compiled every time.
@@ -272,6 +310,11 @@ class Programs:
 
     def decode(self, params, cache, last_N, steps_N, *, rows: int, n_blocks: int):
         return self._run("decode", (params, cache, last_N, steps_N), {"rows": rows, "n_blocks": n_blocks})
+
+    def generate(self, params, cache, last_N, steps_N, live_N, stop_S, n_steps, *, rows: int, n_blocks: int,
+                 out_len: int):
+        return self._run("generate", (params, cache, last_N, steps_N, live_N, stop_S, n_steps),
+                         {"rows": rows, "n_blocks": n_blocks, "out_len": out_len})
 
     def lower(self, name: str, *args, **static):
         """The jitted program `name` lowered for these arguments (arrays or ShapeDtypeStructs); nothing runs."""
@@ -288,13 +331,23 @@ class Programs:
             self._executables[key] = pending = concurrent.futures.Future()
             self.traces += 1
         try:
-            pending.set_result(self.lower(name, *args, **static).compile())
+            options = self.compile_policy(name).compiler_options()
+            pending.set_result(self.lower(name, *args, **static).compile(compiler_options=options))
         except BaseException as e:
             with self._lock:
                 del self._executables[key]
             pending.set_exception(e)
             raise
         return True
+
+    def compile_policy(self, name: str) -> Policy:
+        """The policy program `name` compiles under: the layout's, except that the device loop over 16-bit weights
+        where converts are ordered (CPU) has no loop-invariant code motion, which hoisted an f32 copy of every
+        layer's weights out of the loop (GPT-J-6B bf16, one device: 35.5 GiB where a step takes 13.0)."""
+        policy = self.layout.policy
+        if name == "generate" and policy.ordered_converts and gptj.compute_dtype(self.layout.cfg).itemsize < 4:
+            return dataclasses.replace(policy, loop_hoisting=False)
+        return policy
 
     def _run(self, name: str, args: tuple, static: dict):
         key = _signature(name, args, static)
@@ -341,6 +394,16 @@ class Programs:
         return jax.shard_map(fn, mesh=self.layout.mesh, in_specs=(params_spec, cache_spec, row, row),
                              out_specs=(row, row, row, row, cache_spec), check_vma=True)(params, cache, last_N,
                                                                                        steps_N)
+
+
+    def _generate(self, params, cache, last_N, steps_N, live_N, stop_S, n_steps, *, rows: int, n_blocks: int,
+                  out_len: int):
+        params_spec, cache_spec, row = self._specs()
+        fn = partial(generate_local, cfg=self.layout.cfg, policy=self.layout.policy, rows=rows, n_blocks=n_blocks,
+                     out_len=out_len, tp_axis=self.layout.tp_axis, dp_axis=DP)
+        return jax.shard_map(fn, mesh=self.layout.mesh, in_specs=(params_spec, cache_spec, row, row, row, P(), P()),
+                             out_specs=(row, row, cache_spec), check_vma=True)(params, cache, last_N, steps_N,
+                                                                              live_N, stop_S, n_steps)
 
 
 def _signature(name: str, args: tuple, static: dict) -> tuple:

@@ -1,10 +1,10 @@
 """Offline generation: a client of the decode programs (decode.py) that the serving engine runs too.
 
 A batch of prompts is prefilled into slots of a cache sized for it (prompt bucket + new-token bucket), then decoded
-one step at a time until every row has stopped or max_new_tokens are made. Each step's input tokens stay on the
-device, and the host reads a step's tokens only after dispatching the next, so it never stalls the device. Rows
-are padded to a power of two per dp group and prompts to a power of two, so a new length inside a bucket reuses
-the compiled programs. A row's tokens depend only on its prompt, its sampling values and its seed.
+by one program that loops on the device until every row has stopped or max_new_tokens are made (`generate_local`):
+no dispatch per token, no host in the loop. Rows are padded to a power of two per dp group and prompts to a power
+of two, so a new length inside a bucket reuses the compiled programs. A row's tokens depend only on its prompt,
+its sampling values and its seed.
 """
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ class Sampler:
     def _decode(self, prompts: list[list[int]], rows: list[_RowSampling], max_new_tokens: int,
                 stop_token_ids: set[int]) -> tuple[np.ndarray, np.ndarray]:
         """Prefill the prompts into slots, then decode until every row has stopped or has max_new_tokens tokens;
-        returns tokens and log-probs [slots, steps run]."""
+        returns tokens and log-probs [slots, at least max_new_tokens] (after a row's stop token, anything)."""
         programs, seq = self.programs, self.cfg.seq
         n_local = bucket(-(-len(prompts) // self.dp), minimum=1)
         n_slots = n_local * self.dp
@@ -167,19 +167,17 @@ class Sampler:
         token, logprob, last, cache = programs.prefill(self.params, cache, programs.new_last_tokens(n_slots), ids_NxT,
                                                        length_N, slot_N, sampling)
         steps = jax.device_put(Steps(length_N, np.ones(n_slots, np.int32), sampling), programs.row_sharding)
-        outputs, done_N, stop_ids = [(token, logprob)], np.zeros(n_slots, bool), np.array(sorted(stop_token_ids))
-        done_N[len(prompts):] = True
-        for _ in range(1, max_new_tokens):
-            token, logprob, last, steps, cache = programs.decode(self.params, cache, last, steps, rows=n_local,
-                                                                 n_blocks=1)
-            outputs.append((token, logprob))
-            # Read the step before the one just dispatched, which the device runs meanwhile: at most two programs
-            # are in flight (a longer queue of programs with collectives can stall XLA's CPU runtime).
-            done_N |= np.isin(np.asarray(outputs[-2][0]), stop_ids)
-            if done_N.all():
-                break
-        tokens, logprobs = zip(*outputs)
-        return np.stack([np.asarray(t) for t in tokens], 1), np.stack([np.asarray(lp) for lp in logprobs], 1)
+        if max_new_tokens == 1:
+            return np.asarray(token)[:, None], np.asarray(logprob)[:, None]
+        stops = sorted(t for t in stop_token_ids if 0 <= t < self.cfg.n_vocab)  # others are never drawn
+        stop_S = np.full(bucket(len(stops), minimum=4), -1, np.int32)  # -1: no token
+        stop_S[:len(stops)] = stops
+        live_N = jax.device_put(np.arange(n_slots) < len(prompts), programs.row_sharding)
+        tokens_NxS, logprobs_NxS, _ = programs.generate(self.params, cache, last, steps, live_N, stop_S,
+                                                        np.int32(max_new_tokens - 1), rows=n_local, n_blocks=1,
+                                                        out_len=bucket(max_new_tokens, maximum=seq))
+        return (np.concatenate([np.asarray(token)[:, None], np.asarray(tokens_NxS)], 1),
+                np.concatenate([np.asarray(logprob)[:, None], np.asarray(logprobs_NxS)], 1))
 
     def generate_text(self, tokenizer: Any, prompts: Sequence[str], max_new_tokens: int, *,
                       stop: Sequence[str] = (), **kwargs: Any) -> list[TextResult]:

@@ -124,6 +124,40 @@ def test_sharded_results_equal_single_device(params, sampler, greedy, dp, mp):
         np.testing.assert_allclose(ours.logprobs, ref.logprobs, atol=1e-5)
 
 
+def test_the_device_loop_equals_decode_steps_and_ends_once_every_live_row_has_stopped(params):
+    layout = make_inference_layout(CFG, mesh=make_dp_mp(2, 4))
+    programs, placed = decode.Programs(layout), infer_params.place_params(params, layout)
+    ids = right_pad(PROMPTS + [[1]])  # 4 slots, 2 per dp group; the last a padding row, not live
+    length, slots = np.array([len(p) for p in PROMPTS] + [1], np.int32), np.array([0, 1, 0, -1], np.int32)
+    sampling = jax.device_put(choose.fill_sampling(4, []), programs.row_sharding)
+
+    def prefilled():
+        cache = programs.new_cache(4, [32])
+        first, _, last, cache = programs.prefill(placed, cache, programs.new_last_tokens(4), ids, length, slots,
+                                                 sampling)
+        steps = jax.device_put(decode.Steps(length, np.ones(4, np.int32), sampling), programs.row_sharding)
+        return np.asarray(first), (cache, last, steps)
+
+    first, (cache, last, steps) = prefilled()
+    stepped = []
+    for _ in range(9):
+        token, _, last, steps, cache = programs.decode(placed, cache, last, steps, rows=2, n_blocks=1)
+        stepped.append(np.asarray(token))
+    stepped = np.stack(stepped, 1)
+    live = jax.device_put(np.array([True, True, True, False]), programs.row_sharding)
+    stops = sorted({*stepped[:3, 2]})
+    # Each live row stops at its first stop token (the prefill's counts); the loop, when the last of them has.
+    made = np.concatenate([first[:, None], stepped], 1)[:3]
+    last_stop = max(int(np.argmax(np.isin(row, stops))) for row in made)
+    for stop, ran in [([], 9), (stops, last_stop)]:
+        stop_S = np.array(stop + [-1] * (4 - len(stop)), np.int32)
+        tokens, _, _ = programs.generate(placed, *prefilled()[1], live, stop_S, np.int32(9), rows=2, n_blocks=1,
+                                         out_len=16)
+        tokens = np.asarray(tokens)
+        np.testing.assert_array_equal(tokens[:3, :ran], stepped[:3, :ran])
+        assert (tokens[:, ran:] == 0).all()  # the loop ran no further
+
+
 def test_top_k_1_equals_greedy(sampler, greedy):
     results = sampler.generate(PROMPTS, 10, temperature=1.0, top_k=1, seed=[3, 4, 5])
     assert [r.tokens for r in results] == [r.tokens for r in greedy]
