@@ -37,15 +37,6 @@ from mesh_transformer.parallel.layout import ACTIVATION_AXES, Layout
 from mesh_transformer.parallel.mesh import DP
 from mesh_transformer.platforms import Policy
 
-MIN_BUCKET = 16
-
-
-def bucket(n: int, minimum: int = MIN_BUCKET, maximum: int | None = None) -> int:
-    """The power of two (at least `minimum`, at most `maximum`) that a length is padded to, so compiles are reused."""
-    size = max(minimum, 1 << max(0, n - 1).bit_length())
-    return size if maximum is None else min(size, max(maximum, n))
-
-
 class Steps(NamedTuple):
     """What a decode step needs per slot [N]: where its last token's key goes, which token of its request is drawn
     (the key's fold-in), and how."""
@@ -58,20 +49,6 @@ class KVCache(NamedTuple):
     """Per layer, a list of blocks [N, H, K, S_j] of keys and of values."""
     k: list
     v: list
-
-
-def ladder(n: int, base: int) -> list[int]:
-    """1, base, base^2, ... below n, then n: the sizes a count is padded up to (`fit`), so that few programs cover
-    every count up to n."""
-    sizes = [1]
-    while sizes[-1] * base < n:
-        sizes.append(sizes[-1] * base)
-    return sizes + [n] if n > 1 else sizes
-
-
-def fit(n: int, sizes: list[int]) -> int:
-    """The smallest of `sizes` (ascending) that holds n."""
-    return next(size for size in sizes if size >= n)
 
 
 MIN_BLOCK = 32  # the shortest stretch of the cache a decode step reads: one block of it

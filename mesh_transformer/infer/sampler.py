@@ -17,7 +17,8 @@ import jax
 import numpy as np
 
 from mesh_transformer.infer.choose import fill_sampling
-from mesh_transformer.infer.decode import Programs, Steps, bucket
+from mesh_transformer.infer.decode import Programs, Steps
+from mesh_transformer.infer.sizes import bucket
 from mesh_transformer.infer.params import place_params
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import DP
@@ -166,9 +167,9 @@ class Sampler:
         cache = programs.new_cache(n_slots, [min(width + bucket(max_new_tokens, maximum=seq), seq)])
         token, logprob, last, cache = programs.prefill(self.params, cache, programs.new_last_tokens(n_slots), ids_NxT,
                                                        length_N, slot_N, sampling)
-        steps = jax.device_put(Steps(length_N, np.ones(n_slots, np.int32), sampling), programs.row_sharding)
         if max_new_tokens == 1:
             return np.asarray(token)[:, None], np.asarray(logprob)[:, None]
+        steps = jax.device_put(Steps(length_N, np.ones(n_slots, np.int32), sampling), programs.row_sharding)
         stops = sorted(t for t in stop_token_ids if 0 <= t < self.cfg.n_vocab)  # others are never drawn
         stop_S = np.full(bucket(len(stops), minimum=4), -1, np.int32)  # -1: no token
         stop_S[:len(stops)] = stops

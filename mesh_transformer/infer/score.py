@@ -22,7 +22,7 @@ import numpy as np
 from jax import lax
 
 from mesh_transformer.config import Config
-from mesh_transformer.infer.decode import bucket
+from mesh_transformer.infer.sizes import bucket
 from mesh_transformer.infer.params import decode_specs, place_params
 from mesh_transformer.model import attention, layers
 from mesh_transformer.parallel.layout import Layout

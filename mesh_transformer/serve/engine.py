@@ -28,7 +28,8 @@ import jax
 import numpy as np
 
 from mesh_transformer.infer.choose import fill_sampling
-from mesh_transformer.infer.decode import Programs, Steps, block_sizes, bucket, default_block, fit, ladder
+from mesh_transformer.infer.decode import Programs, Steps, block_sizes, default_block
+from mesh_transformer.infer.sizes import bucket, fit, ladder
 from mesh_transformer.infer.params import place_params
 from mesh_transformer.infer.sampler import check_sampling
 from mesh_transformer.parallel.layout import Layout

@@ -318,7 +318,7 @@ def test_cli_bad_input_is_a_one_line_error(saved_big):
 
 
 def test_ladders_pad_every_count_to_few_sizes():
-    from mesh_transformer.infer.decode import fit, ladder
+    from mesh_transformer.infer.sizes import fit, ladder
     assert ladder(1, 4) == [1] and ladder(4, 4) == [1, 4] and ladder(8, 4) == [1, 4, 8]
     assert ladder(64, 4) == [1, 4, 16, 64] and ladder(4, 2) == [1, 2, 4] and ladder(6, 2) == [1, 2, 4, 6]
     for n, base in ((8, 4), (33, 2), (5, 4)):

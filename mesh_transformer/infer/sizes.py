@@ -1,0 +1,25 @@
+"""The sizes that counts and lengths are padded up to, so that a few compiled programs cover every request: prompt
+lengths and row counts to powers of two (`bucket`), slot counts up a ladder of powers (`ladder`, `fit`)."""
+from __future__ import annotations
+
+MIN_BUCKET = 16
+
+
+def bucket(n: int, minimum: int = MIN_BUCKET, maximum: int | None = None) -> int:
+    """The power of two (at least `minimum`, at most `maximum`) that a length is padded to, so compiles are reused."""
+    size = max(minimum, 1 << max(0, n - 1).bit_length())
+    return size if maximum is None else min(size, max(maximum, n))
+
+
+def ladder(n: int, base: int) -> list[int]:
+    """1, base, base^2, ... below n, then n: the sizes a count is padded up to (`fit`), so that few programs cover
+    every count up to n."""
+    sizes = [1]
+    while sizes[-1] * base < n:
+        sizes.append(sizes[-1] * base)
+    return sizes + [n] if n > 1 else sizes
+
+
+def fit(n: int, sizes: list[int]) -> int:
+    """The smallest of `sizes` (ascending) that holds n."""
+    return next(size for size in sizes if size >= n)
