@@ -184,10 +184,10 @@ def main() -> None:
 
 def _model_bytes(config_path: str) -> int:
     from mesh_transformer import config
-    from mesh_transformer.model import gptj
+    from mesh_transformer.model import table
 
     cfg = config.load(config_path)
-    return sum(int(np.prod(s.shape)) * 2 for s in __import__("jax").tree.leaves(gptj.param_shapes(cfg)))
+    return sum(int(np.prod(s.shape)) * 2 for s in __import__("jax").tree.leaves(table.param_shapes(cfg)))
 
 
 if __name__ == "__main__":

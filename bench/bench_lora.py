@@ -15,9 +15,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 
 from bench.common import best_time_s, emit
+from mesh_transformer.model import table
 from mesh_transformer import config
 from mesh_transformer.cli import keep_host_memory
-from mesh_transformer.model import gptj
 from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.train import optim
@@ -29,20 +29,20 @@ def measure(cfg: config.Config, repeats: int) -> dict:
     layout = make_layout(cfg, mesh=make_dp_mp(1, 1))
     optimizer = optim.make_optimizer(cfg)
     train_state = state_lib.init_train_state(layout, optimizer, jax.random.PRNGKey(0))
-    base = ()
+    base = {}
     if cfg.lora_rank:
         params = layout.init_params(jax.random.PRNGKey(1))
-        base = (jax.tree.map(lambda x: x.astype(gptj.DTYPES[cfg.base_dtype]), params),)
+        base = jax.tree.map(lambda x: x.astype(table.DTYPES[cfg.base_dtype]), params)
         del params
     tokens = jax.random.randint(jax.random.PRNGKey(2), (1, layout.global_batch, cfg.seq + 1), 0, cfg.n_vocab)
     tokens = jax.device_put(tokens, layout.batch_sharding())
     compiled = state_lib.make_train_step(layout, optimizer, optim.lr_schedule(cfg)).lower(
-        train_state, tokens, *base).compile()
+        train_state, tokens, base).compile()
     mem = compiled.memory_analysis()
     box = [train_state]
 
     def step():
-        box[0], metrics = compiled(box[0], tokens, *base)
+        box[0], metrics = compiled(box[0], tokens, base)
         jax.block_until_ready(metrics)
 
     seconds = best_time_s(step, repeats)

@@ -46,7 +46,7 @@ def our_steps(cfg, ids_BxT1):
         jax.block_until_ready(grad_fn(box[0]["params"], ids_BxT1))
 
     def step():
-        box[0], metrics = train_step(box[0], batch)
+        box[0], metrics = train_step(box[0], batch, {})
         jax.block_until_ready(metrics)
 
     return fwd_bwd, step, hf_state

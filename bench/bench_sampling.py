@@ -27,6 +27,7 @@ from transformers import GPTJConfig, GPTJForCausalLM
 
 from bench.ab import ab_rounds
 from bench.common import best_time_s, emit, read_bandwidth_bytes_per_s
+from mesh_transformer.model import table
 from mesh_transformer.cli import platform_setup
 from mesh_transformer import config
 from mesh_transformer.store import hf
@@ -49,7 +50,7 @@ def memory_bandwidth_bytes_per_s() -> dict[str, float]:
 
 def weight_bytes_per_token(cfg: config.Config, itemsize: int) -> int:
     """Bytes read per decode step at batch 1: every weight except the embedding table, of which one row is read."""
-    n_params = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(model.param_shapes(cfg)))
+    n_params = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(table.param_shapes(cfg)))
     return (n_params - cfg.n_vocab * cfg.d_model + cfg.d_model) * itemsize
 
 
@@ -93,7 +94,7 @@ def main() -> None:
     emit(bench="memory_bandwidth", when="before", **{f"{k}_gb_per_s": round(v / 1e9, 2) for k, v in bandwidth.items()},
          devices=jax.device_count(), platform=jax.devices()[0].platform)
 
-    params = jax.tree.map(np.asarray, model.init_unsharded(cfg, jax.random.PRNGKey(0)))
+    params = jax.tree.map(np.asarray, table.init_unsharded(cfg, jax.random.PRNGKey(0)))
     sampler = sampling.Sampler(make_inference_layout(cfg, mesh=make_dp_mp(1, 1)), params)
     hf_cfg = GPTJConfig(**hf.hf_config(cfg))
     hf_model = GPTJForCausalLM(hf_cfg).eval()

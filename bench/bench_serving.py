@@ -24,9 +24,9 @@ import jax
 import numpy as np
 
 from bench.common import emit
+from mesh_transformer.model import table
 from mesh_transformer.cli import platform_setup
 from mesh_transformer import config
-from mesh_transformer.model import gptj as model
 from mesh_transformer.serve import engine as serving, server
 from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.parallel.mesh import make_dp_mp
@@ -95,7 +95,7 @@ def summary(mode: str, results: list[dict], wall_s: float, **extra) -> dict:
 def run_server(config_path: str, slots: int, ready: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
     """The server process: random weights, every program compiled, then serving on a free port until `stop`."""
     cfg = config.load(config_path, ["cores_per_replica=1"])
-    params = jax.tree.map(np.asarray, model.init_unsharded(cfg, jax.random.PRNGKey(0)))
+    params = jax.tree.map(np.asarray, table.init_unsharded(cfg, jax.random.PRNGKey(0)))
     tokenizer = load_tokenizer()
     start_s = time.perf_counter()
     layout = make_inference_layout(cfg, mesh=make_dp_mp(1, 1))

@@ -36,6 +36,7 @@ import numpy as np
 from bench.common import emit, figure, matmul_peak_flop_per_s, read_bandwidth_bytes_per_s, train_flops_per_token
 from bench.suite_parts import (CompileLog, Peaks, decode_records, one_device_layout, random_decode_params,
                                serving_records)
+from mesh_transformer.model import table
 from mesh_transformer import config
 from mesh_transformer.cli import platform_setup
 from mesh_transformer.model import gptj
@@ -135,17 +136,17 @@ def train_record(name: str, cfg: config.Config, batch: int, repeats: int, peaks:
     layout = make_layout(cfg, mesh=make_dp_mp(1, 1, [device]))
     opt = optim.make_optimizer(cfg)
     state = state_lib.init_train_state(layout, opt, jax.random.PRNGKey(0))
-    base = ()
+    base = {}
     if cfg.lora_rank:
-        dtype = gptj.DTYPES[cfg.base_dtype]
-        base = (jax.jit(lambda key: jax.tree.map(lambda x: x.astype(dtype), gptj.init_params(cfg, key)),
-                        out_shardings=layout.param_shardings())(jax.random.PRNGKey(1)),)
+        dtype = table.DTYPES[cfg.base_dtype]
+        base = jax.jit(lambda key: jax.tree.map(lambda x: x.astype(dtype), table.init_params(cfg, key)),
+                       out_shardings=layout.param_shardings())(jax.random.PRNGKey(1))
     tokens = np.random.default_rng(0).integers(0, cfg.n_vocab, (1, batch, cfg.seq + 1)).astype(np.int32)
     tokens = jax.device_put(tokens, layout.batch_sharding())
     start = time.perf_counter()
-    step = state_lib.make_train_step(layout, opt, optim.lr_schedule(cfg)).lower(state, tokens, *base).compile()
+    step = state_lib.make_train_step(layout, opt, optim.lr_schedule(cfg)).lower(state, tokens, base).compile()
     compile_s = time.perf_counter() - start
-    step_s, _ = time_steps_s(step, state, tokens, repeats, *base)
+    step_s, _ = time_steps_s(step, state, tokens, repeats, base)
     tokens_per_s = batch * cfg.seq / step_s
     record = {"bench": name, "layers": cfg.layers, "d_model": cfg.d_model, "seq": cfg.seq, "batch": batch,
               "compute_dtype": gptj.compute_dtype(cfg).name, "remat": cfg.remat,

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from bench.common import figure
+from mesh_transformer.model import table
 from mesh_transformer.config import Config
 from mesh_transformer.infer.choose import fill_sampling
 from mesh_transformer.infer.decode import Programs, Steps, block_sizes, default_block
@@ -61,7 +62,7 @@ class CompileLog:
 def random_decode_params(layout: Layout) -> dict:
     """Random weights in the compute dtype, made on the devices and put in the decode programs' form."""
     cfg = layout.cfg
-    shapes = gptj.param_shapes(cfg, gptj.compute_dtype(cfg))
+    shapes = table.param_shapes(cfg, gptj.compute_dtype(cfg))
 
     def make(key):
         leaves, treedef = jax.tree.flatten(shapes)

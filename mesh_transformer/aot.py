@@ -26,7 +26,8 @@ from mesh_transformer.infer.choose import Sampling
 from mesh_transformer.infer.decode import KVCache, Programs, Steps, block_sizes, cache_dtype, default_block
 from mesh_transformer.infer.params import decode_specs, make_inference_layout
 from mesh_transformer.infer.score import MAX_TOP, Rows, Scorer
-from mesh_transformer.model import gptj, layers
+from mesh_transformer.model import gptj, layers, table
+from mesh_transformer.model.split import split_of
 from mesh_transformer.parallel.layout import MODES, SHARD_MAP, Layout, make_layout
 from mesh_transformer.parallel.mesh import DP, MP
 from mesh_transformer.train import optim, state
@@ -134,7 +135,7 @@ def _inference_layout(train_layout: Layout) -> Layout:
 def _abstract_decode_params(layout: Layout) -> dict:
     """The decode programs' params (fused per layer, in the compute dtype) as sharded ShapeDtypeStructs."""
     cfg = layout.cfg
-    shapes = gptj.param_shapes(cfg, gptj.compute_dtype(cfg))
+    shapes = table.param_shapes(cfg, gptj.compute_dtype(cfg))
     layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes["layers"])
     fused = jax.eval_shape(partial(layers.fuse_layer, tp_size=layout.mesh.shape[MP]), layer)
     shardings = jax.tree.map(partial(NamedSharding, layout.mesh), decode_specs(cfg), is_leaf=lambda x: isinstance(x, P))
@@ -233,7 +234,8 @@ def training_programs(cfg: Config, mode: str, devices: list, sizes: dict) -> dic
     cfg = layout.cfg
     tokens = jax.ShapeDtypeStruct((cfg.gradient_accumulation_steps, layout.global_batch, cfg.seq + 1), jnp.int32,
                                   sharding=layout.batch_sharding())
-    frozen = (layout.abstract_params(gptj.DTYPES[cfg.base_dtype]),) if cfg.lora_rank else ()
+    split = split_of(cfg)
+    frozen = layout.abstract(split.frozen_axes(cfg), table.DTYPES[cfg.base_dtype])
     return {"layout": layout, "state": state.abstract_train_state(layout, optimizer), "tokens": tokens,
             "frozen": frozen, "train": state.make_train_step(layout, optimizer, optim.lr_schedule(cfg))}
 
@@ -244,8 +246,8 @@ def _train_record(compiled: dict, common: dict, no_loop_hoisting: bool = False,
     with the target's chip, the step's estimated time."""
     train_state, frozen, layout = compiled["state"], compiled["frozen"], compiled["layout"]
     policy = dataclasses.replace(layout.policy, loop_hoisting=not no_loop_hoisting)
-    train, train_s = _compile(compiled["train"], train_state, compiled["tokens"], *frozen, policy=policy)
-    params = frozen[0] if frozen else train_state["params"]
+    train, train_s = _compile(compiled["train"], train_state, compiled["tokens"], frozen, policy=policy)
+    params = frozen or train_state["params"]
     cfg = layout.cfg
     record = {"check": "lora_train_step" if frozen else "train_step", **common, "mode": cfg.parallelism,
               "mesh": dict(layout.mesh.shape), "params": sum(x.size for x in jax.tree.leaves(params)),

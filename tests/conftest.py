@@ -13,6 +13,9 @@ _FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimizatio
 _flags = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join([_flags, *(f for f in _FLAGS if f not in _flags)]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Implicit rank promotion (a [B, T] array added to a [B, T, V] one) is an error in the tests, here and in the scripts
+# they start: silent broadcasting hides shape mistakes.
+os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"
 # JAX's persistent compilation cache, fresh for each run and shared with the scripts the tests start: many tests
 # compile the same tiny programs (tests/train: 237 s without, 183 s with, starting empty). The cache key holds the
 # program, the flags and the compile options, so a hit is the program a compile would have made. pytest-xdist's
@@ -35,7 +38,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(scope="session")
 def eval_hf_dir(tmp_path_factory):
-    """The tiny random model of the evaluation tests, exported to HF (tests/infer/test_harness.py's EVAL_CFG)."""
+    """The tiny random model of the evaluation tests, exported to HF (tests/helpers.py's EVAL_CFG)."""
     from tests.helpers import EVAL_CFG, random_eval_params, write_hf_dir
 
     return write_hf_dir(str(tmp_path_factory.mktemp("eval_hf")), random_eval_params(), EVAL_CFG)

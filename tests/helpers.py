@@ -1,15 +1,33 @@
-"""Helpers shared by tests of several subpackages."""
+"""Helpers shared by tests of several subpackages: scripts run as a user would, tiny models and their checkpoints in
+each format, the trainer tests' runs, the evaluation tests' tasks. torch, transformers and the store's I/O are
+imported where used, so a test that needs none of them does not pay their import."""
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
+import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 
+import jax
+import ml_dtypes
+import numpy as np
+
+from mesh_transformer.model import table
+from mesh_transformer import config
+from mesh_transformer.parallel.layout import Layout, make_layout
+from mesh_transformer.parallel.mesh import make_dp_mp, make_mesh
 from mesh_transformer.platforms import for_platform
+from mesh_transformer.store import hf
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_POLICY = for_platform("cpu")  # the platform policy of the tests' devices, for model code called without a Layout
 
+
+# ---- scripts and child processes ----
 
 def run_script(script: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     """Runs one of the top-level command-line scripts as a user would, from the repository root, with glibc's
@@ -25,20 +43,72 @@ def run_script(script: str, *args: str, stdin: str | None = None) -> subprocess.
 def run_scripts(*calls: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
     """`run_script` for each (script, *args), a few at once: each is mostly one interpreter's start-up and
     compiles, which leave the second core idle."""
-    import concurrent.futures
-
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         return list(pool.map(lambda call: run_script(*call), calls))
 
 
-def write_hf_dir(directory: str, params: dict, cfg) -> str:
-    """A tiny model as an HF GPT-J directory (f32 safetensors, config.json, GPT-2 tokenizer files)."""
-    import json
+def run_driver(args: list[str], env_extra: dict[str, str] | None = None, **popen) -> subprocess.Popen:
+    """device_train.py's main started through tests/train_driver.py, which can stall a checkpoint write for a kill."""
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, "tests", "train_driver.py"), *args],
+                            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **popen)
 
-    import numpy as np
+
+def wait_for(predicate: Callable[[], bool], proc: subprocess.Popen, timeout_s: float = 240) -> None:
+    """Polls `predicate` until it holds; fails with the child's stderr if the child exits first."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+# ---- tiny models: random params, HF models, layouts ----
+
+# The fine-tuning and trainer tests' model shape (seq and the parallel layout come with each run's config).
+TINY_SHAPE = {"layers": 2, "d_model": 32, "n_heads": 4, "n_vocab": 128, "pe_rotary_dims": 4}
+
+
+def random_params(cfg: config.Config, seed: int) -> dict:
+    """Random f32 params with every leaf nonzero (LayerNorms and biases too), so each one counts."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: (rng.normal(size=s.shape) * 0.2).astype(np.float32), table.param_shapes(cfg))
+
+
+def random_hf_model(cfg: config.Config, seed: int = 0):
+    """HF's GPT-J (eager attention) with every parameter random, LayerNorms and biases too."""
+    import torch
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    torch.manual_seed(seed)
+    hf_config = GPTJConfig(**hf.hf_config(cfg))
+    hf_config._attn_implementation = "eager"
+    hf_model = GPTJForCausalLM(hf_config).eval()
+    with torch.no_grad():  # HF's init leaves LayerNorms at 1/0 and biases at 0: randomize all so each one counts
+        for p in hf_model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    return hf_model
+
+
+def state_dict_numpy(hf_model) -> dict[str, np.ndarray]:
+    """An HF model's state dict as numpy arrays."""
+    return {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
+
+
+def random_hf_dir(tmp_path, cfg: config.Config, name: str = "hf", seed: int = 0) -> tuple[str, object]:
+    """(directory, model): a `random_hf_model` saved as safetensors under tmp_path/name (n_positions past seq: the
+    loss reads seq + 1 tokens)."""
+    model = random_hf_model(dataclasses.replace(cfg, seq=cfg.seq + 1), seed)
+    path = str(tmp_path / name)
+    model.save_pretrained(path, safe_serialization=True)
+    return path, model
+
+
+def write_hf_dir(directory: str, params: dict, cfg: config.Config) -> str:
+    """Our params as an HF GPT-J directory (f32 safetensors, config.json, GPT-2 tokenizer files)."""
     from safetensors.numpy import save_file
 
-    from mesh_transformer.store import hf
     from mesh_transformer.tokenizer import load_tokenizer
 
     os.makedirs(directory, exist_ok=True)
@@ -49,6 +119,147 @@ def write_hf_dir(directory: str, params: dict, cfg) -> str:
     load_tokenizer().save_pretrained(directory)
     return directory
 
+
+def layout_of(cfg: config.Config, spec: tuple) -> Layout:
+    """The Layout a test's mesh spec names: ("shard_map", dp, mp) or (parallelism, data, fsdp, tensor)."""
+    mode, *sizes = spec
+    if mode == "shard_map":
+        return make_layout(dataclasses.replace(cfg, cores_per_replica=sizes[1]), mesh=make_dp_mp(*sizes))
+    return make_layout(dataclasses.replace(cfg, parallelism=mode),
+                       mesh=make_mesh(dict(zip(("data", "fsdp", "tensor"), sizes))))
+
+
+# ---- original mesh-transformer-jax checkpoints, built from the layout facts ----
+
+MTJ_CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1"])  # 2 layers, D 64, 8 heads, V 256
+MTJ_ROOT = "causal_transformer_shard/~/"  # the haiku module every leaf name starts with
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def original_shards(params: dict, cfg: config.Config, n_shards: int,
+                    rng: np.random.Generator) -> list[dict[str, np.ndarray]]:
+    """Per-shard haiku leaves of our global params: heads/MLP/vocab split, per-shard biases that sum to ours."""
+    shards: list[dict[str, np.ndarray]] = [{} for _ in range(n_shards)]
+
+    def put(name, pieces):
+        for shard, piece in zip(shards, pieces):
+            shard[MTJ_ROOT + name] = np.ascontiguousarray(piece)
+
+    def split(x, axis):
+        return np.split(x, n_shards, axis=axis)
+
+    def summing_parts(total):  # random per-shard parts whose sum is `total`, as the original's per-shard biases
+        parts = [rng.normal(size=total.shape).astype(np.float32) * 0.1 for _ in range(n_shards - 1)]
+        return [*parts, total - sum(parts)]
+
+    put("embedding_shard/~/linear/w", split(params["embed"]["wte"], 0))
+    put("embedding_shard/~/linear/b", summing_parts(rng.normal(size=cfg.d_model).astype(np.float32)))
+    put("projection_shard/~/linear/w", split(params["lm_head"]["kernel"], 1))
+    put("projection_shard/~/linear/b", split(params["lm_head"]["bias"], 0))
+    put("projection_shard/~/replicated_layer_norm/scale", [params["ln_f"]["scale"]] * n_shards)
+    put("projection_shard/~/replicated_layer_norm/offset", [params["ln_f"]["bias"]] * n_shards)
+    layers = params["layers"]
+    for i in range(cfg.layers):
+        for module, array, axis in [("linear", layers["attn"]["q"], 1), ("linear_1", layers["attn"]["v"], 1),
+                                    ("linear_2", layers["attn"]["k"], 1), ("linear_3", layers["attn"]["out"], 0),
+                                    ("linear_4", layers["mlp"]["fc_in"]["kernel"], 1),
+                                    ("linear_5", layers["mlp"]["fc_out"]["kernel"], 0)]:
+            put(f"layer_{i}/~/{module}/w", split(array[i], axis))
+        put(f"layer_{i}/~/linear_4/b", split(layers["mlp"]["fc_in"]["bias"][i], 0))
+        put(f"layer_{i}/~/linear_5/b", summing_parts(layers["mlp"]["fc_out"]["bias"][i]))
+        put(f"layer_{i}/~/replicated_layer_norm/scale", [layers["ln_1"]["scale"][i]] * n_shards)
+        put(f"layer_{i}/~/replicated_layer_norm/offset", [layers["ln_1"]["bias"][i]] * n_shards)
+    return shards
+
+
+def write_mtj_v1(step_dir: str, shards: list[dict[str, np.ndarray]], step: int, full: bool) -> None:
+    """The original's files: sorted leaves (+ optimizer leaves first when full, + step last) in 16 npz chunks."""
+    from mesh_transformer.store import mtj_v1
+
+    for i, leaves in enumerate(shards):
+        params = [leaves[name] for name in sorted(leaves, key=lambda n: tuple(n.rsplit("/", 1)))]
+        if full:  # optax chain state: adam count, mu and nu per param, schedule count
+            opt = [np.int32(step), *[np.ones_like(p) for p in params], *[np.full_like(p, 2) for p in params],
+                   np.int32(step)]
+        flat = (opt if full else []) + params + [np.int32(step)]
+        flat = [a.view("V2") if a.dtype == BF16 else a for a in flat]  # how numpy saved jax's bfloat16
+        os.makedirs(f"{step_dir}/shard_{i}", exist_ok=True)
+        k, m = divmod(len(flat), mtj_v1.N_FILES)
+        for f in range(mtj_v1.N_FILES):
+            with open(f"{step_dir}/shard_{i}/{f}.npz", "wb") as out:
+                np.savez(out, *flat[f * k + min(f, m):(f + 1) * k + min(f + 1, m)])
+
+
+def _expected_params(params: dict, shards: list[dict], dtype: np.dtype) -> dict:
+    """What the reader must give: the embedding bias folded into wte and fc_out biases summed (f32, then `dtype`)."""
+    def total(name):
+        return sum(s[MTJ_ROOT + name].astype(np.float32) for s in shards)
+
+    out = jax.tree.map(lambda x: x.astype(dtype).astype(np.float32), params)
+    wte = params["embed"]["wte"].astype(dtype).astype(np.float32) + total("embedding_shard/~/linear/b")
+    out["embed"]["wte"] = wte.astype(dtype).astype(np.float32)
+    out["layers"]["mlp"]["fc_out"]["bias"] = np.stack(
+        [total(f"layer_{i}/~/linear_5/b").astype(dtype).astype(np.float32) for i in range(MTJ_CFG.layers)])
+    return out
+
+
+def make_checkpoint(tmp_path, n_shards: int, dtype: np.dtype, full: bool, step: int = 383500) -> tuple[str, dict]:
+    """An original-layout checkpoint of MTJ_CFG under tmp_path/model/step_{step}; returns (step dir, the params a
+    reader must give)."""
+    params = random_params(MTJ_CFG, seed=n_shards)
+    shards = original_shards(params, MTJ_CFG, n_shards, np.random.default_rng(0))
+    shards = [{k: v.astype(dtype) for k, v in s.items()} for s in shards]
+    step_dir = str(tmp_path / "model" / f"step_{step}")
+    write_mtj_v1(step_dir, shards, step, full)
+    return step_dir, _expected_params(params, shards, dtype)
+
+
+# ---- the trainer tests' runs ----
+
+_RUN_SEQ = 16
+
+
+def write_dataset(directory: str, name: str = "train", n_records: int = 64, seed: int = 0) -> str:
+    """Random-token records of TINY_SHAPE's vocabulary as one TFRecord file and its index; returns the index."""
+    from mesh_transformer.store import tfrecord
+
+    rng = np.random.default_rng(seed)
+    path = os.path.join(directory, f"{name}_0_{n_records}.tfrecords")
+    tfrecord.write_records(path, [tfrecord.encode_example({"text": rng.integers(0, 128, _RUN_SEQ + 1)})
+                                  for _ in range(n_records)])
+    index = os.path.join(directory, f"{name}.index")
+    with open(index, "w") as f:
+        f.write(os.path.basename(path) + "\n")
+    return index
+
+
+def make_config(tmp_path, **overrides) -> config.Config:
+    """A 6-step run of TINY_SHAPE on dp 2 x mp 4 (checkpoints and validation every 3 steps), its data written
+    under tmp_path."""
+    raw = {**TINY_SHAPE, "seq": _RUN_SEQ, "cores_per_replica": 4, "per_replica_batch": 2,
+           "gradient_accumulation_steps": 2, "warmup_steps": 2, "anneal_steps": 20, "lr": 1e-2, "end_lr": 1e-3,
+           "total_steps": 6, "ckpt_every": 3, "val_every": 3, "val_batches": 2, "keep_every": 1000, "remat": False,
+           "model_dir": str(tmp_path / "run"), "train_set": write_dataset(str(tmp_path)),
+           "val_set": {"held": write_dataset(str(tmp_path), "val", 8, 1)}}
+    raw.update(overrides)
+    return config.from_dict(raw)
+
+
+def save_config(tmp_path, cfg: config.Config) -> str:
+    """`cfg` as tmp_path/config.json, for a script's --config."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    return str(path)
+
+
+def train_losses(model_dir: str) -> dict[int, float]:
+    """step -> training loss, from a run's metrics log."""
+    from mesh_transformer.train.metrics import read_metrics
+
+    return {row["step"]: row["loss"] for row in read_metrics(model_dir) if "loss" in row}
+
+
+# ---- the evaluation tests' tasks and model ----
 
 # lm-eval tasks the tests write: a multiple-choice one, a perplexity one, a generation one with stop strings.
 _MC_DOCS = [{"question": f"Q{i}: which word follows '{w}'?", "choices": [" the", " a", f" {w}", " end of it"],
@@ -69,8 +280,6 @@ TASKS = tuple(_TASK_YAML)
 
 def write_tasks(directory: str) -> str:
     """The test tasks as JSONL data + YAML configs under `directory` (for lm-eval's include_path)."""
-    import json
-
     os.makedirs(directory, exist_ok=True)
     for name, docs in zip(TASKS, (_MC_DOCS, _PPL_DOCS, _GEN_DOCS)):
         data = os.path.join(directory, f"{name}.jsonl")
@@ -88,22 +297,11 @@ EVAL_CFG_DICT = {"layers": 2, "d_model": 32, "n_heads": 4, "n_vocab": 50304, "pe
 EVAL_OPTIONS = {"log_samples": True, "bootstrap_iters": 0, "batch_size": 4}
 
 
-def _eval_cfg():
-    from mesh_transformer import config
-
-    return config.from_dict(EVAL_CFG_DICT)
-
-
-EVAL_CFG = _eval_cfg()
+EVAL_CFG = config.from_dict(EVAL_CFG_DICT)
 
 
 def random_eval_params(cfg=EVAL_CFG, seed: int = 0) -> dict:
     """Random weights made with numpy (nothing to compile), large enough that the argmax is rarely a near-tie."""
-    import jax
-    import numpy as np
-
-    from mesh_transformer.model import gptj
-
     rng = np.random.default_rng(seed)
 
     def leaf(path, shape):
@@ -112,7 +310,7 @@ def random_eval_params(cfg=EVAL_CFG, seed: int = 0) -> dict:
             return np.ones(shape.shape, np.float32)
         return (rng.standard_normal(shape.shape) * (0.05 if "bias" in name else 0.2)).astype(np.float32)
 
-    return jax.tree_util.tree_map_with_path(leaf, gptj.param_shapes(cfg))
+    return jax.tree_util.tree_map_with_path(leaf, table.param_shapes(cfg))
 
 
 def per_sample(results: dict) -> dict:
@@ -124,8 +322,6 @@ def per_sample(results: dict) -> dict:
 def assert_same_eval(ours: dict, ref: dict, rolling_docs=None) -> None:
     """Per-sample log-likelihoods within 1e-4, generations and accuracies exactly; `rolling_docs` limits the
     perplexity docs compared."""
-    import numpy as np
-
     a, b = per_sample(ours), per_sample(ref)
     for task in TASKS:
         for (doc_a, resp_a), (doc_b, resp_b) in zip(a[task], b[task], strict=True):

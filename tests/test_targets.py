@@ -61,7 +61,7 @@ def _programs(cfg, devices):
     cache, last, steps = aot._abstract_slots(programs, 8, block_sizes(cfg.seq, default_block(cfg.seq)))
     decode = programs.jitted["decode"].lower(aot._abstract_decode_params(layout), cache, last, steps, rows=4,
                                              n_blocks=1)
-    return train, train["train"].lower(train["state"], train["tokens"]), decode
+    return train, train["train"].lower(train["state"], train["tokens"], train["frozen"]), decode
 
 
 def test_a_tpu_program_holds_none_of_the_cpu_workarounds(v3_8):
@@ -127,7 +127,8 @@ def test_the_estimate_counts_every_trip_of_the_loops(v3_8):
                                                         "seq=64", "gradient_accumulation_steps=3"])
     for remat in (True, False):
         step = aot.training_programs(dataclasses.replace(cfg, remat=remat), "shard_map", v3_8, None)
-        weighted, once = estimate.loop_flops(step["train"].lower(step["state"], step["tokens"]).compile().as_text())
+        lowered = step["train"].lower(step["state"], step["tokens"], step["frozen"])
+        weighted, once = estimate.loop_flops(lowered.compile().as_text())
         tokens = 3 * step["layout"].global_batch * cfg.seq
         analytic = estimate.executed_flops_per_token(cfg, remat) * tokens / 8
         assert weighted == pytest.approx(analytic, rel=0.02), (remat, weighted / analytic)

@@ -73,39 +73,7 @@ def _starts(blocks: list) -> list[int]:
     return starts
 
 
-def gather_vocab(logits_BxV: jax.Array, tp_axis: str | None) -> jax.Array:
-    """This device's vocab columns placed into the full vocab, summed over tp_axis: the same [B, V] everywhere.
-
-    A psum rather than an all_gather, because its result is typed as identical on every device (check_vma), so
-    the sampled tokens can leave shard_map unsplit over tp_axis.
-    """
-    if tp_axis is None:
-        return logits_BxV
-    vocab_local = logits_BxV.shape[-1]
-    full_BxV = jnp.zeros((logits_BxV.shape[0], vocab_local * lax.axis_size(tp_axis)), logits_BxV.dtype)
-    full_BxV = lax.dynamic_update_slice_in_dim(full_BxV, logits_BxV, lax.axis_index(tp_axis) * vocab_local, 1)
-    return lax.psum(full_BxV, tp_axis)
-
-
 # ------------------------------------------------------------------------------------------------------- programs
-def in_turn(h: jax.Array, weights: Any, policy: Policy) -> tuple[jax.Array, Any]:
-    """(h, weights), where the policy orders converts (CPU) the bf16/fp16 matrices are made to depend on h. XLA's
-    CPU dot has no bf16 kernel, so it converts such operands to f32 first; nothing ordered those converts, and the
-    scheduler ran all of them up front, every layer's f32 copy alive at once (2x the model in temporaries; an
-    optimization_barrier does not help, it is converted too). A select on a value of h, fused into the convert, makes
-    each layer's copy wait for the layer before, so one is alive at a time. Accelerators have bf16 dots: nothing is
-    done there."""
-    if not policy.ordered_converts:
-        return h, weights
-    first = h.reshape(-1)[0]
-    keep = first == first  # false only where h is NaN, which the layer's output would be anyway
-
-    def tied(w):
-        return jnp.where(keep, w, jnp.zeros((), w.dtype)) if w.ndim >= 2 and w.dtype.itemsize < 4 else w
-
-    return h, jax.tree.map(tied, weights)
-
-
 def cache_dtype(cfg: Config, policy: Policy) -> jnp.dtype:
     """What the cache stores: compute-dtype values, or where the policy says (CPU) the bits of 16-bit ones, as
     unsigned integers of the same width. XLA's CPU scatter has no bf16 kernel: on bf16 values it rewrote each whole
@@ -121,84 +89,102 @@ def scatter(block: jax.Array, index: tuple, values: jax.Array) -> jax.Array:
     return block.at[index].set(lax.bitcast_convert_type(values, block.dtype), mode="drop")
 
 
-def cached(block: jax.Array, cfg: Config) -> jax.Array:
+def cached(block: jax.Array, dtype: Any) -> jax.Array:
     """A block of the cache read as values of the compute dtype (of bits: bitcast; of values: as it is)."""
-    return lax.bitcast_convert_type(block, gptj.compute_dtype(cfg))
+    return lax.bitcast_convert_type(block, dtype)
+
+
+class _PrefillKV(NamedTuple):
+    """Prefill's cache hook (`gptj.KV`): no cached keys to read; each prompt's new keys and values written from
+    position 0 of its slot (a target past the end, a padding row's, is dropped). A layer's state: (k, v) blocks."""
+    target_R: jax.Array
+    dtype: Any
+
+    def read(self, state, h_RxTxD):
+        return None
+
+    def write(self, state, k_RxTxHxK, v_RxTxHxK, h_RxTxD):
+        return tuple(self._written(blocks, new) for blocks, new in zip(state, (k_RxTxHxK, v_RxTxHxK)))
+
+    def _written(self, blocks: list, new_RxTxHxK: jax.Array) -> list:
+        width = new_RxTxHxK.shape[1]
+        new_RxHxKxT = new_RxTxHxK.transpose(0, 2, 3, 1).astype(self.dtype)
+        written = []
+        for start, block_NxHxKxS in zip(_starts(blocks), blocks):
+            n = min(block_NxHxKxS.shape[-1], width - start)
+            if n > 0:
+                block_NxHxKxS = scatter(block_NxHxKxS, (self.target_R, slice(None), slice(None), slice(None, n)),
+                                        new_RxHxKxT[..., start:start + n])
+            written.append(block_NxHxKxS)
+        return written
+
+
+class _DecodeKV(NamedTuple):
+    """A decode step's cache hook (`gptj.KV`): the first `rows` slots of the first blocks read in place (keys
+    strictly before each slot's own position), and each slot's one new key and value written at its position."""
+    position_R: jax.Array
+    n_blocks: int
+    dtype: Any
+    policy: Policy
+
+    def read(self, state, h_Rx1xD):
+        rows, blocks = self.position_R.shape[0], state[0][:self.n_blocks]
+        starts = _starts(blocks)
+        span = starts[-1] + blocks[-1].shape[-1]
+        # From a slot's own position on it holds stale keys, if any.
+        past_mask_Rx1xS = (jnp.arange(span)[None, :] < self.position_R[:, None])[:, None, :]
+        # The first `rows` slots of each block read: a copy unless that is every slot, but only of them.
+        past = [[cached(b[:rows], self.dtype).transpose(0, 3, 1, 2) for b in kind[:self.n_blocks]] for kind in state]
+        past_k, past_v = layers.in_turn(h_Rx1xD, past, self.policy)
+        return past_k, past_v, past_mask_Rx1xS
+
+    def write(self, state, k_Rx1xHxK, v_Rx1xHxK, h_Rx1xD):
+        # Only the one new key and value per slot go back, so the cache is updated in place. The write must come
+        # after attention's reads of the cache, else XLA copies the whole cache to keep them apart: adding 0 * h
+        # (which attention produced) makes it depend on them.
+        after_Rx1x1 = 0 * h_Rx1xD[:, :, :1, None].astype(k_Rx1xHxK.dtype)
+        return tuple(self._written(blocks, (new + after_Rx1x1)[:, 0].astype(self.dtype))
+                     for blocks, new in zip(state, (k_Rx1xHxK, v_Rx1xHxK)))
+
+    def _written(self, blocks: list, new_RxHxK: jax.Array) -> list:
+        written, row_R = list(blocks), jnp.arange(new_RxHxK.shape[0])
+        for j, start in enumerate(_starts(blocks)[:self.n_blocks]):  # a slot's position lies in one block read
+            local_R = self.position_R - start
+            local_R = jnp.where((local_R >= 0) & (local_R < blocks[j].shape[-1]), local_R, blocks[j].shape[-1])
+            written[j] = scatter(blocks[j], (row_R, slice(None), slice(None), local_R), new_RxHxK)
+        return written
+
+
+def _run_cached(params: dict, cache: KVCache, ids_RxT: jax.Array, positions_RxT: jax.Array, kv, cfg: Config,
+                tp_axis: str | None, policy: Policy, **kw) -> tuple[jax.Array, KVCache]:
+    """`gptj.run` over the cache's layers with the KV hook `kv`; the logits of its one column per row, over the whole
+    vocab [R, V], and the cache written."""
+    def head(params, h_Rx1xD):
+        lm_head = layers.in_turn(h_Rx1xD, params["lm_head"], policy)
+        return layers.gather_shards(layers.head(h_Rx1xD, params["ln_f"], lm_head)[:, 0], tp_axis)
+
+    logits_RxV, states = gptj.run(params, ids_RxT, positions_RxT, cfg, policy=policy, tp_axis=tp_axis, kv=kv,
+                                  kv_states=list(zip(cache.k, cache.v)), head=head, **kw)
+    return logits_RxV, KVCache([k for k, _ in states], [v for _, v in states])
 
 
 def prefill_logits(params: dict, cache: KVCache, ids_RxT: jax.Array, length_R: jax.Array, slot_R: jax.Array,
                    cfg: Config, tp_axis: str | None = None, *, policy: Policy) -> tuple[jax.Array, KVCache]:
     """Run R prompts (right-padded to T) together, write each one's keys and values from position 0 of its slot
     (a slot of -1 is a padding row, written nowhere), and return the logits after each prompt's last token [R, V]."""
-    width = ids_RxT.shape[1]
-    n_slots = cache.k[0][0].shape[0]
-    h_RxTxD = layers.embed(ids_RxT, params["embed"]["wte"], tp_axis)
-    sincos = layers.rotary_sincos(jnp.arange(width)[None], cfg.pe_rotary_dims)
-    kv = []
-    for layer_params in params["layers"]:
-        h_RxTxD, layer_params = in_turn(h_RxTxD, layer_params, policy)
-        h_RxTxD, kv_layer = layers.block(h_RxTxD, layer_params, cfg.head_dim, sincos, None, tp_axis, policy=policy)
-        kv.append(kv_layer)
-    last_Rx1xD, lm_head = in_turn(jnp.take_along_axis(h_RxTxD, (length_R - 1)[:, None, None], axis=1),
-                                  params["lm_head"], policy)
-    logits_RxV = gather_vocab(layers.head(last_Rx1xD, params["ln_f"], lm_head)[:, 0], tp_axis)
-    target_R = jnp.where(slot_R >= 0, slot_R, n_slots)  # past the end: the scatter drops it
-
-    def write(blocks, new_RxTxHxK):
-        new_RxHxKxT = new_RxTxHxK.transpose(0, 2, 3, 1).astype(gptj.compute_dtype(cfg))
-        written = []
-        for start, block_NxHxKxS in zip(_starts(blocks), blocks):
-            n = min(block_NxHxKxS.shape[-1], width - start)
-            if n > 0:
-                block_NxHxKxS = scatter(block_NxHxKxS, (target_R, slice(None), slice(None), slice(None, n)),
-                                        new_RxHxKxT[..., start:start + n])
-            written.append(block_NxHxKxS)
-        return written
-
-    return logits_RxV, KVCache([write(blocks, k) for blocks, (k, _) in zip(cache.k, kv)],
-                               [write(blocks, v) for blocks, (_, v) in zip(cache.v, kv)])
+    target_R = jnp.where(slot_R >= 0, slot_R, cache.k[0][0].shape[0])  # past the end: the scatter drops it
+    kv = _PrefillKV(target_R, gptj.compute_dtype(cfg))
+    return _run_cached(params, cache, ids_RxT, gptj.positions(ids_RxT), kv, cfg, tp_axis, policy,
+                       columns_BxC=(length_R - 1)[:, None])
 
 
 def decode_logits(params: dict, cache: KVCache, token_R: jax.Array, position_R: jax.Array, cfg: Config,
                   n_blocks: int, tp_axis: str | None = None, *, policy: Policy) -> tuple[jax.Array, KVCache]:
     """Feed one token to each of the first R slots: write its key at the slot's own position, attend to the cache
     positions in the first `n_blocks` blocks (keys after a slot's own position are masked), return logits [R, V]."""
-    rows = token_R.shape[0]
-    h_Rx1xD = layers.embed(token_R[:, None], params["embed"]["wte"], tp_axis)
-    sincos = layers.rotary_sincos(position_R[:, None], cfg.pe_rotary_dims)
-    starts = _starts(cache.k[0])[:n_blocks]
-    span = starts[-1] + cache.k[0][n_blocks - 1].shape[-1]
-    # Cached keys strictly before each slot's own position: from there on the slot holds stale keys, if any.
-    past_mask_Rx1xS = (jnp.arange(span)[None, :] < position_R[:, None])[:, None, :]
-    new_mask_Rx1x1 = jnp.ones((rows, 1, 1), bool)
-    row_R = jnp.arange(rows)
-
-    def write(blocks, new_RxHxK):
-        written = list(blocks)
-        for j, start in enumerate(starts):  # each slot's position lies in one of the blocks read; elsewhere dropped
-            local_R = position_R - start
-            local_R = jnp.where((local_R >= 0) & (local_R < blocks[j].shape[-1]), local_R, blocks[j].shape[-1])
-            written[j] = scatter(blocks[j], (row_R, slice(None), slice(None), local_R), new_RxHxK)
-        return written
-
-    k_cache, v_cache = list(cache.k), list(cache.v)
-    for layer, layer_params in enumerate(params["layers"]):
-        # The first `rows` slots of each block read: a copy unless that is every slot, but only of them.
-        past_k, past_v = ([cached(b[:rows], cfg).transpose(0, 3, 1, 2) for b in k_cache[layer][:n_blocks]],
-                          [cached(b[:rows], cfg).transpose(0, 3, 1, 2) for b in v_cache[layer][:n_blocks]])
-        h_Rx1xD, (layer_params, past_k, past_v) = in_turn(h_Rx1xD, (layer_params, past_k, past_v), policy)
-        past = (past_k, past_v, past_mask_Rx1xS)
-        h_Rx1xD, (k_Rx1xHxK, v_Rx1xHxK) = layers.block(h_Rx1xD, layer_params, cfg.head_dim, sincos, new_mask_Rx1x1,
-                                                       tp_axis, past, policy=policy)
-        # Only the one new key and value per slot go back, so the cache is updated in place. The write must come
-        # after attention's reads of the cache, else XLA copies the whole cache to keep them apart: adding 0 * h
-        # (which attention produced) makes it depend on them.
-        after_Rx1x1 = 0 * h_Rx1xD[:, :, :1, None].astype(k_Rx1xHxK.dtype)
-        k_cache[layer] = write(k_cache[layer], (k_Rx1xHxK + after_Rx1x1)[:, 0].astype(past_k[0].dtype))
-        v_cache[layer] = write(v_cache[layer], (v_Rx1xHxK + after_Rx1x1)[:, 0].astype(past_k[0].dtype))
-    h_Rx1xD, lm_head = in_turn(h_Rx1xD, params["lm_head"], policy)
-    logits_RxV = gather_vocab(layers.head(h_Rx1xD, params["ln_f"], lm_head)[:, 0], tp_axis)
-    return logits_RxV, KVCache(k_cache, v_cache)
+    kv = _DecodeKV(position_R, n_blocks, gptj.compute_dtype(cfg), policy)
+    return _run_cached(params, cache, token_R[:, None], position_R[:, None], kv, cfg, tp_axis, policy,
+                       mask_BxTxS=jnp.ones((token_R.shape[0], 1, 1), bool))
 
 
 def prefill_local(params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R, *, cfg, policy, tp_axis=None):

@@ -50,19 +50,20 @@ class MeshTransformerLM(TemplateLM):
     `ckpt=P[,config=C,mp=N,dtype=bf16]` (see `from_arg_string`)."""
 
     def __init__(self, layout: Layout, params: dict, tokenizer: Any, batch_size: int | str = DEFAULT_BATCH_ROWS,
-                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, **_ignored: Any):
+                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, adapters: dict | None = None, **_ignored: Any):
         super().__init__()
         self.layout, self.cfg, self.tokenizer = layout, layout.cfg, tokenizer
         rows = DEFAULT_BATCH_ROWS if batch_size in (None, "auto") else int(str(batch_size).split(":")[0])
-        self.params = place_params(params, layout)
+        self.params = place_params(params, layout, adapters)
         self.scorer = Scorer(layout, self.params, batch_rows=rows)
         self.sampler = Sampler(layout, self.params)
         self.batch_size = self.scorer.batch_rows
         self.max_gen_toks = min(int(max_gen_toks), self.cfg.seq - 1)
 
-    def use_params(self, params: dict) -> None:
-        """Evaluate these params from now on (of the same shapes: the compiled programs are kept)."""
-        self.params = place_params(params, self.layout)
+    def use_params(self, params: dict, adapters: dict | None = None) -> None:
+        """Evaluate these params (with these LoRA adapters merged) from now on (of the same shapes: the compiled
+        programs are kept)."""
+        self.params = place_params(params, self.layout, adapters)
         self.scorer.params = self.sampler.params = self.params
 
     def drop_params(self) -> None:
@@ -248,11 +249,11 @@ def save_results(evaluation_tracker: Any, results: dict, log_samples: bool) -> N
             evaluation_tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
 
 
-def training_evaluator(cfg: Config, include_path: str | None = None) -> Callable[[dict], dict[str, float]]:
+def training_evaluator(cfg: Config, include_path: str | None = None) -> Callable[..., dict[str, float]]:
     """The trainer's `evaluate` hook for cfg.eval_harness_tasks (at most cfg.eval_harness_limit examples each):
-    params -> {"eval/<task>/<metric>": value}. It runs on process 0's devices, on process 0's view of the params
-    (gathered to its host first when there are several processes; the others return {}). Tasks are checked now,
-    so a typo fails before training starts."""
+    (params, LoRA adapters or None) -> {"eval/<task>/<metric>": value}. It runs on process 0's devices, on process
+    0's view of the params (gathered to its host first when there are several processes; the others return {}).
+    Tasks are checked now, so a typo fails before training starts."""
     import jax
     from jax.experimental import multihost_utils
 
@@ -264,15 +265,15 @@ def training_evaluator(cfg: Config, include_path: str | None = None) -> Callable
     layout = make_inference_layout(cfg, devices=[d for d in jax.devices() if d.process_index == 0])
     state: dict[str, MeshTransformerLM] = {}
 
-    def evaluate_params(params: dict) -> dict[str, float]:
+    def evaluate_params(params: dict, adapters: dict | None = None) -> dict[str, float]:
         if jax.process_count() > 1:
-            params = multihost_utils.process_allgather(params)
+            params, adapters = multihost_utils.process_allgather((params, adapters))
             if jax.process_index() != 0:
                 return {}
         if "lm" in state:
-            state["lm"].use_params(params)
+            state["lm"].use_params(params, adapters)
         else:
-            state["lm"] = MeshTransformerLM(layout, params, load_tokenizer(cfg.tokenizer))
+            state["lm"] = MeshTransformerLM(layout, params, load_tokenizer(cfg.tokenizer), adapters=adapters)
         try:
             results = evaluate(state["lm"], tasks, manager=manager, limit=limit, bootstrap_iters=0, log_samples=False)
         finally:

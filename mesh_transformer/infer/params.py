@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from mesh_transformer.config import Config, ConfigError, model_parallel_widths
-from mesh_transformer.model import gptj, layers, lora
+from mesh_transformer.model import gptj, layers, lora, table
 from mesh_transformer.parallel.layout import MEGATRON_RULES, SHARD_MAP, Layout, make_layout, param_specs, unstacked
 from mesh_transformer.parallel.mesh import DP, MP, make_mesh
 from mesh_transformer.store import convert
@@ -106,11 +106,10 @@ def _fuser(mesh: Mesh, spec_leaves: tuple, spec_tree: Any, lora_scale: float):
                                                     is_leaf=lambda x: isinstance(x, P)))
 
 
-def place_params(params: dict, layout: Layout) -> dict:
+def place_params(params: dict, layout: Layout, adapters: dict | None = None) -> dict:
     """The params for the decode programs: on their shards, in the compute dtype, layers unstacked into a list,
     each layer's projections joined (`layers.fuse_layer`). A tree already in that form is returned as it is. LoRA
-    adapters riding in the tree (`lora.attach`: a LoRA run's base and adapters) are merged into each layer's
-    weights before it is joined.
+    adapters (a LoRA run's, beside its base) are merged into each layer's weights before it is joined.
 
     A stacked leaf is placed and split before the next one is touched, and a layer is joined before the next, so
     the device holds little besides the result and the caller's tree.
@@ -123,20 +122,19 @@ def place_params(params: dict, layout: Layout) -> dict:
     placed = jax.tree.map(partial(_placed, dtype=dtype), {k: v for k, v in params.items() if k != "layers"},
                           {k: v for k, v in shardings.items() if k != "layers"})
     layer_shardings = iter(jax.tree.leaves(shardings["layers"]))
-    base_layers = {k: v for k, v in params["layers"].items() if k != lora.LORA_KEY}
-    adapters = jax.device_get(params["layers"].get(lora.LORA_KEY))  # small: on the host, off the training mesh
+    adapters = jax.device_get(adapters)  # small: on the host, off the training mesh
     if adapters and not cfg.lora_rank:
-        raise ConfigError("these params carry LoRA adapters but the config has no lora_rank")
+        raise ConfigError("LoRA adapters were given but the config has no lora_rank")
 
     def split(x):
         sharding = next(layer_shardings)
         return _splitter(cfg.layers, NamedSharding(mesh, P(*sharding.spec[1:])))(_placed(x, sharding, dtype))
 
-    unstacked_params = gptj.unstack_layers({**placed, "layers": base_layers}, split)
+    unstacked_params = table.unstack_layers({**placed, "layers": params["layers"]}, split)
     spec_leaves, spec_tree = jax.tree.flatten(decode_specs(cfg)["layers"][0], is_leaf=lambda x: isinstance(x, P))
     fuse = _fuser(mesh, tuple(spec_leaves), spec_tree, lora.scale(cfg) if adapters else 0.0)
     layer_list = unstacked_params.pop("layers")
-    layer_adapters = gptj.unstack_layers({"layers": adapters})["layers"] if adapters else [None] * cfg.layers
+    layer_adapters = table.unstack_layers({"layers": adapters})["layers"] if adapters else [None] * cfg.layers
     return {**unstacked_params, "layers": [fuse(layer_list.pop(0), ab) for ab in layer_adapters]}
 
 
@@ -151,18 +149,18 @@ def read_params(layout: Layout, source: str, lora: str | None = None) -> dict:
     shardings = layout.param_shardings()
     layer_shardings = jax.tree.map(partial(NamedSharding, layout.mesh), decode_specs(cfg)["layers"][0],
                                    is_leaf=lambda x: isinstance(x, P))
-    stacked = [path for path, _ in gptj.param_paths(cfg) if path[0] == "layers"]
+    stacked = [path for path, _ in table.param_paths(cfg) if path[0] == "layers"]
     params: dict = {}
     with convert.open_params(source, cfg, lora=lora) as reader:
-        for path, _ in gptj.param_paths(cfg):
+        for path, _ in table.param_paths(cfg):
             if path[0] != "layers":
-                gptj.set_path(params, path, jax.device_put(reader.read(path).astype(dtype, copy=False),
-                                                           gptj.get_path(shardings, path)))
+                table.set_path(params, path, jax.device_put(reader.read(path).astype(dtype, copy=False),
+                                                           table.get_path(shardings, path)))
         params["layers"] = []
         for i in tqdm(range(cfg.layers), desc="loading layers", unit="layer", leave=False):
             layer: dict = {}
             for path in stacked:
-                gptj.set_path(layer, path[1:], reader.read(path, i).astype(dtype, copy=False))
+                table.set_path(layer, path[1:], reader.read(path, i).astype(dtype, copy=False))
             fused = layers.fuse_layer(layer, layout.mesh.shape[MP], xp=np)
             params["layers"].append(jax.block_until_ready(jax.device_put(fused, layer_shardings)))
     return params

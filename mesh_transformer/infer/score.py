@@ -24,7 +24,7 @@ from jax import lax
 from mesh_transformer.config import Config
 from mesh_transformer.infer.sizes import bucket
 from mesh_transformer.infer.params import decode_specs, place_params
-from mesh_transformer.model import attention, layers
+from mesh_transformer.model import attention, gptj, layers
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import DP
 from mesh_transformer.platforms import Policy
@@ -80,14 +80,11 @@ def packed_mask(groups_RxT: jax.Array, segments_RxT: jax.Array) -> jax.Array:
     return causal_1xTxT & same_unit_RxTxT & visible_RxTxT
 
 
-def _vocab_offset(logits_RxTxV: jax.Array, tp_axis: str | None) -> jax.Array:
-    return 0 if tp_axis is None else lax.axis_index(tp_axis) * logits_RxTxV.shape[-1]
-
-
 def _greedy(logits_RxTxV: jax.Array, targets_RxT: jax.Array, tp_axis: str | None) -> jax.Array:
     """Whether each target is the argmax (the first of tied maxima, as torch's), over a vocab-sharded axis."""
     local_max_RxT = logits_RxTxV.max(-1)
-    local_arg_RxT = jnp.argmax(logits_RxTxV, -1).astype(jnp.int32) + _vocab_offset(logits_RxTxV, tp_axis)
+    offset = layers.vocab_offset(logits_RxTxV.shape[-1], tp_axis)
+    local_arg_RxT = jnp.argmax(logits_RxTxV, -1).astype(jnp.int32) + offset
     if tp_axis is None:
         return local_arg_RxT == targets_RxT
     best_RxT = lax.pmax(local_max_RxT, tp_axis)
@@ -95,21 +92,13 @@ def _greedy(logits_RxTxV: jax.Array, targets_RxT: jax.Array, tp_axis: str | None
     return lax.pmin(candidate_RxT, tp_axis) == targets_RxT
 
 
-def _gather_shards(x_RxTxk: jax.Array, tp_axis: str) -> jax.Array:
-    """Every shard's [R, T, k] side by side [R, T, k * tp], the same on every device: a psum of each placed in
-    zeros, as decode.gather_vocab does, so that the result is typed as replicated (check_vma)."""
-    k = x_RxTxk.shape[-1]
-    full = jnp.zeros((*x_RxTxk.shape[:2], k * lax.axis_size(tp_axis)), x_RxTxk.dtype)
-    return lax.psum(lax.dynamic_update_slice_in_dim(full, x_RxTxk, lax.axis_index(tp_axis) * k, 2), tp_axis)
-
-
 def _top(logits_RxTxV: jax.Array, k: int, tp_axis: str | None) -> tuple[jax.Array, jax.Array]:
     """The k most likely ids and their log-probs [R, T, k] over the whole vocab: each shard's top k, gathered, then
     the top k of those."""
     values_RxTxk, ids_RxTxk = lax.top_k(logits_RxTxV, k)
-    ids_RxTxk = ids_RxTxk.astype(jnp.int32) + _vocab_offset(logits_RxTxV, tp_axis)
+    ids_RxTxk = ids_RxTxk.astype(jnp.int32) + layers.vocab_offset(logits_RxTxV.shape[-1], tp_axis)
     if tp_axis is not None:
-        values_RxTxk, ids_RxTxk = _gather_shards(values_RxTxk, tp_axis), _gather_shards(ids_RxTxk, tp_axis)
+        values_RxTxk, ids_RxTxk = (layers.gather_shards(x, tp_axis) for x in (values_RxTxk, ids_RxTxk))
         values_RxTxk, order_RxTxk = lax.top_k(values_RxTxk, k)
         ids_RxTxk = jnp.take_along_axis(ids_RxTxk, order_RxTxk, -1)
     lse_RxT = jax.nn.logsumexp(logits_RxTxV, -1)
@@ -121,13 +110,9 @@ def _top(logits_RxTxV: jax.Array, k: int, tp_axis: str | None) -> tuple[jax.Arra
 
 def score_local(params: dict, rows: Rows, *, cfg: Config, policy: Policy, top_k: int, tp_axis: str | None = None):
     """Per device: the forward over packed rows, then `Scores` of each position (this dp group's rows)."""
-    h_RxTxD = layers.embed(rows.ids, params["embed"]["wte"], tp_axis)
-    sincos = layers.rotary_sincos(rows.positions, cfg.pe_rotary_dims)
     mask_RxTxT = packed_mask(rows.groups, rows.segments)
-    for layer_params in params["layers"]:
-        h_RxTxD = layers.block(h_RxTxD, layer_params, cfg.head_dim, sincos, mask_RxTxT, tp_axis, policy=policy)[0]
-    h_RxCxD = jnp.take_along_axis(h_RxTxD, rows.columns[..., None], axis=1)
-    logits_RxTxV = layers.head(h_RxCxD, params["ln_f"], params["lm_head"])
+    logits_RxTxV, _ = gptj.run(params, rows.ids, rows.positions, cfg, policy=policy, tp_axis=tp_axis,
+                               mask_BxTxS=mask_RxTxT, columns_BxC=rows.columns)
     targets_RxT = jnp.maximum(rows.targets, 0)
     logprob_RxT = -layers.cross_entropy(logits_RxTxV, targets_RxT, tp_axis)
     greedy_RxT = _greedy(logits_RxTxV, targets_RxT, tp_axis)

@@ -107,11 +107,12 @@ def blocked_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax
     B, T, H, K = q_BxTxHxK.shape
     n_blocks = n_blocks or max(1, min(CPU_QUERY_BLOCKS, T // MIN_QUERY_BLOCK))
     q_BxHxTxK, k_BxHxTxK, v_BxHxTxK = (x.transpose(0, 2, 1, 3) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK))
-    valid_BxT = jnp.ones((1, T), bool) if length_B is None else jnp.arange(T) < length_B[:, None]
+    valid_BxT = jnp.ones((1, T), bool) if length_B is None else jnp.arange(T)[None] < length_B[:, None]
     ends = sorted({T * (i + 1) // n_blocks for i in range(n_blocks)} - {0})
     outs = []
     for start, end in zip([0, *ends], ends):
-        mask_BxTxS = ((start + jnp.arange(end - start))[:, None] >= jnp.arange(end))[None] & valid_BxT[:, None, :end]
+        causal_TxS = (start + jnp.arange(end - start))[:, None] >= jnp.arange(end)[None]
+        mask_BxTxS = causal_TxS[None] & valid_BxT[:, None, :end]
         outs.append(_causal_core(q_BxHxTxK[:, :, start:end], k_BxHxTxK[:, :, :end], v_BxHxTxK[:, :, :end],
                                  mask_BxTxS))
     return jnp.concatenate(outs, 2).transpose(0, 2, 1, 3).reshape(B, T, H * K)

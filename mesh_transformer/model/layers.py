@@ -11,6 +11,8 @@ P rotary dims (P2 = P / 2), r LoRA rank.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from functools import partial
@@ -24,19 +26,26 @@ LN_EPS = 1e-5
 F32 = jnp.float32
 
 
+def lead(v: jax.Array, ndim: int) -> jax.Array:
+    """v with leading axes of size 1 up to `ndim` axes: a [D] bias or scale lined up with a [B, T, D] array (the
+    tests raise on implicit rank promotion)."""
+    return jnp.expand_dims(v, tuple(range(ndim - v.ndim)))
+
+
 def layer_norm(x_BxTxD: jax.Array, p: dict) -> jax.Array:
     """LayerNorm in f32, returned in the input's dtype."""
     x = x_BxTxD.astype(F32)
     mean = x.mean(-1, keepdims=True)
     var = jnp.square(x - mean).mean(-1, keepdims=True)
-    y = (x - mean) * lax.rsqrt(var + LN_EPS) * p["scale"].astype(F32) + p["bias"].astype(F32)
+    scale, bias = (lead(p[k].astype(F32), x.ndim) for k in ("scale", "bias"))
+    y = (x - mean) * lax.rsqrt(var + LN_EPS) * scale + bias
     return y.astype(x_BxTxD.dtype)
 
 
 def rotary_sincos(positions_BxT: jax.Array, rot_dims: int) -> tuple[jax.Array, jax.Array]:
     """GPT-J's interleaved sin and cos tables: [t0, t0, t1, t1, ...] per position."""
     inv_freq_P2 = 1.0 / (10000.0 ** (jnp.arange(0, rot_dims, 2, dtype=F32) / rot_dims))
-    angle_BxTxP2 = positions_BxT.astype(F32)[..., None] * inv_freq_P2
+    angle_BxTxP2 = positions_BxT.astype(F32)[..., None] * lead(inv_freq_P2, positions_BxT.ndim + 1)
     return jnp.repeat(jnp.sin(angle_BxTxP2), 2, -1), jnp.repeat(jnp.cos(angle_BxTxP2), 2, -1)
 
 
@@ -108,7 +117,8 @@ def _attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask_BxTxT, past, causal) -> jax
 
 def mlp(n_BxTxD: jax.Array, p: dict, policy: Policy) -> jax.Array:
     """This device's part of the MLP, before the reduction and without fc_out's bias (added once, after it)."""
-    h_BxTxF = jax.nn.gelu(dense(n_BxTxD, p["fc_in"]["kernel"], policy) + p["fc_in"]["bias"], approximate=True)
+    pre_BxTxF = dense(n_BxTxD, p["fc_in"]["kernel"], policy)
+    h_BxTxF = jax.nn.gelu(pre_BxTxF + lead(p["fc_in"]["bias"], pre_BxTxF.ndim), approximate=True)
     return dense(h_BxTxF, p["fc_out"]["kernel"], policy)
 
 
@@ -139,7 +149,7 @@ def _residual(h_BxTxD: jax.Array, out_BxTxD: jax.Array, bias_D: jax.Array, tp_ax
     """h + the block's output, summed over tensor-parallel shards first, + fc_out's bias (added once)."""
     if tp_axis is not None:
         out_BxTxD = lax.psum(out_BxTxD, tp_axis)
-    return h_BxTxD + out_BxTxD + bias_D
+    return h_BxTxD + out_BxTxD + lead(bias_D, h_BxTxD.ndim)
 
 
 def fuse_layer(layer: dict, tp_size: int, xp=jnp) -> dict:
@@ -176,7 +186,8 @@ def _fused_block(h_BxTxD, n_BxTxD, p: dict, head_dim: int, sincos, mask_BxTxT, t
     """`block` over `fuse_layer`'s matrices (this device's slice: the device axis is 1 here)."""
     d = p["in"].shape[-1]
     d_local = (p["in"].shape[1] - p["out"].shape[-1]) // 2  # in: 3 * D/tp + F/tp rows, out: D/tp + F/tp columns
-    y = _by_rows(n_BxTxD, p["in"].reshape(-1, d)) + p["in_bias"].reshape(-1)
+    y = _by_rows(n_BxTxD, p["in"].reshape(-1, d))
+    y = y + lead(p["in_bias"].reshape(-1), y.ndim)
     # Inference only, so forward only: on CPU prefill keeps XLA's attention, whose programs compile faster: the
     # blocked one took 1.2-2.2 s more per 6B prefill program (the serving warm-up compiles 17 of them).
     causal = partial(self_attention, kernel="xla" if policy.attention == "blocked" else policy.attention)
@@ -206,9 +217,44 @@ def _attention_and_mlp(y, width: int, fc_in_bias, head_dim: int, sincos, mask_Bx
         return part.reshape(*part.shape[:-1], -1, head_dim)
 
     q, k, v = apply_rotary(heads(0), *sincos), apply_rotary(heads(1), *sincos), heads(2)
-    pre_act = y[..., 3 * width:] if fc_in_bias is None else y[..., 3 * width:] + fc_in_bias
+    pre_act = y[..., 3 * width:] if fc_in_bias is None else y[..., 3 * width:] + lead(fc_in_bias, y.ndim)
     act = jax.nn.gelu(pre_act, approximate=True)
     return jnp.concatenate([_attention(q, k, v, mask_BxTxT, past, causal), act], -1), (k, v)
+
+
+def in_turn(h: jax.Array, weights: Any, policy: Policy) -> Any:
+    """The weights, where the policy orders converts (CPU) with the bf16/fp16 matrices made to depend on h. XLA's
+    CPU dot has no bf16 kernel, so it converts such operands to f32 first; nothing ordered those converts, and the
+    scheduler ran all of them up front, every layer's f32 copy alive at once (2x the model in temporaries; an
+    optimization_barrier does not help, it is converted too). A select on a value of h, fused into the convert, makes
+    each layer's copy wait for the layer before, so one is alive at a time. Accelerators have bf16 dots: nothing is
+    done there."""
+    if not policy.ordered_converts:
+        return weights
+    first = h.reshape(-1)[0]
+    keep = first == first  # false only where h is NaN, which the layer's output would be anyway
+
+    def tied(w):
+        return jnp.where(keep, w, jnp.zeros((), w.dtype)) if w.ndim >= 2 and w.dtype.itemsize < 4 else w
+
+    return jax.tree.map(tied, weights)
+
+
+def vocab_offset(vocab_local: int, tp_axis: str | None) -> jax.Array | int:
+    """The first vocab id of this device's columns (0 without tensor parallelism)."""
+    return 0 if tp_axis is None else lax.axis_index(tp_axis) * vocab_local
+
+
+def gather_shards(x: jax.Array, tp_axis: str | None) -> jax.Array:
+    """Every tp shard's x side by side on the last axis, the same on every device: each shard placed into zeros, then
+    summed over tp_axis. A psum rather than an all_gather, because its result is typed as identical on every device
+    (check_vma), so what is computed from it (sampled tokens, top k) can leave shard_map unsplit over tp_axis."""
+    if tp_axis is None:
+        return x
+    width = x.shape[-1]
+    full = jnp.zeros((*x.shape[:-1], width * lax.axis_size(tp_axis)), x.dtype)
+    full = lax.dynamic_update_slice_in_dim(full, x, lax.axis_index(tp_axis) * width, x.ndim - 1)
+    return lax.psum(full, tp_axis)
 
 
 def embed(ids_BxT: jax.Array, wte_VxD: jax.Array, tp_axis: str | None = None) -> jax.Array:
@@ -216,7 +262,7 @@ def embed(ids_BxT: jax.Array, wte_VxD: jax.Array, tp_axis: str | None = None) ->
     if tp_axis is None:
         return wte_VxD[ids_BxT]
     vocab_local = wte_VxD.shape[0]
-    local_ids_BxT = ids_BxT - lax.axis_index(tp_axis) * vocab_local
+    local_ids_BxT = ids_BxT - vocab_offset(vocab_local, tp_axis)
     in_range_BxT = (local_ids_BxT >= 0) & (local_ids_BxT < vocab_local)
     h_BxTxD = jnp.where(in_range_BxT[..., None], wte_VxD[jnp.clip(local_ids_BxT, 0, vocab_local - 1)], 0)
     return lax.psum(h_BxTxD, tp_axis)
@@ -226,14 +272,14 @@ def head(h_BxTxD: jax.Array, ln_f: dict, lm_head: dict) -> jax.Array:
     """Final LayerNorm and the (untied) LM head; logits in f32, this device's vocab columns."""
     n_BxTxD = layer_norm(h_BxTxD, ln_f)
     logits_BxTxV = jnp.einsum("btd,dv->btv", n_BxTxD, lm_head["kernel"], preferred_element_type=F32)
-    return logits_BxTxV + lm_head["bias"].astype(F32)
+    return logits_BxTxV + lead(lm_head["bias"].astype(F32), logits_BxTxV.ndim)
 
 
 def _softmax_sums(logits_BxTxV: jax.Array, targets_BxT: jax.Array, tp_axis: str | None):
     """(max, exp(logits - max), its sum, the target's logit) of each row, over the whole (possibly vocab-sharded)
     vocabulary: max and sum [B, T] are global, exp [B, T, V] is this device's columns."""
     vocab_local = logits_BxTxV.shape[-1]
-    offset = 0 if tp_axis is None else lax.axis_index(tp_axis) * vocab_local
+    offset = vocab_offset(vocab_local, tp_axis)
     max_BxT = lax.stop_gradient(logits_BxTxV.max(-1))
     if tp_axis is not None:
         max_BxT = lax.pmax(max_BxT, tp_axis)
@@ -278,13 +324,14 @@ def _same_varying_axes(*xs: jax.Array) -> list[jax.Array]:
 
 
 def _head_ce_fwd(n_BxTxD, kernel_DxV, bias_V, targets_BxT, tp_axis, constrain_logits):
-    logits_BxTxV = jnp.einsum("btd,dv->btv", n_BxTxD, kernel_DxV, preferred_element_type=F32) + bias_V.astype(F32)
+    logits_BxTxV = jnp.einsum("btd,dv->btv", n_BxTxD, kernel_DxV, preferred_element_type=F32)
+    logits_BxTxV = logits_BxTxV + lead(bias_V.astype(F32), 3)
     if constrain_logits is not None:
         logits_BxTxV = constrain_logits(logits_BxTxV)
     max_BxT, exp_BxTxV, sum_exp_BxT, target_logit_BxT = _softmax_sums(logits_BxTxV, targets_BxT, tp_axis)
     vocab_local = logits_BxTxV.shape[-1]
-    offset = 0 if tp_axis is None else lax.axis_index(tp_axis) * vocab_local
-    onehot_BxTxV = jnp.arange(vocab_local) == (targets_BxT - offset)[..., None]
+    offset = vocab_offset(vocab_local, tp_axis)
+    onehot_BxTxV = lead(jnp.arange(vocab_local), 3) == (targets_BxT - offset)[..., None]
     dlogits_BxTxV = (exp_BxTxV * (1 / sum_exp_BxT)[..., None] - onehot_BxTxV).astype(n_BxTxD.dtype)
     ce_BxT = jnp.log(sum_exp_BxT) + max_BxT - target_logit_BxT
     return ce_BxT, (n_BxTxD, kernel_DxV, bias_V, dlogits_BxTxV)

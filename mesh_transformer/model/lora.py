@@ -2,8 +2,8 @@
 
 An adapter on a weight W [in, out] is A [in, r] and B [r, out], stacked over the layers like W; the adapted
 projection is y = x @ W + ((x @ A) @ B) * scale with scale = lora_alpha / lora_rank. A starts normal with std
-1/sqrt(in) and B at zero, so step 0 equals the base model. The adapters tree is {target: {"a", "b"}} and rides in
-the param tree at params["layers"]["lora"] (`attach`), so the layer scan hands each block its own slices.
+1/sqrt(in) and B at zero, so step 0 equals the base model. The adapters tree is {target: {"a", "b"}}, a tree of its
+own beside the params: the model's layer scan runs over both and hands each block its slices of each (`gptj.run`).
 
 Under the Megatron rules the logical axes place them so that no collective is added: for a column-split W (q, k, v,
 fc_in) A is replicated and B split like W's columns; for a row-split W (out, fc_out) A is split like W's rows and B
@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from mesh_transformer.config import Config
+from mesh_transformer.model import table
 
 # target -> (its weight's path inside one layer, the weight's (in, out) logical axes); HF module names in peft.py.
 TARGETS: dict[str, tuple[tuple[str, ...], tuple[str, str]]] = {
@@ -28,7 +29,6 @@ TARGETS: dict[str, tuple[tuple[str, ...], tuple[str, str]]] = {
     "fc_in": (("mlp", "fc_in", "kernel"), ("embed", "mlp")),
     "fc_out": (("mlp", "fc_out", "kernel"), ("mlp", "embed")),
 }
-LORA_KEY = "lora"  # where the adapters sit inside params["layers"]
 
 
 class Adapted(NamedTuple):
@@ -43,6 +43,9 @@ class Adapted(NamedTuple):
 
 
 def scale(cfg: Config) -> float:
+    """lora_alpha / lora_rank (alpha unset: the rank, a scale of 1); 0 without adapters."""
+    if not cfg.lora_rank:
+        return 0.0
     return (cfg.lora_alpha if cfg.lora_alpha is not None else cfg.lora_rank) / cfg.lora_rank
 
 
@@ -52,17 +55,9 @@ def lora_axes(cfg: Config) -> dict:
             for t in cfg.lora_targets}
 
 
-def _is_axes(x) -> bool:
-    return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
-
-
 def lora_shapes(cfg: Config, dtype=jnp.float32) -> dict:
     """The adapters as ShapeDtypeStructs (global shapes)."""
-    from mesh_transformer.model.gptj import axis_sizes
-
-    sizes = {**axis_sizes(cfg), "lora": cfg.lora_rank}
-    return jax.tree.map(lambda axes: jax.ShapeDtypeStruct(tuple(sizes[a] for a in axes), dtype), lora_axes(cfg),
-                        is_leaf=_is_axes)
+    return table.shapes_of(lora_axes(cfg), table.axis_sizes(cfg), dtype)
 
 
 def init_lora(cfg: Config, key: jax.Array) -> dict:
@@ -75,24 +70,6 @@ def init_lora(cfg: Config, key: jax.Array) -> dict:
         adapters[target] = {"a": jax.random.normal(k, s["a"].shape, s["a"].dtype) / math.sqrt(fan_in),
                             "b": jnp.zeros(s["b"].shape, s["b"].dtype)}
     return adapters
-
-
-def attach(base: dict, adapters: dict) -> dict:
-    """The param tree with the adapters at params["layers"]["lora"] (works on trees of specs or shapes too)."""
-    return {**base, "layers": {**base["layers"], LORA_KEY: adapters}}
-
-
-def split_layers(layers: dict) -> tuple[dict, dict]:
-    """(trained, frozen) parts of params["layers"]: the adapters and the base where adapters are attached, else all
-    and nothing."""
-    if LORA_KEY in layers:
-        return layers[LORA_KEY], {k: v for k, v in layers.items() if k != LORA_KEY}
-    return layers, {}
-
-
-def join_layers(trained: dict, frozen: dict) -> dict:
-    """`split_layers` undone."""
-    return {**frozen, LORA_KEY: trained} if frozen else trained
 
 
 def _replaced(tree: dict, path: tuple[str, ...], value: Any) -> dict:
@@ -108,15 +85,11 @@ def _at(tree: dict, path: tuple[str, ...]) -> Any:
     return tree
 
 
-def adapt_layer(layer: dict, cfg: Config) -> dict:
-    """One layer's params with each adapted weight replaced by its `Adapted`; unchanged without adapters."""
-    if LORA_KEY not in layer:
-        return layer
-    adapters = layer[LORA_KEY]
-    layer = {k: v for k, v in layer.items() if k != LORA_KEY}
-    for target, ab in adapters.items():
+def adapt_layer(layer: dict, adapters: dict | None, scale_: float) -> dict:
+    """One layer's params with each weight that has an adapter (this layer's slices) replaced by its `Adapted`."""
+    for target, ab in (adapters or {}).items():
         path = TARGETS[target][0]
-        layer = _replaced(layer, path, Adapted(_at(layer, path), ab["a"], ab["b"], scale(cfg)))
+        layer = _replaced(layer, path, Adapted(_at(layer, path), ab["a"], ab["b"], scale_))
     return layer
 
 

@@ -22,6 +22,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,8 @@ from jax.sharding import PartitionSpec as P
 
 from mesh_transformer import platforms
 from mesh_transformer.config import Config, ConfigError, check_devices
-from mesh_transformer.model import gptj, lora
+from mesh_transformer.model import gptj, table
+from mesh_transformer.model.split import FULL, Split
 from mesh_transformer.parallel.mesh import DATA, DP, FSDP, MP, TENSOR, make_mesh
 from mesh_transformer.platforms import Policy
 
@@ -82,11 +84,11 @@ def logical_to_spec(logical_axes: Sequence[str], rules: Rules) -> P:
 
 def param_specs(rules: Rules) -> dict:
     """PartitionSpecs of the param tree under a rule table (no mesh needed: converters write pieces by them)."""
-    return jax.tree.map(lambda axes: logical_to_spec(axes, rules), gptj.PARAM_AXES, is_leaf=gptj.is_axes)
+    return jax.tree.map(lambda axes: logical_to_spec(axes, rules), table.PARAM_AXES, is_leaf=table.is_axes)
 
 
 def followed_param(key_path: Sequence[str], shape: Sequence[int],
-                   param_shapes: Mapping[gptj.Path, Sequence[int]]) -> gptj.Path | None:
+                   param_shapes: Mapping[table.Path, Sequence[int]]) -> table.Path | None:
     """The param an optimizer leaf is placed like: the one whose path ends the leaf's key path and whose shape is the
     leaf's (an Adam moment); None for the rest (counters), which are replicated or kept whole."""
     for start in range(len(key_path)):
@@ -98,7 +100,7 @@ def followed_param(key_path: Sequence[str], shape: Sequence[int],
 
 def unstacked(specs: dict, n_layers: int) -> dict:
     """A param-shaped tree of specs with "layers" as a list of per-layer trees (the leading L dropped), as
-    `gptj.unstack_layers` makes of the params."""
+    `table.unstack_layers` makes of the params."""
     layer = jax.tree.map(lambda spec: P(*spec[1:]), specs["layers"], is_leaf=lambda x: isinstance(x, P))
     return {**specs, "layers": [layer] * n_layers}
 
@@ -125,35 +127,37 @@ class Layout:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
 
+    def specs(self, axes_tree: Any) -> Any:
+        """PartitionSpecs of a tree of logical axes (table.PARAM_AXES, the adapters', a Split's trees)."""
+        return jax.tree.map(self.spec, axes_tree, is_leaf=table.is_axes)
+
+    def shardings(self, axes_tree: Any) -> Any:
+        return jax.tree.map(partial(NamedSharding, self.mesh), self.specs(axes_tree),
+                            is_leaf=lambda x: isinstance(x, P))
+
+    def abstract(self, axes_tree: Any, dtype=jnp.float32) -> Any:
+        """Shapes, dtypes and shardings of a tree of logical axes, allocating nothing."""
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            table.shapes_of(axes_tree, table.axis_sizes(self.cfg), dtype), self.shardings(axes_tree))
+
+    def init(self, init_fn: Callable, axes_tree: Any, key: jax.Array) -> Any:
+        """init_fn(cfg, key)'s tree made directly in its shards (no device holds the whole of it)."""
+        return jax.jit(partial(init_fn, self.cfg), out_shardings=self.shardings(axes_tree))(key)
+
     def param_specs(self) -> dict:
         return param_specs(self.rules)
 
     def param_shardings(self) -> dict:
-        return jax.tree.map(partial(NamedSharding, self.mesh), self.param_specs())
+        return self.shardings(table.PARAM_AXES)
 
     def abstract_params(self, dtype=jnp.float32) -> dict:
         """Shapes, dtypes and shardings of the params, allocating nothing."""
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            gptj.param_shapes(self.cfg, dtype), self.param_shardings())
+        return self.abstract(table.PARAM_AXES, dtype)
 
     def init_params(self, key: jax.Array) -> dict:
-        """Random params made directly in their shards (no device holds the whole model); the same numbers as
-        `gptj.init_unsharded` with the same key."""
-        return jax.jit(partial(gptj.init_params, self.cfg), out_shardings=self.param_shardings())(key)
-
-    def lora_specs(self) -> dict:
-        """PartitionSpecs of the adapters (model/lora.py) under the same rules as the params."""
-        return jax.tree.map(self.spec, lora.lora_axes(self.cfg), is_leaf=gptj.is_axes)
-
-    def abstract_lora(self) -> dict:
-        """Shapes, dtypes (f32) and shardings of the adapters, allocating nothing."""
-        return jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(
-            self.mesh, spec)), lora.lora_shapes(self.cfg), self.lora_specs())
-
-    def init_lora(self, key: jax.Array) -> dict:
-        """Fresh adapters (A normal, B zeros) made in their shards."""
-        shardings = jax.tree.map(lambda s: s.sharding, self.abstract_lora())
-        return jax.jit(partial(lora.init_lora, self.cfg), out_shardings=shardings)(key)
+        """Random params made directly in their shards; the same numbers as `table.init_unsharded` with the same
+        key."""
+        return self.init(table.init_params, table.PARAM_AXES, key)
 
     def follow_params(self, abstract_tree, abstract_params: dict):
         """Shardings of a tree of optimizer leaves: a leaf at a param's path and of its shape (an Adam moment) sits
@@ -190,61 +194,52 @@ class Layout:
     def _constrain(self, x: jax.Array, logical_axes: Sequence[str]) -> jax.Array:
         return lax.with_sharding_constraint(x, self.sharding(logical_axes))
 
-    def _loss(self, model_loss: Callable, arg_specs: tuple) -> Callable:
-        """(*param trees, tokens [B, T+1]) -> mean loss of `model_loss(*trees, tokens, cfg, ...)` (not jitted)."""
-        cfg, tokens_spec = self.cfg, self.spec(ACTIVATION_AXES["tokens"])
-        if self.tp_axis is not None:
-            fn = partial(model_loss, cfg=cfg, tp_axis=self.tp_axis, dp_axis=self.dp_axis, policy=self.policy)
-            return self._per_device(fn, (*arg_specs, tokens_spec), P())
+    def _split_specs(self, split: Split) -> tuple[Any, Any]:
+        return self.specs(split.trainable_axes(self.cfg)), self.specs(split.frozen_axes(self.cfg))
 
-        def loss(*args, **kw):
-            *trees, tokens_BxT1 = args
+    def _model_loss(self, split: Split) -> Callable:
+        """(trainable, frozen, tokens, **kw) -> loss: per device under shard_map, else global with activations
+        pinned."""
+        cfg = self.cfg
+        if self.tp_axis is not None:
+            return partial(_split_loss, split, cfg=cfg, tp_axis=self.tp_axis, dp_axis=self.dp_axis, policy=self.policy)
+
+        def loss(trainable, frozen, tokens_BxT1, **kw):
             tokens_BxT1 = self._constrain(tokens_BxT1, ACTIVATION_AXES["tokens"])
-            return model_loss(*trees, tokens_BxT1, cfg, constrain=self._constrain, policy=self.policy, **kw)
+            return _split_loss(split, trainable, frozen, tokens_BxT1, cfg, constrain=self._constrain,
+                               policy=self.policy, **kw)
 
         return loss
 
-    def _loss_and_grad(self, model_loss: Callable, arg_specs: tuple, accumulate: bool = False) -> Callable:
-        """`_loss` with the gradients w.r.t. its first tree only, placed like that tree. With `accumulate`: one more
-        argument after the tokens, a gradient sum placed like the first tree, and the gradients come out added to
-        it (the layers' inside their backward, so no second set of layer gradients is held: `gptj.hidden`)."""
-        if self.tp_axis is not None:
-            loss = partial(model_loss, cfg=self.cfg, tp_axis=self.tp_axis, dp_axis=self.dp_axis, policy=self.policy)
-        else:
-            loss = self._loss(model_loss, arg_specs)
-        shardings = jax.tree.map(partial(NamedSharding, self.mesh), arg_specs[0])
+    def loss_fn(self, split: Split = FULL) -> Callable:
+        """(trainable, frozen, tokens [B, T+1]) -> mean loss of the model on the split's trees (not jitted)."""
+        loss = self._model_loss(split)
+        if self.tp_axis is None:
+            return loss
+        return self._per_device(loss, (*self._split_specs(split), self.spec(ACTIVATION_AXES["tokens"])), P())
 
-        def fn(*args):
-            if accumulate:
-                *args, grad_sum = args
-                value, grads = _value_and_grad_into(loss, args, grad_sum, bool(self.cfg.lora_rank))
+    def loss_and_grad_fn(self, split: Split = FULL, into: Callable | None = None) -> Callable:
+        """(trainable, frozen, tokens [B, T+1]) -> (loss, grads of the trainable tree), placed like it (FSDP
+        reduce-scatters them); the frozen tree is a constant of the loss, never differentiated. Under shard_map a
+        LoRA adapter's partial sums join each block's one psum. With `into` (train/accumulate.py: (loss, trainable,
+        frozen, tokens, grad_sum) -> (loss, grad_sum + grads)) one more argument, a gradient sum placed like the
+        trainable tree."""
+        trainable_specs, frozen_specs = self._split_specs(split)
+        loss = self._model_loss(split)
+        shardings = jax.tree.map(partial(NamedSharding, self.mesh), trainable_specs,
+                                 is_leaf=lambda x: isinstance(x, P))
+
+        def fn(trainable, frozen, tokens_BxT1, *grad_sum):
+            if into is not None:
+                value, grads = into(loss, trainable, frozen, tokens_BxT1, *grad_sum)
             else:
-                value, grads = jax.value_and_grad(loss)(*args)
+                value, grads = jax.value_and_grad(loss)(trainable, frozen, tokens_BxT1)
             return value, grads if self.tp_axis is not None else lax.with_sharding_constraint(grads, shardings)
 
         if self.tp_axis is None:
             return fn
-        in_specs = (*arg_specs, self.spec(ACTIVATION_AXES["tokens"])) + ((arg_specs[0],) if accumulate else ())
-        return self._per_device(fn, in_specs, (P(), arg_specs[0]))
-
-    def loss_fn(self) -> Callable:
-        """(params, tokens [B, T+1]) -> mean loss (not jitted)."""
-        return self._loss(gptj.loss_fn, (self.param_specs(),))
-
-    def loss_and_grad_fn(self, accumulate: bool = False) -> Callable:
-        """(params, tokens [B, T+1]) -> (loss, grads), grads placed like their params (FSDP reduce-scatters them).
-        With `accumulate`: (params, tokens, grad_sum) -> (loss, grad_sum + grads)."""
-        return self._loss_and_grad(gptj.loss_fn, (self.param_specs(),), accumulate)
-
-    def lora_loss_fn(self) -> Callable:
-        """(adapters, base params, tokens [B, T+1]) -> mean loss of the adapted model (not jitted)."""
-        return self._loss(_adapted_loss, (self.lora_specs(), self.param_specs()))
-
-    def lora_loss_and_grad_fn(self, accumulate: bool = False) -> Callable:
-        """(adapters, base params, tokens) -> (loss, grads of the adapters): the base is a constant of the loss,
-        never differentiated. Under shard_map the adapters' partial sums join each block's one psum. With
-        `accumulate`: (adapters, base, tokens, grad_sum) -> (loss, grad_sum + grads)."""
-        return self._loss_and_grad(_adapted_loss, (self.lora_specs(), self.param_specs()), accumulate)
+        in_specs = (trainable_specs, frozen_specs, self.spec(ACTIVATION_AXES["tokens"]))
+        return self._per_device(fn, in_specs + (trainable_specs,) * (into is not None), (P(), trainable_specs))
 
     def logits_fn(self) -> Callable:
         """Jitted (params, ids [B, T]) -> logits [B, T, V] in f32, placed by the rules (batch and vocab split)."""
@@ -262,18 +257,9 @@ class Layout:
                        out_shardings=NamedSharding(self.mesh, logits_spec))
 
 
-def _value_and_grad_into(loss: Callable, args: list, grad_sum: dict, adapters: bool):
-    """(loss, grad_sum + the gradients of loss(*args) w.r.t. args[0]): the stacked layers' part is added inside
-    their backward (`gptj.hidden`'s layer_grad_sum; the adapters are layers alone), the rest here."""
-    layer_sum = grad_sum if adapters else grad_sum["layers"]
-    value, grads = jax.value_and_grad(partial(loss, layer_grad_sum=layer_sum))(*args)
-    if not adapters:
-        grads = {k: v if k == "layers" else jax.tree.map(jnp.add, grad_sum[k], v) for k, v in grads.items()}
-    return value, grads
-
-
-def _adapted_loss(adapters: dict, base: dict, tokens_BxT1: jax.Array, cfg: Config, **kw) -> jax.Array:
-    return gptj.loss_fn(lora.attach(base, adapters), tokens_BxT1, cfg, **kw)
+def _split_loss(split: Split, trainable: Any, frozen: Any, tokens_BxT1: jax.Array, cfg: Config, **kw) -> jax.Array:
+    params, adapters = split.model(trainable, frozen)
+    return gptj.loss_fn(params, tokens_BxT1, cfg, adapters=adapters, **kw)
 
 
 def _check_gspmd(cfg: Config, mesh: Mesh, rules: Rules) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 
 from mesh_transformer.config import Config, ConfigError
 from mesh_transformer.model import lora
-from mesh_transformer.model.gptj import Path
+from mesh_transformer.model.table import Path
 from mesh_transformer.store import checkpoint, peft
 from mesh_transformer.store.checkpoint_stream import LeafReader
 

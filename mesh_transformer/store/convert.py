@@ -21,10 +21,11 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from mesh_transformer.model import table
 from mesh_transformer.store import adapters, checkpoint, hf, mtj_v1, safetensors_io, storage
 from mesh_transformer import config
 from mesh_transformer.model import gptj as model
-from mesh_transformer.model.gptj import Path, get_path, param_paths, set_path
+from mesh_transformer.model.table import Path, get_path, param_paths, set_path
 from mesh_transformer.parallel.layout import MEGATRON_RULES, Layout, followed_param, param_specs
 from mesh_transformer.store.checkpoint_stream import LeafReader, StreamingWriter
 from mesh_transformer.config import Config, ConfigError
@@ -43,9 +44,9 @@ def parse_dtype(name: Any) -> np.dtype:
     if not isinstance(name, str):
         return np.dtype(name)
     full = DTYPE_NAMES.get(name, name)
-    if full not in model.DTYPES:
-        raise ConfigError(f"dtype {name!r} must be one of {', '.join([*DTYPE_NAMES, *model.DTYPES])}")
-    return np.dtype(model.DTYPES[full])
+    if full not in table.DTYPES:
+        raise ConfigError(f"dtype {name!r} must be one of {', '.join([*DTYPE_NAMES, *table.DTYPES])}")
+    return np.dtype(table.DTYPES[full])
 
 
 def _check_config(saved: Mapping, cfg: Config, where: str) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator, Mapping
 import numpy as np
 
 from mesh_transformer.config import Config
-from mesh_transformer.model.gptj import get_path, param_shapes, set_path
+from mesh_transformer.model.table import get_path, param_shapes, set_path
 
 GPT2_EOS = 50256
 

@@ -18,9 +18,9 @@ from typing import IO
 import ml_dtypes
 import numpy as np
 
+from mesh_transformer.model import table
 from mesh_transformer.store import storage
 from mesh_transformer.config import Config, ConfigError
-from mesh_transformer.model import gptj
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class Reader:
                               f"checkpoint")
         self._leaf_index = {name: first + i for i, name in enumerate(names)}
         self._file_counts = counts
-        self._shapes = {path: like.shape for path, like in gptj.param_paths(cfg)}
+        self._shapes = {path: like.shape for path, like in table.param_paths(cfg)}
         self._check_shapes()
         match = _STEP_DIR.match(step_dir.rstrip("/").rpartition("/")[2])
         self.step = int(match.group(1)) if match else int(np.asarray(self._load(0, sum(counts) - 1)).reshape(-1)[0])

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from mesh_transformer.model import lora
+from mesh_transformer.model.split import split_of
 from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.store import checkpoint, storage
 from mesh_transformer.train import data, finetune, optim, state
@@ -73,24 +73,25 @@ class Trainer:
     """Owns the Layout, the compiled steps, the train state and the data iterator of one run."""
 
     def __init__(self, cfg: Config, *, tune_model_path: str | None = None, fresh_opt: bool = False,
-                 evaluate: Callable[[dict], dict[str, float]] | None = None):
-        """`evaluate(params) -> metrics` runs every val_every besides validation (device_train.py passes the
+                 evaluate: Callable[..., dict[str, float]] | None = None):
+        """`evaluate(params, adapters) -> metrics` runs every val_every besides validation (device_train.py passes the
         lm-eval tasks of eval_harness_tasks there; train/ does not import infer/)."""
         _check_inputs(cfg)
         self.cfg, self.evaluate = cfg, evaluate
         self.root = cfg.model_path
         self.checkpointer = checkpoint.Checkpointer(self.root, keep_last=cfg.keep_last, keep_every=cfg.keep_every)
         self.layout = make_layout(cfg)
+        self.split = split_of(cfg)
         self.mesh, self.global_batch = self.layout.mesh, self.layout.global_batch
         self.optimizer = optim.make_optimizer(cfg)
         self.schedule = optim.lr_schedule(cfg)
-        self.frozen: tuple = ()  # the steps' last arguments: (the LoRA base params,) or none
+        self.frozen: dict = {}  # the split's frozen tree, the steps' last argument: LoRA's base params, or nothing
         self.base_identity: dict | None = None
         self.state, data_state = self._start_state(tune_model_path, fresh_opt)
         train_step = state.make_train_step(self.layout, self.optimizer, self.schedule)
         eval_step = state.make_eval_step(self.layout)
-        self.train_step = lambda train_state, tokens: train_step(train_state, tokens, *self.frozen)
-        self.eval_step = lambda params, tokens: eval_step(params, tokens, *self.frozen)
+        self.train_step = lambda train_state, tokens: train_step(train_state, tokens, self.frozen)
+        self.eval_step = lambda params, tokens: eval_step(params, tokens, self.frozen)
         self.step = int(self.state["step"])
         self.dataset = data.TokenDataset(
             _train_sources(cfg), cfg.seq, self.global_batch, seed=cfg.seed, state=data_state,
@@ -108,12 +109,12 @@ class Trainer:
         if found is not None:
             step, train_state, metadata = found
             log.info("resuming from %s at step %d", self.root, step)
-            if self.cfg.lora_rank:
+            if self.split.frozen_axes(self.cfg):
                 self._load_base(tune_model_path, metadata.get(finetune.BASE_KEY))
             if fresh_opt:
                 train_state["opt_state"] = state.init_opt_state(self.layout, train_state["params"], self.optimizer)
             return train_state, metadata.get("data_state")
-        if self.cfg.lora_rank:
+        if self.split.frozen_axes(self.cfg):
             self._load_base(tune_model_path, None)
         elif tune_model_path:
             params = finetune.tuned_params(self.layout, tune_model_path)
@@ -122,9 +123,9 @@ class Trainer:
             return {"step": step, "params": params, "opt_state": opt_state}, None
         return state.init_train_state(self.layout, self.optimizer, jax.random.PRNGKey(self.cfg.seed)), None
 
-    def model_params(self) -> dict:
-        """The whole model's params: the state's, or for LoRA the frozen base with the adapters attached."""
-        return lora.attach(self.frozen[0], self.state["params"]) if self.cfg.lora_rank else self.state["params"]
+    def model_params(self) -> tuple[dict, dict | None]:
+        """The whole model: (params, LoRA adapters or None), from the state's trainable tree and the frozen one."""
+        return self.split.model(self.state["params"], self.frozen)
 
     def _load_base(self, path: str | None, saved: dict | None) -> None:
         """The frozen base of a LoRA run: `path`, else the one the run's checkpoints name; checked against them."""
@@ -135,7 +136,7 @@ class Trainer:
         base, self.base_identity = finetune.load_base(self.layout, path)
         if saved is not None:
             finetune.check_base(saved, self.base_identity)
-        self.frozen = (base,)
+        self.frozen = base
 
     def _global_batch(self, local_GxBxT1: np.ndarray) -> jax.Array:
         return jax.make_array_from_process_local_data(self.layout.batch_sharding(), local_GxBxT1)
@@ -205,7 +206,7 @@ class Trainer:
                     self._log(*pending)  # never save or validate past an unchecked loss
                     pending = None
                 if due_val:
-                    val = {**self.validate(), **(self.evaluate(self.model_params()) if self.evaluate else {})}
+                    val = {**self.validate(), **(self.evaluate(*self.model_params()) if self.evaluate else {})}
                     self.metrics.write(self.step, val)
                     log.info("step %d validation: %s", self.step, val)
                 if due_ckpt:

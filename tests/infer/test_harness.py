@@ -105,7 +105,7 @@ def test_lora_training_evaluates_the_base_with_its_adapters(tmp_path, eval_hf_di
     trainer = Trainer(cfg, tune_model_path=eval_hf_dir, evaluate=evaluate)
     trainer.run()
     (logged,) = [row for row in read_metrics(cfg.model_path) if "eval/tiny_ppl/word_perplexity" in row]
-    merged = lora.merge(trainer.frozen[0], trainer.state["params"], lora.scale(cfg))
+    merged = lora.merge(trainer.frozen, trainer.state["params"], lora.scale(cfg))
 
     def perplexity(params):
         layout = make_inference_layout(cfg, mesh=make_dp_mp(1, 1))
@@ -114,12 +114,12 @@ def test_lora_training_evaluates_the_base_with_its_adapters(tmp_path, eval_hf_di
         return harness.task_metrics(results)["eval/tiny_ppl/word_perplexity"]
 
     np.testing.assert_allclose(logged["eval/tiny_ppl/word_perplexity"], perplexity(merged), rtol=1e-4)
-    assert abs(perplexity(trainer.frozen[0]) - logged["eval/tiny_ppl/word_perplexity"]) > 1e-3
+    assert abs(perplexity(trainer.frozen) - logged["eval/tiny_ppl/word_perplexity"]) > 1e-3
     del merged
     gc.collect()  # the lms above
     held = sum(x.nbytes for x in jax.live_arrays())
     evaluate = harness.training_evaluator(cfg, eval_tasks[0])  # kept: it keeps what it holds
-    again = evaluate(trainer.model_params())
+    again = evaluate(*trainer.model_params())
     assert again == {k: v for k, v in logged.items() if k.startswith("eval/")}
     gc.collect()
     assert sum(x.nbytes for x in jax.live_arrays()) <= held  # the eval's placed copy is gone again

@@ -12,8 +12,7 @@ from mesh_transformer.config import ConfigError
 from mesh_transformer.infer import params as infer_params
 from mesh_transformer.infer.sampler import Sampler
 from mesh_transformer.store import checkpoint, convert, hf
-from tests.helpers import run_scripts
-from tests.store.test_mtj_v1 import original_shards, random_params, write_mtj_v1
+from tests.helpers import original_shards, random_params, run_scripts, write_mtj_v1
 
 # 2 layers, D 64, 8 heads, V 256, trained at mp 4.
 CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=4", "remat=false"])

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from mesh_transformer.model import table
 from mesh_transformer.store import checkpoint, hf
 from mesh_transformer import config
 from mesh_transformer.model import gptj as model
@@ -16,8 +17,7 @@ from mesh_transformer.infer import params as infer_params
 from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.tokenizer import load_tokenizer
-from tests.helpers import CPU_POLICY, run_script, run_scripts
-from tests.store.test_hf import random_hf_model, state_dict_numpy
+from tests.helpers import CPU_POLICY, random_hf_model, run_script, run_scripts, state_dict_numpy
 
 CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "remat=false"])  # seq 32, vocab 256
 PROMPTS = [[5, 17, 42], [100, 3, 7, 9, 250, 11, 2], list(range(20, 32))]  # lengths 3, 7, 12: one bucket (16)
@@ -107,7 +107,7 @@ def test_the_cache_scatter_on_bits_equals_a_plain_scatter(dtype):
     values = jax.random.normal(jax.random.PRNGKey(1), (3, 2, 4)).astype(dtype)
     index = (jnp.array([2, 0, 3]), slice(None), slice(None), jnp.array([5, 7, 1]))  # row 3: out of range, dropped
     bits = jax.lax.bitcast_convert_type(block, decode.cache_dtype(cfg, CPU_POLICY))
-    written = jax.jit(lambda b, v: decode.cached(decode.scatter(b, index, v), cfg))(bits, values)
+    written = jax.jit(lambda b, v: decode.cached(decode.scatter(b, index, v), model.compute_dtype(cfg)))(bits, values)
     np.testing.assert_array_equal(written, block.at[index].set(values, mode="drop"))
 
 
@@ -254,7 +254,7 @@ def test_cut_at_stop_cuts_before_the_earliest_stop_string():
 
 @pytest.fixture(scope="module")
 def big_params():
-    return model.init_unsharded(BIG, jax.random.PRNGKey(0))
+    return table.init_unsharded(BIG, jax.random.PRNGKey(0))
 
 
 @pytest.fixture(scope="module")

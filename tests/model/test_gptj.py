@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mesh_transformer import config, platforms
-from mesh_transformer.model import layers, gptj as model
+from mesh_transformer.model import layers, table, gptj as model
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.parallel.layout import make_layout
 from tests.helpers import CPU_POLICY
@@ -18,7 +18,7 @@ MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
 
 @pytest.fixture(scope="module")
 def params():
-    return model.init_unsharded(CFG, jax.random.PRNGKey(0))
+    return table.init_unsharded(CFG, jax.random.PRNGKey(0))
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +43,11 @@ def test_sharded_forward_loss_and_grads_match_single_device(params, tokens, dp, 
     ref_logits = jax.jit(lambda p, x: model.forward(p, x, CFG, policy=CPU_POLICY))(params, tokens[:, :-1])
     np.testing.assert_allclose(logits, ref_logits, atol=1e-5)
 
-    loss, grads = jax.jit(layout.loss_and_grad_fn())(sharded, tokens)
+    loss, grads = jax.jit(layout.loss_and_grad_fn())(sharded, {}, tokens)
     value_and_grad = jax.value_and_grad(lambda p, x: model.loss_fn(p, x, CFG, policy=CPU_POLICY))
     ref_loss, ref_grads = jax.jit(value_and_grad)(params, tokens)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    np.testing.assert_allclose(jax.jit(layout.loss_fn())(sharded, tokens), ref_loss, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(layout.loss_fn())(sharded, {}, tokens), ref_loss, rtol=1e-6)
     assert max_diff(grads, ref_grads) < 1e-6
 
 
@@ -190,11 +190,11 @@ def test_train_step_with_joined_projections_equals_the_unjoined_step(tokens, par
         layout = make_layout(cfg, mesh=mesh)
         opt = optim.make_optimizer(cfg)
         state = state_lib.init_train_state(layout, opt, jax.random.PRNGKey(0))
-        grads = jax.jit(layout.loss_and_grad_fn())(state["params"], tokens)[1]
+        grads = jax.jit(layout.loss_and_grad_fn())(state["params"], {}, tokens)[1]
         if dp * mp > 1:
             return grads, None
         batch = jax.device_put(tokens[None], layout.batch_sharding())
-        return grads, state_lib.make_train_step(layout, opt, optim.lr_schedule(cfg))(state, batch)[1]
+        return grads, state_lib.make_train_step(layout, opt, optim.lr_schedule(cfg))(state, batch, {})[1]
 
     (joined_grads, joined), (plain_grads, plain) = one_step(True), one_step(False)
     assert max_diff(joined_grads, plain_grads) < 1e-6

@@ -21,7 +21,7 @@ def reference(q, k, v, length_B=None):
     """Today's `attend` with the causal mask, and keys at or after each row's length masked."""
     mask_BxTxT = jnp.broadcast_to(attention.causal_mask(T), (B, T, T))
     if length_B is not None:
-        mask_BxTxT = mask_BxTxT & (jnp.arange(T) < length_B[:, None])[:, None, :]
+        mask_BxTxT = mask_BxTxT & (jnp.arange(T)[None] < length_B[:, None])[:, None, :]
     return attention.attend(q, k, v, mask_BxTxT)
 
 

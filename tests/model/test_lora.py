@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mesh_transformer.model import table
 from mesh_transformer import config
 from mesh_transformer.model import gptj as model
 from mesh_transformer.model import lora
@@ -33,18 +34,19 @@ def test_init_is_normal_a_and_zero_b_stacked_over_layers():
 
 
 def test_step_zero_equals_the_base_model():
-    base = model.init_unsharded(CFG, jax.random.PRNGKey(0))
+    base = table.init_unsharded(CFG, jax.random.PRNGKey(0))
     ids = jax.random.randint(jax.random.PRNGKey(1), (2, CFG.seq), 0, CFG.n_vocab)
-    adapted = model.forward(lora.attach(base, lora.init_lora(CFG, jax.random.PRNGKey(2))), ids, CFG, policy=CPU_POLICY)
+    adapters = lora.init_lora(CFG, jax.random.PRNGKey(2))
+    adapted = model.forward(base, ids, CFG, policy=CPU_POLICY, adapters=adapters)
     np.testing.assert_array_equal(adapted, model.forward(base, ids, CFG, policy=CPU_POLICY))
 
 
 def test_merged_logits_equal_adapted_logits():
-    base = model.init_unsharded(CFG, jax.random.PRNGKey(0))
+    base = table.init_unsharded(CFG, jax.random.PRNGKey(0))
     adapters = random_adapters(CFG)
     ids = jax.random.randint(jax.random.PRNGKey(1), (2, CFG.seq), 0, CFG.n_vocab)
-    forward = jax.jit(lambda p, x: model.forward(p, x, CFG, policy=CPU_POLICY))
-    adapted = forward(lora.attach(base, adapters), ids)
+    forward = jax.jit(lambda p, x, a=None: model.forward(p, x, CFG, policy=CPU_POLICY, adapters=a))
+    adapted = forward(base, ids, adapters)
     assert float(jnp.abs(adapted - forward(base, ids)).max()) > 1e-2  # the adapters do change the model
     np.testing.assert_allclose(adapted, forward(lora.merge(base, adapters, lora.scale(CFG)), ids), atol=1e-5, rtol=0)
 
@@ -52,9 +54,9 @@ def test_merged_logits_equal_adapted_logits():
 def test_only_the_named_targets_are_adapted():
     cfg = dataclasses.replace(CFG, lora_targets=["v", "fc_in"])
     assert set(lora.init_lora(cfg, jax.random.PRNGKey(0))) == {"v", "fc_in"}
-    layer = jax.tree.map(lambda s: jnp.zeros(s.shape[1:]), model.param_shapes(cfg)["layers"])
-    layer[lora.LORA_KEY] = jax.tree.map(lambda x: x[0], lora.init_lora(cfg, jax.random.PRNGKey(0)))
-    adapted = lora.adapt_layer(layer, cfg)
+    layer = jax.tree.map(lambda s: jnp.zeros(s.shape[1:]), table.param_shapes(cfg)["layers"])
+    adapters = jax.tree.map(lambda x: x[0], lora.init_lora(cfg, jax.random.PRNGKey(0)))
+    adapted = lora.adapt_layer(layer, adapters, lora.scale(cfg))
     assert isinstance(adapted["attn"]["v"], lora.Adapted)
     assert isinstance(adapted["mlp"]["fc_in"]["kernel"], lora.Adapted)
-    assert not isinstance(adapted["attn"]["q"], lora.Adapted) and lora.LORA_KEY not in adapted
+    assert not isinstance(adapted["attn"]["q"], lora.Adapted) and lora.adapt_layer(layer, None, 1.0) is layer

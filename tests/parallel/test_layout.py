@@ -8,6 +8,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from mesh_transformer.model import table
 from mesh_transformer import config
 from mesh_transformer.model import gptj as model
 from mesh_transformer.train import optim
@@ -49,7 +50,7 @@ def tokens():
 @pytest.fixture(scope="module")
 def reference(tokens):
     """One step on one device with the unsharded model.loss_fn: start state, loss, grads, next state."""
-    params = model.init_unsharded(CFG, jax.random.PRNGKey(0))
+    params = table.init_unsharded(CFG, jax.random.PRNGKey(0))
     loss_fn = partial(model.loss_fn, cfg=CFG, policy=CPU_POLICY)
     value_and_grad = fast_jit(jax.value_and_grad(loss_fn), params, tokens[0])
     losses, grads = zip(*(value_and_grad(params, tokens[i]) for i in range(N_MICRO)))
@@ -62,10 +63,10 @@ def reference(tokens):
 
 
 def test_every_param_has_logical_axes_of_its_rank():
-    shapes = model.param_shapes(CFG)
-    axes = model.PARAM_AXES
-    assert jax.tree.structure(shapes) == jax.tree.structure(axes, is_leaf=model.is_axes)
-    for s, a in zip(jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=model.is_axes)):
+    shapes = table.param_shapes(CFG)
+    axes = table.PARAM_AXES
+    assert jax.tree.structure(shapes) == jax.tree.structure(axes, is_leaf=table.is_axes)
+    for s, a in zip(jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=table.is_axes)):
         assert len(a) == s.ndim
 
 
@@ -97,7 +98,7 @@ def test_train_step_matches_single_device(reference, tokens, mode, data, fsdp, t
     state = jax.device_put(start, jax.tree.map(lambda s: s.sharding, abstract))
     step = state_lib.make_train_step(layout, OPTIMIZER, optim.lr_schedule(cfg))
     tokens = jax.device_put(tokens, layout.batch_sharding())
-    state, metrics = step.lower(state, tokens).compile(compiler_options=FAST)(state, tokens)
+    state, metrics = step.lower(state, tokens, {}).compile(compiler_options=FAST)(state, tokens, {})
 
     q = state["params"]["layers"]["attn"]["q"]
     assert q.addressable_shards[0].data.shape == (CFG.layers, CFG.d_model // fsdp, CFG.d_model // tensor)
@@ -134,7 +135,7 @@ def test_fsdp8_keeps_an_eighth_of_params_and_optimizer_state_per_device(fsdp8_st
 
 def test_eval_step_matches_single_device(fsdp8_state, reference, tokens):
     layout = make_layout(gspmd("fsdp"), mesh=make_mesh({"data": 1, "fsdp": 8, "tensor": 1}))
-    loss = state_lib.make_eval_step(layout)(fsdp8_state["params"], tokens[0])
+    loss = state_lib.make_eval_step(layout)(fsdp8_state["params"], tokens[0], {})
     expected = model.loss_fn(reference["start"]["params"], tokens[0], CFG, policy=CPU_POLICY)
     np.testing.assert_allclose(loss, expected, rtol=1e-6)
 

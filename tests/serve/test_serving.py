@@ -12,8 +12,8 @@ import numpy as np
 import openai
 import pytest
 
+from mesh_transformer.model import table
 from mesh_transformer import config
-from mesh_transformer.model import gptj as model
 from mesh_transformer.infer import sampler as sampling
 from mesh_transformer.infer.decode import Programs
 from mesh_transformer.infer.params import make_inference_layout
@@ -58,7 +58,7 @@ def params():
             return np.ones(shape.shape, np.float32)
         return (rng.standard_normal(shape.shape) * (0.0 if "bias" in name else 0.2)).astype(np.float32)
 
-    params = jax.tree_util.tree_map_with_path(leaf, model.param_shapes(CFG))
+    params = jax.tree_util.tree_map_with_path(leaf, table.param_shapes(CFG))
     params["lm_head"]["bias"][EOS_ID] = -1e4
     return params
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, GPTJForCausalLM
 
+from mesh_transformer.model import table
 from mesh_transformer.store import checkpoint, convert, storage
 from mesh_transformer import config
 from mesh_transformer.parallel import mesh
@@ -24,8 +25,7 @@ from mesh_transformer.store.safetensors_io import parse_size
 from mesh_transformer.parallel.layout import MEGATRON_RULES, param_specs
 from mesh_transformer.train.state import abstract_train_state
 from tests.gcs_emulator import create_bucket, gcs_emulator
-from tests.helpers import CPU_POLICY, run_script
-from tests.store.test_mtj_v1 import original_shards, random_params, write_mtj_v1
+from tests.helpers import CPU_POLICY, original_shards, random_params, run_script, write_mtj_v1
 
 CONFIG = "configs/tiny_rot_partial.json"  # 2 layers, D 64, 8 heads, V 256
 CFG4 = config.load(CONFIG, ["cores_per_replica=4"])
@@ -81,7 +81,7 @@ def test_reshard_mp4_to_mp1_to_mp8_keeps_params_and_logits(trained, tmp_path):
     np.testing.assert_allclose(logits[1], logits[4], atol=1e-5, rtol=0)
     np.testing.assert_allclose(logits[8], logits[4], atol=1e-5, rtol=0)
     _assert_trees_equal(dict(convert.iter_params(mp8, cfg1)),
-                        {p: model.get_path(state["params"], p) for p, _ in model.param_paths(cfg1)})
+                        {p: table.get_path(state["params"], p) for p, _ in table.param_paths(cfg1)})
 
 
 def test_slim_model_keeps_params_only_cast(trained, tmp_path):
@@ -168,8 +168,8 @@ def test_resharding_memory_stays_near_one_layer(tmp_path, source_format):
     else:
         writer = StreamingWriter(source, 1, {"config": cfg.to_dict()}, {"mp": 4})
         specs = param_specs(MEGATRON_RULES)
-        for path, _ in model.param_paths(cfg):
-            writer.add("params/" + "/".join(path), model.get_path(params, path), model.get_path(specs, path))
+        for path, _ in table.param_paths(cfg):
+            writer.add("params/" + "/".join(path), table.get_path(params, path), table.get_path(specs, path))
         writer.commit()
     total = sum(x.nbytes for x in jax.tree.leaves(params))
     largest_layer = max(x[0].nbytes if path[0].key == "layers" else x.nbytes

@@ -6,10 +6,11 @@ import pytest
 import torch
 from transformers import GPTJConfig, GPTJForCausalLM
 
+from mesh_transformer.model import table
 from mesh_transformer import config
 from mesh_transformer.store import hf
 from mesh_transformer.model import gptj as model
-from tests.helpers import CPU_POLICY
+from tests.helpers import CPU_POLICY, random_hf_model, state_dict_numpy
 
 TINY = {
     "rotary-partial": config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1"]),
@@ -18,21 +19,6 @@ TINY = {
     "vocab-padded": config.from_dict({"layers": 2, "d_model": 48, "n_heads": 4, "n_vocab": 256,
                                       "pe_rotary_dims": 6, "seq": 24, "cores_per_replica": 1}),
 }
-
-
-def random_hf_model(cfg, seed=0):
-    torch.manual_seed(seed)
-    hf_config = GPTJConfig(**hf.hf_config(cfg))
-    hf_config._attn_implementation = "eager"
-    hf_model = GPTJForCausalLM(hf_config).eval()
-    with torch.no_grad():  # HF's init leaves LayerNorms at 1/0 and biases at 0: randomize all so each one counts
-        for p in hf_model.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
-    return hf_model
-
-
-def state_dict_numpy(hf_model):
-    return {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
 
 
 @pytest.mark.parametrize("name", list(TINY))
@@ -50,7 +36,7 @@ def test_logits_equal_hf_gptj(name):
 
 def test_hf_round_trip_is_exact():
     cfg = TINY["rotary-partial"]
-    params = jax.tree.map(np.asarray, model.init_unsharded(cfg, jax.random.PRNGKey(3)))
+    params = jax.tree.map(np.asarray, table.init_unsharded(cfg, jax.random.PRNGKey(3)))
     state = hf.params_to_hf(params, cfg.layers)
     assert set(state) == set(hf.hf_names(cfg.layers))
     back = hf.hf_to_params(state, cfg)

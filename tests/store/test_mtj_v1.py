@@ -1,11 +1,10 @@
-"""Original mesh-transformer-jax checkpoints: built here from the layout facts, read as the equivalent HF model."""
+"""Original mesh-transformer-jax checkpoints (built by tests/helpers.py from the layout facts), read as the
+equivalent HF model."""
 from __future__ import annotations
 
 import os
 import shutil
 
-import jax
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -15,86 +14,10 @@ from mesh_transformer.store import checkpoint, convert, hf, mtj_v1, storage
 from mesh_transformer import config
 from mesh_transformer.parallel import mesh
 from mesh_transformer.parallel.layout import make_layout
-from mesh_transformer.model import gptj as model
 from mesh_transformer.parallel.layout import MEGATRON_RULES, param_specs
 from tests.gcs_emulator import create_bucket, gcs_emulator
-from tests.helpers import run_script
-
-CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1"])  # 2 layers, D 64, 8 heads, V 256
-ROOT = "causal_transformer_shard/~/"
-BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def _split(x: np.ndarray, n: int, axis: int) -> list[np.ndarray]:
-    return np.split(x, n, axis=axis)
-
-
-def original_shards(params: dict, cfg: config.Config, n_shards: int,
-                    rng: np.random.Generator) -> list[dict[str, np.ndarray]]:
-    """Per-shard haiku leaves of our global params: heads/MLP/vocab split, per-shard biases that sum to ours."""
-    shards: list[dict[str, np.ndarray]] = [{} for _ in range(n_shards)]
-
-    def put(name, pieces):
-        for shard, piece in zip(shards, pieces):
-            shard[ROOT + name] = np.ascontiguousarray(piece)
-
-    def summing_parts(total):  # random per-shard parts whose sum is `total`, as the original's per-shard biases
-        parts = [rng.normal(size=total.shape).astype(np.float32) * 0.1 for _ in range(n_shards - 1)]
-        return [*parts, total - sum(parts)]
-
-    put("embedding_shard/~/linear/w", _split(params["embed"]["wte"], n_shards, 0))
-    put("embedding_shard/~/linear/b", summing_parts(rng.normal(size=cfg.d_model).astype(np.float32)))
-    put("projection_shard/~/linear/w", _split(params["lm_head"]["kernel"], n_shards, 1))
-    put("projection_shard/~/linear/b", _split(params["lm_head"]["bias"], n_shards, 0))
-    put("projection_shard/~/replicated_layer_norm/scale", [params["ln_f"]["scale"]] * n_shards)
-    put("projection_shard/~/replicated_layer_norm/offset", [params["ln_f"]["bias"]] * n_shards)
-    layers = params["layers"]
-    for i in range(cfg.layers):
-        for module, array, axis in [("linear", layers["attn"]["q"], 1), ("linear_1", layers["attn"]["v"], 1),
-                                    ("linear_2", layers["attn"]["k"], 1), ("linear_3", layers["attn"]["out"], 0),
-                                    ("linear_4", layers["mlp"]["fc_in"]["kernel"], 1),
-                                    ("linear_5", layers["mlp"]["fc_out"]["kernel"], 0)]:
-            put(f"layer_{i}/~/{module}/w", _split(array[i], n_shards, axis))
-        put(f"layer_{i}/~/linear_4/b", _split(layers["mlp"]["fc_in"]["bias"][i], n_shards, 0))
-        put(f"layer_{i}/~/linear_5/b", summing_parts(layers["mlp"]["fc_out"]["bias"][i]))
-        put(f"layer_{i}/~/replicated_layer_norm/scale", [layers["ln_1"]["scale"][i]] * n_shards)
-        put(f"layer_{i}/~/replicated_layer_norm/offset", [layers["ln_1"]["bias"][i]] * n_shards)
-    return shards
-
-
-def write_mtj_v1(step_dir: str, shards: list[dict[str, np.ndarray]], step: int, full: bool) -> None:
-    """The original's files: sorted leaves (+ optimizer leaves first when full, + step last) in 16 npz chunks."""
-    for i, leaves in enumerate(shards):
-        params = [leaves[name] for name in sorted(leaves, key=lambda n: tuple(n.rsplit("/", 1)))]
-        if full:  # optax chain state: adam count, mu and nu per param, schedule count
-            opt = [np.int32(step), *[np.ones_like(p) for p in params], *[np.full_like(p, 2) for p in params],
-                   np.int32(step)]
-        flat = (opt if full else []) + params + [np.int32(step)]
-        flat = [a.view("V2") if a.dtype == BF16 else a for a in flat]  # how numpy saved jax's bfloat16
-        os.makedirs(f"{step_dir}/shard_{i}", exist_ok=True)
-        k, m = divmod(len(flat), mtj_v1.N_FILES)
-        for f in range(mtj_v1.N_FILES):
-            with open(f"{step_dir}/shard_{i}/{f}.npz", "wb") as out:
-                np.savez(out, *flat[f * k + min(f, m):(f + 1) * k + min(f + 1, m)])
-
-
-def random_params(cfg: config.Config, seed: int) -> dict:
-    """Random f32 params with every leaf nonzero (LayerNorms and biases too), so each one counts."""
-    rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda s: (rng.normal(size=s.shape) * 0.2).astype(np.float32), model.param_shapes(cfg))
-
-
-def expected_params(params: dict, shards: list[dict], dtype: np.dtype) -> dict:
-    """What the reader must give: the embedding bias folded into wte and fc_out biases summed (f32, then `dtype`)."""
-    def total(name):
-        return sum(s[ROOT + name].astype(np.float32) for s in shards)
-
-    out = jax.tree.map(lambda x: x.astype(dtype).astype(np.float32), params)
-    wte = params["embed"]["wte"].astype(dtype).astype(np.float32) + total("embedding_shard/~/linear/b")
-    out["embed"]["wte"] = wte.astype(dtype).astype(np.float32)
-    out["layers"]["mlp"]["fc_out"]["bias"] = np.stack(
-        [total(f"layer_{i}/~/linear_5/b").astype(dtype).astype(np.float32) for i in range(CFG.layers)])
-    return out
+from tests.helpers import BF16, MTJ_ROOT, make_checkpoint, run_script
+from tests.helpers import MTJ_CFG as CFG
 
 
 def hf_logits(params: dict, ids: np.ndarray) -> np.ndarray:
@@ -114,21 +37,11 @@ def our_logits(params: dict, cfg: config.Config, ids: np.ndarray) -> np.ndarray:
 IDS = np.random.default_rng(1).integers(0, CFG.n_vocab, (1, CFG.seq))
 
 
-def make_checkpoint(tmp_path, n_shards: int, dtype: np.dtype, full: bool, step: int = 383500) -> tuple[str, dict]:
-    """An original-layout checkpoint under tmp_path/model/step_{step}; returns (step dir, expected params)."""
-    params = random_params(CFG, seed=n_shards)
-    shards = original_shards(params, CFG, n_shards, np.random.default_rng(0))
-    shards = [{k: v.astype(dtype) for k, v in s.items()} for s in shards]
-    step_dir = str(tmp_path / "model" / f"step_{step}")
-    write_mtj_v1(step_dir, shards, step, full)
-    return step_dir, expected_params(params, shards, dtype)
-
-
 def test_leaf_order_is_sorted_haiku_names():
     names = mtj_v1.param_leaf_names(11)
-    assert names.index(ROOT + "layer_10/~/linear/w") < names.index(ROOT + "layer_2/~/linear/w")
-    assert names[:2] == [ROOT + "embedding_shard/~/linear/b", ROOT + "embedding_shard/~/linear/w"]
-    assert names[-1] == ROOT + "projection_shard/~/replicated_layer_norm/scale" and len(names) == 6 + 10 * 11
+    assert names.index(MTJ_ROOT + "layer_10/~/linear/w") < names.index(MTJ_ROOT + "layer_2/~/linear/w")
+    assert names[:2] == [MTJ_ROOT + "embedding_shard/~/linear/b", MTJ_ROOT + "embedding_shard/~/linear/w"]
+    assert names[-1] == MTJ_ROOT + "projection_shard/~/replicated_layer_norm/scale" and len(names) == 6 + 10 * 11
 
 
 def test_slim_bf16_8_shards_resharded_to_1_gives_hf_logits(tmp_path):

@@ -9,15 +9,15 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import GPTJForCausalLM
 
+from mesh_transformer.model import table
 from mesh_transformer import config
 from mesh_transformer.infer import params as infer_params
 from mesh_transformer.model import gptj as model
 from mesh_transformer.model import lora
 from mesh_transformer.store import checkpoint, convert, hf
-from tests.helpers import CPU_POLICY, run_script
-from tests.train.test_finetune import TINY, hf_dir
+from tests.helpers import CPU_POLICY, TINY_SHAPE, random_hf_dir, run_script, state_dict_numpy
 
-CFG = config.from_dict({**TINY, "seq": 16, "cores_per_replica": 1, "lora_rank": 4, "lora_alpha": 8})
+CFG = config.from_dict({**TINY_SHAPE, "seq": 16, "cores_per_replica": 1, "lora_rank": 4, "lora_alpha": 8})
 IDS = np.random.default_rng(0).integers(0, CFG.n_vocab, (2, CFG.seq))
 
 
@@ -38,22 +38,23 @@ def torch_logits(hf_model, ids=IDS):
         return hf_model(torch.tensor(ids.astype(np.int64))).logits.numpy()
 
 
-def our_logits(params, cfg=CFG, ids=IDS):
-    return np.asarray(jax.jit(lambda p, x: model.forward(p, x, cfg, policy=CPU_POLICY))(params, ids))
+def our_logits(params, cfg=CFG, ids=IDS, adapters=None):
+    forward = jax.jit(lambda p, x, a: model.forward(p, x, cfg, policy=CPU_POLICY, adapters=a))
+    return np.asarray(forward(params, ids, adapters))
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("peft")
-    base_dir, base_model = hf_dir(tmp, CFG)
-    base = hf.hf_to_params({k: v.detach().numpy() for k, v in base_model.state_dict().items()}, CFG)
+    base_dir, base_model = random_hf_dir(tmp, CFG)
+    base = hf.hf_to_params(state_dict_numpy(base_model), CFG)
     adapters = random_adapters(CFG, 1)
     return {"tmp": tmp, "base_dir": base_dir, "base": base, "adapters": adapters,
             "run": save_lora_run(str(tmp / "run"), CFG, base_dir, adapters)}
 
 
 def test_merged_and_peft_exports_give_our_adapted_logits(run, tmp_path):
-    ours = our_logits(lora.attach(run["base"], run["adapters"]))
+    ours = our_logits(run["base"], adapters=run["adapters"])
     merged, adapter = str(tmp_path / "merged"), str(tmp_path / "adapter")
     for args in (["--output-path", merged, "--dtype", "fp32"], ["--output-path", adapter, "--peft"]):
         result = run_script("to_hf_weights.py", "--input-ckpt", run["run"], *args)
@@ -70,8 +71,8 @@ def test_an_adapter_saved_by_peft_loads_in_ours(run, tmp_path):
     peft_model.save_pretrained(str(tmp_path / "by_peft"))
     with convert.open_params(run["base_dir"], CFG, lora=str(tmp_path / "by_peft")) as reader:
         merged = {}
-        for path, like in model.param_paths(CFG):
-            model.set_path(merged, path, convert.read_array(reader, path, like.shape))
+        for path, like in table.param_paths(CFG):
+            table.set_path(merged, path, convert.read_array(reader, path, like.shape))
     np.testing.assert_allclose(our_logits(merged), torch_logits(peft_model), atol=1e-4)
 
 

@@ -1,5 +1,5 @@
 """Gradient accumulation with remat adds each layer's gradient into the running sum inside the backward
-(`Layout.loss_and_grad_fn(accumulate=True)`, `gptj._layers_into`): equal to the sum of plainly computed gradients on
+(`Layout.loss_and_grad_fn(split, accumulate.into(split))`): equal to the sum of plainly computed gradients on
 every kind of mesh, full fine-tune and LoRA, in one set of layer gradients' less memory."""
 import dataclasses
 
@@ -8,13 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mesh_transformer.model import table
 from mesh_transformer import config
-from mesh_transformer.model import gptj as model
 from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.parallel.mesh import make_dp_mp
-from mesh_transformer.train import optim
+from mesh_transformer.model.split import FULL, LORA, split_of
+from mesh_transformer.train import accumulate, optim
 from mesh_transformer.train import state as state_lib
-from tests.train.test_lora import layout_of
+from tests.helpers import layout_of
 
 CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "remat=true", "warmup_steps=0"])
 MESHES = [("shard_map", 1, 1), ("shard_map", 2, 4), ("fsdp", 1, 8, 1), ("fsdp_tp", 2, 2, 2)]
@@ -47,19 +48,17 @@ def test_gradients_added_in_the_backward_equal_the_sum_joined_and_in_bf16(extra)
 
 def check_sum(layout, rtol=1e-5):
     """loss_and_grad with accumulate == (loss, grad_sum + the plain gradients) for a random grad_sum."""
-    lora_rank = layout.cfg.lora_rank
+    split = split_of(layout.cfg)
     base = layout.init_params(jax.random.PRNGKey(0))
-    if lora_rank:
-        base = jax.tree.map(lambda x: x.astype(model.DTYPES[layout.cfg.base_dtype]), base)
     tokens = jax.device_put(jax.random.randint(jax.random.PRNGKey(1), (8, CFG.seq + 1), 0, CFG.n_vocab),
                             layout.batch_sharding(False))
-    if lora_rank:
-        trained = random_like(layout.init_lora(jax.random.PRNGKey(2)), 3)  # B nonzero: A gets gradients too
-        args = (trained, base, tokens)
-        plain, into = layout.lora_loss_and_grad_fn(), layout.lora_loss_and_grad_fn(accumulate=True)
+    if split is LORA:
+        base = jax.tree.map(lambda x: x.astype(table.DTYPES[layout.cfg.base_dtype]), base)
+        trained = random_like(layout.init(split.init, split.trainable_axes(layout.cfg), jax.random.PRNGKey(2)), 3)
+        args = (trained, base, tokens)  # B nonzero: A gets gradients too
     else:
-        trained, args = base, (base, tokens)
-        plain, into = layout.loss_and_grad_fn(), layout.loss_and_grad_fn(accumulate=True)
+        trained, args = base, (base, {}, tokens)
+    plain, into = layout.loss_and_grad_fn(split), layout.loss_and_grad_fn(split, accumulate.into(split))
     grad_sum = random_like(trained, 4)
     loss, grads = jax.jit(plain).lower(*args).compile(compiler_options=FAST)(*args)
     loss_into, summed = jax.jit(into).lower(*args, grad_sum).compile(compiler_options=FAST)(*args, grad_sum)
@@ -77,7 +76,7 @@ def test_remat_train_step_accumulating_4x2_equals_1x8():
     for shape in ((4, 2, -1), (1, 8, -1)):
         state = state_lib.init_train_state(layout, optimizer, jax.random.PRNGKey(0))
         batch = jax.device_put(tokens.reshape(shape), layout.batch_sharding())
-        results.append(jax.device_get(step(state, batch)))
+        results.append(jax.device_get(step(state, batch, {})))
     (accumulated, metrics_acc), (full, metrics_full) = results
     np.testing.assert_allclose(metrics_acc["loss"], metrics_full["loss"], rtol=1e-6)
     np.testing.assert_allclose(metrics_acc["grad_norm"], metrics_full["grad_norm"], rtol=1e-5)
@@ -94,9 +93,9 @@ def test_summing_in_the_backward_holds_one_set_of_layer_gradients_fewer():
     abstract = state_lib.abstract_train_state(layout, optimizer)
     tokens = jax.ShapeDtypeStruct((2, 8, cfg.seq + 1), jnp.int32, sharding=layout.batch_sharding())
     temps = []
-    for into in (None, layout.loss_and_grad_fn(accumulate=True)):
-        step = state_lib.accumulated_train_step(layout.loss_and_grad_fn(), optimizer, optim.lr_schedule(cfg), into)
-        temps.append(jax.jit(step, donate_argnums=0).lower(abstract, tokens).compile().memory_analysis()
+    for into in (None, layout.loss_and_grad_fn(FULL, accumulate.into(FULL))):
+        step = accumulate.accumulated_train_step(layout.loss_and_grad_fn(), optimizer, optim.lr_schedule(cfg), into)
+        temps.append(jax.jit(step, donate_argnums=0).lower(abstract, tokens, {}).compile().memory_analysis()
                      .temp_size_in_bytes)
     layer_grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(abstract["params"]["layers"]))
     assert temps[0] - temps[1] > 0.9 * layer_grad_bytes

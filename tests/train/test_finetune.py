@@ -12,10 +12,8 @@ from mesh_transformer import config
 from mesh_transformer.config import ConfigError
 from mesh_transformer.store import checkpoint, checkpoint_format, hf, tfrecord
 from mesh_transformer.train.trainer import Trainer
-from tests.store.test_hf import random_hf_model
-from tests.store.test_mtj_v1 import CFG as MTJ_CFG
-from tests.store.test_mtj_v1 import make_checkpoint
-from tests.train.test_trainer import run_driver, save_config, train_losses, wait_for
+from tests.helpers import MTJ_CFG, TINY_SHAPE, make_checkpoint, random_hf_dir
+from tests.helpers import run_driver, save_config, train_losses, wait_for
 
 SEQ = 16
 
@@ -40,17 +38,6 @@ def run_config(tmp_path, shape, **overrides):
     return config.from_dict({**raw, **overrides})
 
 
-TINY = {"layers": 2, "d_model": 32, "n_heads": 4, "n_vocab": 128, "pe_rotary_dims": 4}
-
-
-def hf_dir(tmp_path, cfg, name="hf", seed=0):
-    """A random HF GPT-J saved as safetensors (n_positions past seq: the loss reads seq + 1 tokens)."""
-    model = random_hf_model(dataclasses.replace(cfg, seq=cfg.seq + 1), seed)
-    path = str(tmp_path / name)
-    model.save_pretrained(path, safe_serialization=True)
-    return path, model
-
-
 def hf_loss(model, tokens_GxBxT1):
     """HF's mean next-token loss, averaged over micro-batches as our step does."""
     with torch.no_grad():
@@ -65,8 +52,8 @@ def first_step_loss(trainer):
 
 
 def test_fine_tune_from_an_hf_dir_starts_at_hf_loss(tmp_path):
-    cfg = run_config(tmp_path, TINY)
-    path, model = hf_dir(tmp_path, cfg)
+    cfg = run_config(tmp_path, TINY_SHAPE)
+    path, model = random_hf_dir(tmp_path, cfg)
     trainer = Trainer(cfg, tune_model_path=path)
     assert trainer.step == 0 and int(trainer.state["opt_state"][1].count) == 0
     loss, tokens = first_step_loss(trainer)
@@ -75,7 +62,7 @@ def test_fine_tune_from_an_hf_dir_starts_at_hf_loss(tmp_path):
 
 def test_fine_tune_from_an_original_layout_checkpoint_starts_at_hf_loss(tmp_path):
     step_dir, expected = make_checkpoint(tmp_path, 2, np.float32, full=False)
-    shape = {k: getattr(MTJ_CFG, k) for k in TINY}
+    shape = {k: getattr(MTJ_CFG, k) for k in TINY_SHAPE}
     cfg = run_config(tmp_path, shape)
     hf_model = GPTJForCausalLM(GPTJConfig(**{**hf.hf_config(cfg), "n_positions": SEQ + 1})).eval()
     hf_model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in hf.params_to_hf(expected, cfg.layers).items()},
@@ -85,17 +72,17 @@ def test_fine_tune_from_an_original_layout_checkpoint_starts_at_hf_loss(tmp_path
 
 
 def lora_config(tmp_path, **overrides):
-    return run_config(tmp_path, TINY, lora_rank=4, lora_alpha=8, **overrides)
+    return run_config(tmp_path, TINY_SHAPE, lora_rank=4, lora_alpha=8, **overrides)
 
 
 def test_lora_run_trains_the_adapters_only_and_lowers_the_loss(tmp_path):
     cfg = lora_config(tmp_path, total_steps=12, ckpt_every=12, base_dtype="bfloat16", lr=5e-2, end_lr=5e-2)
-    path, _ = hf_dir(tmp_path, cfg)
+    path, _ = random_hf_dir(tmp_path, cfg)
     trainer = Trainer(cfg, tune_model_path=path)
-    before = jax.device_get(trainer.frozen[0])
+    before = jax.device_get(trainer.frozen)
     trainer.run()
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(trainer.frozen[0]), before)
-    assert trainer.frozen[0]["layers"]["attn"]["q"].dtype == "bfloat16"
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(trainer.frozen), before)
+    assert trainer.frozen["layers"]["attn"]["q"].dtype == "bfloat16"
     losses = train_losses(cfg.model_dir)
     assert losses[12] < losses[1] - 0.1, losses
     leaves, metadata = checkpoint_format.read_index(cfg.model_dir, 12)
@@ -106,11 +93,11 @@ def test_lora_run_trains_the_adapters_only_and_lowers_the_loss(tmp_path):
 
 def test_lora_resume_needs_no_path_and_refuses_another_base(tmp_path):
     cfg = lora_config(tmp_path, total_steps=3)
-    path, _ = hf_dir(tmp_path, cfg)
+    path, _ = random_hf_dir(tmp_path, cfg)
     Trainer(cfg, tune_model_path=path).run()
     resumed = Trainer(dataclasses.replace(cfg, total_steps=6))  # the base from the checkpoint's metadata
     assert resumed.step == 3 and resumed.base_identity["path"] == os.path.abspath(path)
-    other, _ = hf_dir(tmp_path, cfg, "other", seed=1)
+    other, _ = random_hf_dir(tmp_path, cfg, "other", seed=1)
     with pytest.raises(ConfigError, match="differs from the one this run was trained on.*other weights"):
         Trainer(cfg, tune_model_path=other)
     with pytest.raises(ConfigError, match="needs a base model"):
@@ -119,7 +106,7 @@ def test_lora_resume_needs_no_path_and_refuses_another_base(tmp_path):
 
 def test_lora_sigkill_resume_is_bit_identical(tmp_path):
     straight = lora_config(tmp_path, total_steps=9, model_dir=str(tmp_path / "straight"))
-    path, _ = hf_dir(tmp_path, straight)
+    path, _ = random_hf_dir(tmp_path, straight)
     Trainer(straight, tune_model_path=path).run()
     cfg = dataclasses.replace(straight, model_dir=str(tmp_path / "killed"))
     marker = tmp_path / "stalled"

@@ -6,13 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mesh_transformer.model import table
 from mesh_transformer import config
 from mesh_transformer.config import ConfigError
-from mesh_transformer.model import gptj as model
 from mesh_transformer.parallel.layout import make_layout
-from mesh_transformer.parallel.mesh import make_dp_mp, make_mesh
+from mesh_transformer.model.split import split_of
 from mesh_transformer.train import optim
 from mesh_transformer.train import state as state_lib
+from tests.helpers import layout_of
 
 CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "remat=false", "warmup_steps=0",
                                                     "lora_rank=4", "lora_alpha=8"])
@@ -20,14 +21,6 @@ MESHES = [("shard_map", 2, 4), ("shard_map", 1, 8), ("dp", 8, 1, 1), ("fsdp", 1,
           ("fsdp_tp", 1, 4, 2)]
 N_MICRO = 2
 FAST = {"xla_backend_optimization_level": 0}
-
-
-def layout_of(cfg, spec):
-    mode, *sizes = spec
-    if mode == "shard_map":
-        return make_layout(dataclasses.replace(cfg, cores_per_replica=sizes[1]), mesh=make_dp_mp(*sizes))
-    return make_layout(dataclasses.replace(cfg, parallelism=mode),
-                       mesh=make_mesh(dict(zip(("data", "fsdp", "tensor"), sizes))))
 
 
 def assert_same_step(next_state, ref_state):
@@ -44,7 +37,8 @@ def one_step(layout, base, tokens):
     optimizer = optim.make_optimizer(layout.cfg)
     train_state = state_lib.init_train_state(layout, optimizer, jax.random.PRNGKey(1))
     train_state["params"] = jax.device_put(_nonzero_b(train_state["params"]),
-                                           state_lib.shardings_of(layout.abstract_lora()))
+                                           state_lib.shardings_of(state_lib.abstract_train_state(
+                                               layout, optimizer)["params"]))
     base = jax.device_put(base, layout.param_shardings())
     tokens = jax.device_put(tokens, layout.batch_sharding())
     start = state_lib.make_eval_step(layout)(train_state["params"], tokens[0], base)
@@ -62,7 +56,7 @@ def _nonzero_b(adapters):
 @pytest.fixture(scope="module")
 def setup():
     cfg = dataclasses.replace(CFG, gradient_accumulation_steps=N_MICRO)
-    base = model.init_unsharded(cfg, jax.random.PRNGKey(0))
+    base = table.init_unsharded(cfg, jax.random.PRNGKey(0))
     tokens = jax.random.randint(jax.random.PRNGKey(2), (N_MICRO, 8, cfg.seq + 1), 0, cfg.n_vocab)
     return cfg, base, tokens, one_step(layout_of(cfg, ("shard_map", 1, 1)), base, tokens)
 
@@ -121,9 +115,9 @@ def test_lora_step_needs_under_half_the_memory_of_a_full_fine_tune():
         abstract = state_lib.abstract_train_state(layout, optimizer)
         tokens = jax.ShapeDtypeStruct((1, layout.global_batch, cfg.seq + 1), jnp.int32,
                                       sharding=layout.batch_sharding())
-        frozen = (layout.abstract_params(),) if cfg.lora_rank else ()
+        frozen = layout.abstract(split_of(cfg).frozen_axes(cfg))
         step = state_lib.make_train_step(layout, optimizer, optim.lr_schedule(cfg))
-        mem = step.lower(abstract, tokens, *frozen).compile(compiler_options=FAST).memory_analysis()
+        mem = step.lower(abstract, tokens, frozen).compile(compiler_options=FAST).memory_analysis()
         return mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
 
     full, adapted = compiled_bytes(dataclasses.replace(cfg, lora_rank=0)), compiled_bytes(cfg)

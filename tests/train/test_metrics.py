@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import struct
-import subprocess
 import sys
 import types
 
@@ -17,8 +16,8 @@ from mesh_transformer.train import metrics
 from mesh_transformer.store import storage
 from mesh_transformer.train.metrics import MetricsError, MetricsWriter, plot_loss, read_metrics
 from tests.gcs_emulator import create_bucket, gcs_emulator
+from tests.helpers import run_script
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -254,19 +253,17 @@ def test_plot_loss_on_a_run_without_metrics_raises_a_metrics_error(tmp_path):
         plot_loss(str(tmp_path))
 
 
-def test_cli_prints_the_png_path(tmp_path, capsys):
-    import plot_metrics
-
+def test_cli_prints_the_png_path(tmp_path):
     _write_run(str(tmp_path))
     out = str(tmp_path / "sub" / "plot.png")
-    assert plot_metrics.main([str(tmp_path), "--out", out]) == 0
-    assert capsys.readouterr().out.strip() == out
+    result = run_script("plot_metrics.py", str(tmp_path), "--out", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == out
     assert open(out, "rb").read(8) == PNG_MAGIC
 
 
 def test_cli_on_an_empty_dir_prints_one_error_line_and_exits_2(tmp_path):
-    result = subprocess.run([sys.executable, os.path.join(REPO, "plot_metrics.py"), str(tmp_path)],
-                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    result = run_script("plot_metrics.py", str(tmp_path))
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1
     assert "Traceback" not in result.stderr and result.stdout == ""

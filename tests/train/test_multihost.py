@@ -10,7 +10,7 @@ import numpy as np
 from mesh_transformer.store import checkpoint
 from mesh_transformer.train.trainer import Trainer
 
-from .test_trainer import ROOT, make_config, train_losses
+from tests.helpers import REPO_ROOT, make_config, train_losses
 
 
 def free_port() -> int:
@@ -27,7 +27,7 @@ def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one(tmp_p
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"}
     procs = [subprocess.Popen([sys.executable, "device_train.py", "--config", str(cfg_path), "--coordinator",
                                f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(k)],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for k in range(2)]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]

@@ -1,10 +1,6 @@
 import dataclasses
-import json
 import os
 import signal
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
@@ -18,34 +14,7 @@ from mesh_transformer.train.trainer import Trainer, TrainingError
 from mesh_transformer.parallel.layout import make_layout
 
 from tests.gcs_emulator import create_bucket, gcs_emulator
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SEQ = 16
-
-
-def write_dataset(directory, name="train", n_records=64, seed=0):
-    rng = np.random.default_rng(seed)
-    path = os.path.join(directory, f"{name}_0_{n_records}.tfrecords")
-    tfrecord.write_records(path, [tfrecord.encode_example({"text": rng.integers(0, 128, SEQ + 1)})
-                                  for _ in range(n_records)])
-    index = os.path.join(directory, f"{name}.index")
-    with open(index, "w") as f:
-        f.write(os.path.basename(path) + "\n")
-    return index
-
-
-def make_config(tmp_path, **overrides):
-    raw = {"layers": 2, "d_model": 32, "n_heads": 4, "n_vocab": 128, "pe_rotary_dims": 4, "seq": SEQ,
-           "cores_per_replica": 4, "per_replica_batch": 2, "gradient_accumulation_steps": 2, "warmup_steps": 2,
-           "anneal_steps": 20, "lr": 1e-2, "end_lr": 1e-3, "total_steps": 6, "ckpt_every": 3, "val_every": 3,
-           "val_batches": 2, "keep_every": 1000, "remat": False, "model_dir": str(tmp_path / "run"),
-           "train_set": write_dataset(str(tmp_path)), "val_set": {"held": write_dataset(str(tmp_path), "val", 8, 1)}}
-    raw.update(overrides)
-    return config.from_dict(raw)
-
-
-def train_losses(model_dir):
-    return {row["step"]: row["loss"] for row in read_metrics(model_dir) if "loss" in row}
+from tests.helpers import make_config, run_driver, save_config, train_losses, wait_for
 
 
 def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path):
@@ -66,7 +35,7 @@ def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path):
 def test_checkpoint_from_dp2_mp4_restores_on_other_meshes_with_equal_logits(tmp_path):
     cfg = make_config(tmp_path, total_steps=3, n_heads=8)
     Trainer(cfg).run()
-    ids = np.random.default_rng(3).integers(0, 128, (8, SEQ))
+    ids = np.random.default_rng(3).integers(0, 128, (8, cfg.seq))
     logits = []
     for dp, mp in [(2, 4), (8, 1), (1, 8)]:
         c = config.from_dict({**cfg.to_dict(), "cores_per_replica": mp})
@@ -76,26 +45,6 @@ def test_checkpoint_from_dp2_mp4_restores_on_other_meshes_with_equal_logits(tmp_
         logits.append(np.asarray(layout.logits_fn()(params, ids)))
     np.testing.assert_allclose(logits[1], logits[0], atol=1e-5)
     np.testing.assert_allclose(logits[2], logits[0], atol=1e-5)
-
-
-def run_driver(args, env_extra=None, **popen):
-    env = {**os.environ, **(env_extra or {})}
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "train_driver.py"), *args], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
-
-
-def wait_for(predicate, proc, timeout_s=240):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
-def save_config(tmp_path, cfg):
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(cfg.to_dict()))
-    return str(path)
 
 
 def test_sigkill_during_checkpoint_write_resumes_from_last_complete_one(tmp_path):
