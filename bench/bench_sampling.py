@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -25,7 +24,7 @@ import numpy as np
 import torch
 from transformers import GPTJConfig, GPTJForCausalLM
 
-from bench.ab import ab_rounds
+from bench.ab import ab_rounds, median_ratios
 from bench.common import best_time_s, emit, read_bandwidth_bytes_per_s
 from mesh_transformer.model import table
 from mesh_transformer.cli import platform_setup
@@ -139,14 +138,14 @@ def ab(args) -> None:
 
     def pick(record):
         if record.get("bench") == "greedy_decode":
-            return (record["impl"], record["batch"]), record["decode_tokens_per_s"]
+            yield (record["impl"], record["batch"]), record["decode_tokens_per_s"]
 
     values = ab_rounds(args.ab, "bench/bench_sampling.py", passed, args.ab_rounds, pick)
-    for (impl, batch), sides in sorted(values.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        ratios = [new / base for base, new in zip(sides["base"], sides["new"])]
+    for (impl, batch), ratios, median in sorted(median_ratios(values), key=lambda r: (r[0][1], r[0][0])):
+        sides = values[(impl, batch)]
         emit(bench="greedy_decode_ab", impl=impl, batch=batch, base=args.ab, base_decode_tokens_per_s=sides["base"],
              new_decode_tokens_per_s=sides["new"], new_over_base=[round(r, 3) for r in ratios],
-             median_new_over_base=round(statistics.median(ratios), 3))
+             median_new_over_base=round(median, 3))
 
 
 if __name__ == "__main__":
