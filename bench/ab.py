@@ -92,9 +92,9 @@ def main() -> None:
     parser.add_argument("commit")
     parser.add_argument("script", help="the bench script, relative to the repository root")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="after --: the bench's own flags")
-    args = parser.parse_args()
-    bench_args = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, bench_args = parser.parse_args(argv[:cut]), argv[cut + 1:]  # after --: the bench's own flags
     values = ab_rounds(args.commit, args.script, bench_args, args.rounds, throughputs)
     for key, ratios, median in median_ratios(values):
         sides = values[key]
