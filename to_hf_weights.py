@@ -20,7 +20,7 @@ from mesh_transformer import cli
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mesh_transformer.store.safetensors_io import parse_size
+    from mesh_transformer.config import parse_size
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input-ckpt", required=True,

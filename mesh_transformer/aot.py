@@ -21,28 +21,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mesh_transformer import estimate, platforms, targets
-from mesh_transformer.config import Config, ConfigError
+from mesh_transformer.config import Config, ConfigError, parse_size
 from mesh_transformer.infer.choose import Sampling
 from mesh_transformer.infer.decode import KVCache, Programs, Steps, block_sizes, cache_dtype, default_block
-from mesh_transformer.infer.params import decode_specs, make_inference_layout
+from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.infer.score import MAX_TOP, Rows, Scorer
 from mesh_transformer.model import gptj, layers, table
 from mesh_transformer.model.split import split_of
 from mesh_transformer.parallel.layout import MODES, SHARD_MAP, Layout, make_layout
 from mesh_transformer.parallel.mesh import DP, MP
 from mesh_transformer.train import optim, state
-
-_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12, "kib": 2 ** 10,
-          "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
-
-
-def parse_bytes(text: str) -> int:
-    """'16GiB', '80GB', '512MiB' or a plain byte count -> bytes."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ConfigError(f"--device-memory must look like 16GiB, 80GB or 512MiB, got {text!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
 
 def parse_mesh(text: str) -> dict[str, int]:
     """'data=1,fsdp=8,tensor=1' -> sizes; fsdp and tensor default to 1, data to None (the devices left)."""
@@ -138,7 +126,8 @@ def _abstract_decode_params(layout: Layout) -> dict:
     shapes = table.param_shapes(cfg, gptj.compute_dtype(cfg))
     layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes["layers"])
     fused = jax.eval_shape(partial(layers.fuse_layer, tp_size=layout.mesh.shape[MP]), layer)
-    shardings = jax.tree.map(partial(NamedSharding, layout.mesh), decode_specs(cfg), is_leaf=lambda x: isinstance(x, P))
+    shardings = jax.tree.map(partial(NamedSharding, layout.mesh), layout.placed_specs(),
+                             is_leaf=lambda x: isinstance(x, P))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         {**shapes, "layers": [fused] * cfg.layers}, shardings)
 
@@ -348,7 +337,7 @@ def run(cfg: Config, mode: str | None, mesh_text: str, n_devices: int, device_me
         raise ConfigError("--no-loop-hoisting is for the CPU's compile; a TPU or GPU program hoists no f32 copy")
     sizes = parse_mesh(mesh_text) if mesh_text else None
     if device_memory_text:
-        device_memory = parse_bytes(device_memory_text)
+        device_memory = parse_size(device_memory_text, "--device-memory")
     else:
         device_memory = target.chip.memory_bytes if target else 16 * 2 ** 30
     devices = target.devices() if target else start_devices(n_devices)

@@ -26,7 +26,6 @@ def add_config_args(parser: argparse.ArgumentParser, required: bool = True) -> N
                         help="override a config key (value parsed as JSON, else a string); repeatable")
 
 
-INFERENCE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def add_inference_args(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +39,7 @@ def add_inference_args(parser: argparse.ArgumentParser) -> None:
                                        "PEFT adapter directory (a LoRA run given as --ckpt needs none)")
     parser.add_argument("--mp", type=int, help="model-parallel width (default: the checkpoint's cores_per_replica "
                                                "where it divides the devices, else the widest that fits)")
-    parser.add_argument("--dtype", choices=tuple(INFERENCE_DTYPES), help="compute dtype the weights are held in "
+    parser.add_argument("--dtype", choices=tuple(config.DTYPE_FLAGS), help="compute dtype the weights are held in "
                                                                           "(default: the config's compute_dtype)")
 
 
@@ -80,12 +79,13 @@ def inference_config(args: argparse.Namespace) -> tuple[config.Config, str]:
     """(config, checkpoint path) of the sampling and serving tools: --config when given, else the config the
     checkpoint carries (ours: its metadata; HF: config.json; original layout: a config.json beside or above its
     step directory); --set and --dtype applied on top."""
-    from mesh_transformer.store import convert, storage
+    from mesh_transformer import storage
+    from mesh_transformer.store import convert
 
     source = args.hf or args.ckpt
     overrides = config.parse_overrides(args.overrides)
     if args.dtype:
-        overrides["compute_dtype"] = INFERENCE_DTYPES[args.dtype]
+        overrides["compute_dtype"] = config.DTYPE_FLAGS[args.dtype]
 
     def file_config(path: str) -> config.Config:
         return config.from_dict({**config.load(path).to_dict(), **overrides})

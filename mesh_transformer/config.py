@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import re
 import types
 import typing
 from typing import Any
@@ -195,7 +196,7 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
 
 def load(path: str, overrides: Sequence[str] = ()) -> Config:
     """Read a JSON config file, apply `key=value` overrides, validate."""
-    from mesh_transformer.store import storage
+    from mesh_transformer import storage
 
     try:
         raw = json.loads(storage.read_bytes(path))
@@ -226,3 +227,17 @@ def model_parallel_widths(cfg: Config, n_devices: int) -> list[int]:
     """The model-parallel widths, smallest first, that divide the device count, n_heads and n_vocab (1 always does)."""
     return [width for width in range(1, n_devices + 1)
             if n_devices % width == 0 and cfg.n_heads % width == 0 and cfg.n_vocab % width == 0]
+
+
+DTYPE_FLAGS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # the tools' --dtype names
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12, "kib": 2 ** 10,
+               "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def parse_size(text: str, what: str = "size") -> int:
+    """Bytes in a size such as '5GB' (powers of ten, as transformers reads them), '16GiB' (powers of two) or a plain
+    byte count; a ConfigError naming `what` (a flag) otherwise."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ConfigError(f"{what} must look like 5GB, 500MB or 16GiB (or a number of bytes), got {text!r}")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])

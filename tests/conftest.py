@@ -31,6 +31,15 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def started_jax():
+    """JAX started with the 8 faked devices before any test runs: a tool that sets the CPU device count when JAX
+    has not started (aot's --devices N) must find it started, or the rest of the process would have N devices."""
+    import jax
+
+    return jax.devices()
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _OWN_CACHE:
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

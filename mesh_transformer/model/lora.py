@@ -20,15 +20,9 @@ import jax.numpy as jnp
 from mesh_transformer.config import Config
 from mesh_transformer.model import table
 
-# target -> (its weight's path inside one layer, the weight's (in, out) logical axes); HF module names in peft.py.
-TARGETS: dict[str, tuple[tuple[str, ...], tuple[str, str]]] = {
-    "q": (("attn", "q"), ("embed", "heads")),
-    "k": (("attn", "k"), ("embed", "heads")),
-    "v": (("attn", "v"), ("embed", "heads")),
-    "out": (("attn", "out"), ("heads", "embed")),
-    "fc_in": (("mlp", "fc_in", "kernel"), ("embed", "mlp")),
-    "fc_out": (("mlp", "fc_out", "kernel"), ("mlp", "embed")),
-}
+# target -> (its weight's path inside one layer, the weight's (in, out) logical axes), from the param table.
+TARGETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    target: (path[1:], table.PARAMS[path].axes[1:]) for target, path in table.lora_targets().items()}
 
 
 class Adapted(NamedTuple):
@@ -42,11 +36,14 @@ class Adapted(NamedTuple):
         return x @ self.w + ((x @ self.a) @ self.b) * jnp.asarray(self.scale, x.dtype)
 
 
+def alpha(rank: int, alpha_: float | None) -> float:
+    """LoRA's alpha; unset, the rank (a scale of 1)."""
+    return alpha_ if alpha_ is not None else rank
+
+
 def scale(cfg: Config) -> float:
-    """lora_alpha / lora_rank (alpha unset: the rank, a scale of 1); 0 without adapters."""
-    if not cfg.lora_rank:
-        return 0.0
-    return (cfg.lora_alpha if cfg.lora_alpha is not None else cfg.lora_rank) / cfg.lora_rank
+    """lora_alpha / lora_rank; 0 without adapters."""
+    return alpha(cfg.lora_rank, cfg.lora_alpha) / cfg.lora_rank if cfg.lora_rank else 0.0
 
 
 def lora_axes(cfg: Config) -> dict:

@@ -5,15 +5,27 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from mesh_transformer.config import Config
+from mesh_transformer import config
+from mesh_transformer.config import Config, ConfigError
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 Path = tuple[str, ...]  # a param's keys from the root of the tree, e.g. ("layers", "attn", "q")
+
+
+def dtype_named(name: Any) -> np.dtype:
+    """A numpy dtype from 'bf16' / 'fp16' / 'fp32', a full name such as 'bfloat16', or a dtype."""
+    if not isinstance(name, str):
+        return np.dtype(name)
+    full = config.DTYPE_FLAGS.get(name, name)
+    if full not in DTYPES:
+        raise ConfigError(f"dtype {name!r} must be one of {', '.join([*config.DTYPE_FLAGS, *DTYPES])}")
+    return np.dtype(DTYPES[full])
 
 
 def is_axes(x) -> bool:
@@ -21,20 +33,52 @@ def is_axes(x) -> bool:
     return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
 
 
-# The param tree, written once: each leaf's logical axes. Shapes follow from the config's axis sizes, placements
-# from a Layout's rule table (parallel/layout.py). "heads" is the H*K projection width, "layers" the stack axis L.
+class Param(NamedTuple):
+    """One param's row of the table."""
+    axes: tuple[str, ...]  # logical axes; "layers" (L) first for the stacked layers, "heads" is the H*K width
+    hf: str  # its name in an HF GPTJForCausalLM state dict (inside transformer.h.{i} for a layer's)
+    transposed: bool  # HF holds it transposed (a torch Linear weight is [out, in])
+    init: str  # "ones", "zeros", or the original's truncated-normal scale: "fan_in" 1/sqrt(D), "vocab" 1/sqrt(V),
+    # "residual" (2/L)/sqrt(D) for the projections that write into the residual stream
+    decayed: bool  # weight decay applies (weight matrices; never biases or LayerNorm params)
+    lora: str | None = None  # the LoRA target that adapts it (config.LORA_TARGETS), if any
+
+
 _QKV, _STACKED = ("layers", "embed", "heads"), ("layers", "embed")
-PARAM_AXES = {
-    "embed": {"wte": ("vocab", "embed")},
-    "layers": {
-        "ln_1": {"scale": _STACKED, "bias": _STACKED},
-        "attn": {"q": _QKV, "k": _QKV, "v": _QKV, "out": ("layers", "heads", "embed")},
-        "mlp": {"fc_in": {"kernel": ("layers", "embed", "mlp"), "bias": ("layers", "mlp")},
-                "fc_out": {"kernel": ("layers", "mlp", "embed"), "bias": _STACKED}},
-    },
-    "ln_f": {"scale": ("embed",), "bias": ("embed",)},
-    "lm_head": {"kernel": ("embed", "vocab"), "bias": ("vocab",)},
+# The param tree, written once, one row per param: everything about a param that the model, the placement, the
+# converters, PEFT, init and the optimizer need is a column here.
+PARAMS: dict[Path, Param] = {
+    ("embed", "wte"): Param(("vocab", "embed"), "transformer.wte.weight", False, "vocab", True),
+    ("layers", "ln_1", "scale"): Param(_STACKED, "ln_1.weight", False, "ones", False),
+    ("layers", "ln_1", "bias"): Param(_STACKED, "ln_1.bias", False, "zeros", False),
+    ("layers", "attn", "q"): Param(_QKV, "attn.q_proj.weight", True, "fan_in", True, "q"),
+    ("layers", "attn", "k"): Param(_QKV, "attn.k_proj.weight", True, "fan_in", True, "k"),
+    ("layers", "attn", "v"): Param(_QKV, "attn.v_proj.weight", True, "fan_in", True, "v"),
+    ("layers", "attn", "out"): Param(("layers", "heads", "embed"), "attn.out_proj.weight", True, "residual", True,
+                                     "out"),
+    ("layers", "mlp", "fc_in", "kernel"): Param(("layers", "embed", "mlp"), "mlp.fc_in.weight", True, "fan_in", True,
+                                                "fc_in"),
+    ("layers", "mlp", "fc_in", "bias"): Param(("layers", "mlp"), "mlp.fc_in.bias", False, "zeros", False),
+    ("layers", "mlp", "fc_out", "kernel"): Param(("layers", "mlp", "embed"), "mlp.fc_out.weight", True, "residual",
+                                                 True, "fc_out"),
+    ("layers", "mlp", "fc_out", "bias"): Param(_STACKED, "mlp.fc_out.bias", False, "zeros", False),
+    ("ln_f", "scale"): Param(("embed",), "transformer.ln_f.weight", False, "ones", False),
+    ("ln_f", "bias"): Param(("embed",), "transformer.ln_f.bias", False, "zeros", False),
+    ("lm_head", "kernel"): Param(("embed", "vocab"), "lm_head.weight", True, "fan_in", True),
+    ("lm_head", "bias"): Param(("vocab",), "lm_head.bias", False, "zeros", False),
 }
+
+
+def _tree(rows: dict[Path, Any]) -> dict:
+    tree: dict = {}
+    for path, value in rows.items():
+        set_path(tree, path, value)
+    return tree
+
+
+def lora_targets() -> dict[str, Path]:
+    """LoRA target -> the path of the weight it adapts."""
+    return {row.lora: path for path, row in PARAMS.items() if row.lora}
 
 
 def axis_sizes(cfg: Config) -> dict[str, int]:
@@ -83,19 +127,11 @@ def unstack_layers(params: dict, split: Callable | None = None) -> dict:
     return {**params, "layers": [jax.tree.unflatten(treedef, list(layer)) for layer in zip(*slices)]}
 
 
-def _init_std(cfg: Config, path: tuple[str, ...]) -> float:
-    """The original's truncated-normal scales; 0 means a zero bias, None a LayerNorm scale of one."""
-    name = "/".join(path)
-    D, V = cfg.d_model, cfg.n_vocab
-    if name.endswith("bias"):
-        return 0.0
-    if name.endswith("scale"):
-        return None
-    if name == "embed/wte":
-        return 1.0 / V ** 0.5
-    if name.endswith(("attn/out", "fc_out/kernel")):
-        return (2.0 / cfg.layers) / D ** 0.5
-    return 1.0 / D ** 0.5
+def _init_std(cfg: Config, path: Path) -> float | None:
+    """The original's truncated-normal scale of a param; 0 means zeros, None ones."""
+    init = PARAMS[path].init
+    return {"ones": None, "zeros": 0.0, "vocab": 1.0 / cfg.n_vocab ** 0.5, "fan_in": 1.0 / cfg.d_model ** 0.5,
+            "residual": (2.0 / cfg.layers) / cfg.d_model ** 0.5}[init]
 
 
 def init_params(cfg: Config, key: jax.Array) -> dict:
@@ -120,3 +156,6 @@ def init_unsharded(cfg: Config, key: jax.Array) -> dict:
     return jax.jit(partial(init_params, cfg))(key)
 
 
+
+
+PARAM_AXES = _tree({path: row.axes for path, row in PARAMS.items()})  # the param tree of logical axes

@@ -1,17 +1,18 @@
 """Layout: what a parallelism mode decides, and nothing else: the mesh, where every param / optimizer leaf / batch /
 activation lives, and the loss, loss-and-grad and logits functions that run there.
 
-Both kinds place arrays by one rule table each, t5x style: the model names logical axes only (model/gptj.py), and
-for each dim of an array the first rule naming its logical axis whose mesh axes are still free in that array wins;
-a logical axis with no usable rule is replicated.
+Both kinds place arrays by rule tables, t5x style: the model names logical axes only (model/table.py), and for each
+dim of an array the first rule naming its logical axis whose mesh axes are still free in that array wins; a logical
+axis with no usable rule is replicated. Each mode has two tables (`Mappings`, as levanter's parameter and compute
+axis mappings): where params are stored, and where compute places activations, caches and batches.
 
 - shard_map kind (the original's Megatron scheme) over ('dp', 'mp'): vocab, heads and MLP columns on 'mp', tokens
   on 'dp'. The layer functions run per device under `jax.shard_map(..., check_vma=True)` with tp_axis='mp', doing
   one psum per block; check_vma gives the matching backward collectives.
 - GSPMD kind over ('data', 'fsdp', 'tensor'): the plain global layer functions under `jax.jit`, with shardings from
-  the mode's table and activations pinned through a `constrain` hook. ("embed", "fsdp") shards the params' embed dim
-  (ZeRO-3), while an activation [batch, length, embed] keeps embed whole because its batch dim has already taken
-  'fsdp': pinned so inside the layer scan, XLA gathers one layer's weights per iteration and keeps the batch split.
+  the mode's tables and activations pinned through a `constrain` hook. Under fsdp the params' embed dim is split
+  over 'fsdp' (ZeRO-3) while compute splits the batch over it and keeps embed whole: pinned so inside the layer
+  scan, XLA gathers one layer's weights per iteration and keeps the batch split.
 
 Everything above this (train state, steps, AOT, converters, inference placement) takes a Layout and never asks
 which kind it is.
@@ -22,7 +23,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,25 +33,35 @@ from jax.sharding import PartitionSpec as P
 
 from mesh_transformer import platforms
 from mesh_transformer.config import Config, ConfigError, check_devices
-from mesh_transformer.model import gptj, table
+from mesh_transformer.model import gptj, layers, table
 from mesh_transformer.model.split import FULL, Split
 from mesh_transformer.parallel.mesh import DATA, DP, FSDP, MP, TENSOR, make_mesh
 from mesh_transformer.platforms import Policy
 
 Rules = list[tuple[str, str | tuple[str, ...] | None]]
 
+
+class Mappings(NamedTuple):
+    """A mode's two rule tables: where params (and their optimizer state) are stored, and where compute places
+    activations, caches and batches."""
+    params: Rules
+    compute: Rules
+
+
 SHARD_MAP = "shard_map"
-MEGATRON_RULES: Rules = [("batch", DP), ("vocab", MP), ("heads", MP), ("mlp", MP)]
+# "shards": the device axis of inference's joined layers (`layers.FUSED_AXES`), one slice per 'mp' device.
+MEGATRON_RULES: Rules = [("batch", DP), ("vocab", MP), ("heads", MP), ("mlp", MP), ("shards", MP)]
+MEGATRON = Mappings(params=MEGATRON_RULES, compute=MEGATRON_RULES)
 BATCH_RULES: Rules = [("batch", (DATA, FSDP))]  # fsdp is data parallel for compute, so the batch splits over it too
-ZERO3_RULES: Rules = [("embed", FSDP)]  # taken by params; activations find 'fsdp' used by their batch dim
+ZERO3_RULES: Rules = [("embed", FSDP)]  # params only: ZeRO-3
 TENSOR_RULES: Rules = [("vocab", TENSOR), ("heads", TENSOR), ("mlp", TENSOR)]
-GSPMD_RULES: dict[str, Rules] = {
-    "dp": BATCH_RULES,
-    "fsdp": BATCH_RULES + ZERO3_RULES,
-    "tp": BATCH_RULES + TENSOR_RULES,
-    "fsdp_tp": BATCH_RULES + ZERO3_RULES + TENSOR_RULES,
+GSPMD: dict[str, Mappings] = {
+    "dp": Mappings(params=BATCH_RULES, compute=BATCH_RULES),
+    "fsdp": Mappings(params=ZERO3_RULES, compute=BATCH_RULES),
+    "tp": Mappings(params=TENSOR_RULES, compute=BATCH_RULES + TENSOR_RULES),
+    "fsdp_tp": Mappings(params=ZERO3_RULES + TENSOR_RULES, compute=BATCH_RULES + TENSOR_RULES),
 }
-MODES = tuple(GSPMD_RULES)
+MODES = tuple(GSPMD)
 
 # Logical axes of activations and caches (K head dim and length are never split).
 ACTIVATION_AXES = {
@@ -82,9 +93,14 @@ def logical_to_spec(logical_axes: Sequence[str], rules: Rules) -> P:
     return P(*spec)
 
 
-def param_specs(rules: Rules) -> dict:
-    """PartitionSpecs of the param tree under a rule table (no mesh needed: converters write pieces by them)."""
-    return jax.tree.map(lambda axes: logical_to_spec(axes, rules), table.PARAM_AXES, is_leaf=table.is_axes)
+def tree_specs(axes_tree: Any, rules: Rules) -> Any:
+    """PartitionSpecs of a tree of logical axes under a rule table."""
+    return jax.tree.map(lambda axes: logical_to_spec(axes, rules), axes_tree, is_leaf=table.is_axes)
+
+
+def param_specs(mappings: Mappings) -> dict:
+    """PartitionSpecs of the param tree under a mode's mappings (no mesh needed: converters write pieces by them)."""
+    return tree_specs(table.PARAM_AXES, mappings.params)
 
 
 def followed_param(key_path: Sequence[str], shape: Sequence[int],
@@ -110,14 +126,15 @@ class Layout:
     """One parallelism mode on one mesh. Build it with `make_layout`."""
     cfg: Config  # compute_dtype "auto" resolved for the mesh's devices
     mesh: Mesh
-    rules: Rules
+    mappings: Mappings
     tp_axis: str | None  # the tensor-parallel axis the layers reduce over (shard_map kind), else None
     dp_axis: str | None  # the batch axis a per-device loss is averaged over (shard_map kind), else None
     policy: Policy  # the platform choices of the mesh's devices (mesh_transformer.platforms)
 
     # ----------------------------------------------------------------------------------------------- placement
     def spec(self, logical_axes: Sequence[str]) -> P:
-        return logical_to_spec(logical_axes, self.rules)
+        """Where compute places an array with these logical axes (activations, caches, batches, per-row values)."""
+        return logical_to_spec(logical_axes, self.mappings.compute)
 
     def sharding(self, logical_axes: Sequence[str]) -> NamedSharding:
         """Where an array with these logical axes lives (activations, caches, per-row values)."""
@@ -128,8 +145,8 @@ class Layout:
         return NamedSharding(self.mesh, P())
 
     def specs(self, axes_tree: Any) -> Any:
-        """PartitionSpecs of a tree of logical axes (table.PARAM_AXES, the adapters', a Split's trees)."""
-        return jax.tree.map(self.spec, axes_tree, is_leaf=table.is_axes)
+        """Where a tree of params is stored, by its logical axes (table.PARAM_AXES, the adapters', a Split's)."""
+        return tree_specs(axes_tree, self.mappings.params)
 
     def shardings(self, axes_tree: Any) -> Any:
         return jax.tree.map(partial(NamedSharding, self.mesh), self.specs(axes_tree),
@@ -145,7 +162,13 @@ class Layout:
         return jax.jit(partial(init_fn, self.cfg), out_shardings=self.shardings(axes_tree))(key)
 
     def param_specs(self) -> dict:
-        return param_specs(self.rules)
+        return param_specs(self.mappings)
+
+    def placed_specs(self) -> dict:
+        """Specs of the params placed for inference (infer/params.py): layers unstacked into a list, each joined by
+        `layers.fuse_layer` (shard_map kind)."""
+        specs = self.param_specs()
+        return {**specs, "layers": [self.specs(layers.FUSED_AXES)] * self.cfg.layers}
 
     def param_shardings(self) -> dict:
         return self.shardings(table.PARAM_AXES)
@@ -188,7 +211,8 @@ class Layout:
         return self.sharding(("accumulation",) * accumulated + ACTIVATION_AXES["tokens"])
 
     # ------------------------------------------------------------------------------------------------ functions
-    def _per_device(self, fn: Callable, in_specs, out_specs) -> Callable:
+    def per_device(self, fn: Callable, in_specs, out_specs) -> Callable:
+        """fn run per device under shard_map on this mesh, its arguments and results split by these specs."""
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
 
     def _constrain(self, x: jax.Array, logical_axes: Sequence[str]) -> jax.Array:
@@ -216,7 +240,7 @@ class Layout:
         loss = self._model_loss(split)
         if self.tp_axis is None:
             return loss
-        return self._per_device(loss, (*self._split_specs(split), self.spec(ACTIVATION_AXES["tokens"])), P())
+        return self.per_device(loss, (*self._split_specs(split), self.spec(ACTIVATION_AXES["tokens"])), P())
 
     def loss_and_grad_fn(self, split: Split = FULL, into: Callable | None = None) -> Callable:
         """(trainable, frozen, tokens [B, T+1]) -> (loss, grads of the trainable tree), placed like it (FSDP
@@ -239,14 +263,14 @@ class Layout:
         if self.tp_axis is None:
             return fn
         in_specs = (trainable_specs, frozen_specs, self.spec(ACTIVATION_AXES["tokens"]))
-        return self._per_device(fn, in_specs + (trainable_specs,) * (into is not None), (P(), trainable_specs))
+        return self.per_device(fn, in_specs + (trainable_specs,) * (into is not None), (P(), trainable_specs))
 
     def logits_fn(self) -> Callable:
         """Jitted (params, ids [B, T]) -> logits [B, T, V] in f32, placed by the rules (batch and vocab split)."""
         cfg, logits_spec = self.cfg, self.spec(ACTIVATION_AXES["logits"])
         if self.tp_axis is not None:
             fn = partial(gptj.forward, cfg=cfg, tp_axis=self.tp_axis, policy=self.policy)
-            return jax.jit(self._per_device(fn, (self.param_specs(), self.spec(ACTIVATION_AXES["tokens"])),
+            return jax.jit(self.per_device(fn, (self.param_specs(), self.spec(ACTIVATION_AXES["tokens"])),
                                             logits_spec))
 
         def logits(params, ids_BxT):
@@ -262,8 +286,9 @@ def _split_loss(split: Split, trainable: Any, frozen: Any, tokens_BxT1: jax.Arra
     return gptj.loss_fn(params, tokens_BxT1, cfg, adapters=adapters, **kw)
 
 
-def _check_gspmd(cfg: Config, mesh: Mesh, rules: Rules) -> None:
+def _check_gspmd(cfg: Config, mesh: Mesh, mappings: Mappings) -> None:
     """The mode must use every split mesh axis, and each split model dim must divide over its mesh axes."""
+    rules = mappings.params + mappings.compute
     ruled = {a for _, entry in rules for a in _mesh_axes(entry)}
     for axis in (DATA, FSDP, TENSOR):
         if mesh.shape[axis] > 1 and axis not in ruled:
@@ -291,12 +316,12 @@ def _check_axes(cfg: Config, mesh: Mesh) -> None:
                           f"{cfg.parallelism!r}")
 
 
-def gspmd_rules(cfg: Config) -> Rules:
-    """The rule table of a GSPMD cfg.parallelism."""
-    if cfg.parallelism not in GSPMD_RULES:
+def gspmd_mappings(cfg: Config) -> Mappings:
+    """The rule tables of a GSPMD cfg.parallelism."""
+    if cfg.parallelism not in GSPMD:
         raise ConfigError(f"config key 'parallelism' must be one of {', '.join(MODES)} for the GSPMD path, "
                           f"got {cfg.parallelism!r}")
-    return GSPMD_RULES[cfg.parallelism]
+    return GSPMD[cfg.parallelism]
 
 
 def make_layout(cfg: Config, devices: Sequence[jax.Device] | None = None, mesh: Mesh | None = None) -> Layout:
@@ -317,7 +342,7 @@ def make_layout(cfg: Config, devices: Sequence[jax.Device] | None = None, mesh: 
     if cfg.compute_dtype == "auto":
         cfg = dataclasses.replace(cfg, compute_dtype=policy.compute_dtype)
     if cfg.parallelism == SHARD_MAP:
-        return Layout(cfg, mesh, MEGATRON_RULES, tp_axis=MP, dp_axis=DP, policy=policy)
-    rules = gspmd_rules(cfg)
-    _check_gspmd(cfg, mesh, rules)
-    return Layout(cfg, mesh, rules, tp_axis=None, dp_axis=None, policy=policy)
+        return Layout(cfg, mesh, MEGATRON, tp_axis=MP, dp_axis=DP, policy=policy)
+    mappings = gspmd_mappings(cfg)
+    _check_gspmd(cfg, mesh, mappings)
+    return Layout(cfg, mesh, mappings, tp_axis=None, dp_axis=None, policy=policy)

@@ -11,6 +11,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
+from mesh_transformer.infer.sizes import prompt_problem
 from mesh_transformer.serve.completion import Event
 
 DEFAULT_MAX_TOKENS = 16
@@ -124,12 +125,8 @@ def _boolean(body: dict, name: str) -> bool:
 
 
 def _token_prompt(ids: list, vocab: int) -> tuple[int, ...]:
-    if not ids:
-        raise ApiError(400, "'prompt' must not be empty", "prompt")
-    for t in ids:
-        if not _is_int(t) or not 0 <= t < vocab:
-            raise ApiError(400, f"'prompt' token ids must be integers in [0, {vocab}), got {json.dumps(t)[:50]}",
-                           "prompt")
+    if problem := prompt_problem(ids, vocab):
+        raise ApiError(400, f"'prompt' {problem}"[:200], "prompt")
     return tuple(ids)
 
 

@@ -19,6 +19,8 @@ class Event:
     logprobs: tuple[float, ...] = ()  # one per token, if the request asked for them
     finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length" (max_tokens reached)
     error: str | None = None
+    # per token, the most likely (token id, log-prob) at its position, best first, if the request asked for log-probs
+    alternatives: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 @dataclasses.dataclass(eq=False)
@@ -62,6 +64,7 @@ class Completion:
     request: GenerationRequest
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    alternatives: list[tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=list)
     sent_chars: int = 0
     sent_tokens: int = 0
     dispatched: int = 0
@@ -77,10 +80,11 @@ class Completion:
         """Whether the next decode step must compute a token for this slot."""
         return self.dispatched < self.request.max_tokens and not self.request.cancelled.is_set()
 
-    def accept(self, token: int, logprob: float, tokenizer: Any, stop_token_ids: Collection[int]) -> list[Event]:
-        """Take the next token read back: returns the events to send (the last one has a finish_reason when the
-        request ended on a stop token, a stop string or max_tokens; `finished` is then set and later tokens are
-        ignored)."""
+    def accept(self, token: int, logprob: float, tokenizer: Any, stop_token_ids: Collection[int],
+               alternatives: tuple[tuple[int, float], ...] = ()) -> list[Event]:
+        """Take the next token read back (with its log-prob and the most likely tokens at its position): returns
+        the events to send (the last one has a finish_reason when the request ended on a stop token, a stop string
+        or max_tokens; `finished` is then set and later tokens are ignored)."""
         request = self.request
         if self.finished or request.cancelled.is_set():
             return []
@@ -89,6 +93,7 @@ class Completion:
         self.tokens.append(token)
         if request.logprobs:
             self.logprobs.append(logprob)
+            self.alternatives.append(alternatives)
         events = []
         if request.stop or request.stream:
             text = tokenizer.decode(self.tokens)
@@ -97,8 +102,7 @@ class Completion:
                 return [self._finish("stop", tokenizer, cut_text)]
             sendable = streamable_length(text, request.stop) if request.stream else 0
             if sendable > self.sent_chars:
-                events.append(Event(text[self.sent_chars:sendable], tuple(self.tokens[self.sent_tokens:]),
-                                    tuple(self.logprobs[self.sent_tokens:])))
+                events.append(self._event(text[self.sent_chars:sendable], self.sent_tokens, len(self.tokens)))
                 self.sent_chars, self.sent_tokens = sendable, len(self.tokens)
         if len(self.tokens) >= request.max_tokens:
             events.append(self._finish("length", tokenizer))
@@ -109,5 +113,9 @@ class Completion:
         self.finished = True
         text = tokenizer.decode(self.tokens) if cut_text is None else cut_text
         kept = len(self.tokens) if cut_text is None else tokens_within(tokenizer, self.tokens, len(text))
-        sent = min(self.sent_tokens, kept)
-        return Event(text[self.sent_chars:], tuple(self.tokens[sent:kept]), tuple(self.logprobs[sent:kept]), reason)
+        return self._event(text[self.sent_chars:], min(self.sent_tokens, kept), kept, reason)
+
+    def _event(self, text: str, start: int, end: int, reason: str | None = None) -> Event:
+        """An event of tokens [start, end) with their log-probs and alternatives (if the request wants them)."""
+        return Event(text, tuple(self.tokens[start:end]), tuple(self.logprobs[start:end]), reason,
+                     alternatives=tuple(self.alternatives[start:end]))

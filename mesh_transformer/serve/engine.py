@@ -1,10 +1,9 @@
 """Continuous-batching generation engine: one background thread owns the device; requests join between decode steps.
 
 The engine holds N slots of a shared KV cache and runs the decode programs (infer/decode.py); each slot's request
-progress is a Completion (completion.py). New requests are prefilled together, up to 16 per dp group in one
-program (rows padded to a power of 4 or all of a group's slots, at most PREFILL_TOKENS tokens in all beyond one
-row; prompt length bucketed, so compiles are reused), into free slots between two decode steps and join the next
-step; each step advances every busy slot by one token, sampled with that
+progress is a Completion (completion.py), and which program runs when is its Schedule's (schedule.py). New requests
+are prefilled together (up to 16 per dp group in one program) into free slots between two decode steps and join the
+next step; each step advances every busy slot by one token, sampled with that
 request's own temperature, top-k, top-p and seed. EOS, max_tokens and stop strings (checked here on the decoded
 text) end a request; streamed text leaves as it is made.
 
@@ -27,24 +26,19 @@ from typing import Any
 import jax
 import numpy as np
 
-from mesh_transformer.infer.choose import fill_sampling
+from mesh_transformer.infer.choose import Logprobs, fill_sampling
 from mesh_transformer.infer.decode import Programs, Steps, block_sizes, default_block
-from mesh_transformer.infer.sizes import bucket, fit, ladder
 from mesh_transformer.infer.params import place_params
 from mesh_transformer.infer.sampler import check_sampling
+from mesh_transformer.infer.sizes import prompt_problem
+from mesh_transformer.infer.score import MAX_TOP
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import DP
 from mesh_transformer.serve.completion import Completion, Event, GenerationRequest
+from mesh_transformer.serve.schedule import Schedule
 from mesh_transformer.tokenizer import EOS_ID
 
 log = logging.getLogger(__name__)
-
-MAX_PREFILL_ROWS = 16  # requests prefilled together at most, per dp group
-# A prefill of more than one row is at most this many tokens (rows x prompt bucket): longer prompts are prefilled a
-# few or one at a time. Past a few hundred tokens a prefill is bound by compute, not by reading the weights, so
-# batching more gains little, and each (rows, bucket) pair is one more program to compile.
-PREFILL_TOKENS = 1024
-
 
 class QueueFull(RuntimeError):
     """The waiting queue is full; the caller should retry later."""
@@ -58,7 +52,7 @@ class EngineStopped(RuntimeError):
 class _Step:
     """A dispatched program whose tokens are not read yet: entries are (slot index, slot, output row)."""
     tokens: jax.Array
-    logprobs: jax.Array
+    logprobs: Logprobs
     entries: list[tuple[int, Completion, int]]
 
 
@@ -89,14 +83,9 @@ class Engine:
         self._n_local = self.n_slots // self._dp
         self.params = place_params(params, layout)
         self._programs = programs or Programs(layout)
-        self._block_sizes = block_sizes(cfg.seq, min(self.min_span, cfg.seq))
-        # The row and block counts the programs are compiled for: a count is padded up to the next one.
-        self._decode_rows = ladder(self._n_local, 4)
-        self._block_counts = ladder(len(self._block_sizes), 2)
-        group_rows = ladder(min(self._n_local, MAX_PREFILL_ROWS), 4)
-        self._prefill_rows = {width: [r for r in group_rows if r == 1 or r * width <= PREFILL_TOKENS]
-                              for width in sorted({bucket(n, maximum=cfg.seq) for n in range(1, cfg.seq)})}
-        self._cache = self._programs.new_cache(self.n_slots, self._block_sizes)
+        self.schedule = Schedule(self.n_slots, self._dp, cfg.seq,
+                                 tuple(block_sizes(cfg.seq, min(self.min_span, cfg.seq))))
+        self._cache = self._programs.new_cache(self.n_slots, list(self.schedule.block_sizes))
         # Each slot's last token, the next decode step's input: made and kept on the device.
         self._last_tokens = self._programs.new_last_tokens(self.n_slots)
         self._slots: list[Completion | None] = [None] * self.n_slots
@@ -127,8 +116,8 @@ class Engine:
 
     def _check(self, request: GenerationRequest) -> None:
         seq, vocab = self.cfg.seq, self.cfg.n_vocab
-        if not request.prompt or any(not 0 <= t < vocab for t in request.prompt):
-            raise ValueError(f"a prompt must be 1 or more token ids in [0, {vocab})")
+        if problem := prompt_problem(request.prompt, vocab):
+            raise ValueError(f"prompt {problem}")
         if request.max_tokens < 1 or len(request.prompt) + request.max_tokens > seq:
             raise ValueError(f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) must fit "
                              f"the context of {seq} tokens, with max_tokens at least 1")
@@ -183,8 +172,9 @@ class Engine:
                     calls, self._calls = list(self._calls), collections.deque()
                 for fn, future in calls:
                     _run_call(fn, future)
-                for rows_per_group, batch in self._prefill_batches(admitted):
-                    in_flight.append(self._prefill(rows_per_group, batch))
+                lengths = {slot: len(request.prompt) for slot, request in admitted}
+                for rows_per_group, width, batch in self.schedule.prefill_batches(lengths):
+                    in_flight.append(self._prefill(rows_per_group, width, batch))
                 self._drop_cancelled()
                 step = self._decode_step()
                 if step is not None:
@@ -201,8 +191,7 @@ class Engine:
 
     def _take_admissions(self) -> list[tuple[int, GenerationRequest]]:
         """Pop waiting requests into free slots, lowest local row first so decode steps compute fewer rows."""
-        free = sorted((i for i, slot in enumerate(self._slots) if slot is None),
-                      key=lambda i: (i % self._n_local, i // self._n_local))
+        free = self.schedule.admission_order([i for i, slot in enumerate(self._slots) if slot is None])
         admitted = []
         while free and self._waiting:
             request = self._waiting.popleft()
@@ -211,33 +200,18 @@ class Engine:
             admitted.append((slot, request))
         return admitted
 
-    def _prefill_batches(self, admitted: list[tuple[int, GenerationRequest]]) -> list[tuple[int, list]]:
-        """Admitted requests as prefill batches of at most MAX_PREFILL_ROWS slots per dp group: (rows per group,
-        [(slot, row)]), group g's requests at rows g x (rows per group) + j."""
-        groups: list[list[int]] = [[] for _ in range(self._dp)]
-        for slot, _ in admitted:
-            groups[slot // self._n_local].append(slot)
-        batches = []
-        while any(groups):
-            allowed = self._prefill_rows[self._width([slot for group in groups for slot in group[:MAX_PREFILL_ROWS]])]
-            taken = [group[:allowed[-1]] for group in groups]
-            groups = [group[allowed[-1]:] for group in groups]
-            rows = fit(max(map(len, taken)), allowed)
-            placed = [(slot, g * rows + j) for g, group in enumerate(taken) for j, slot in enumerate(group)]
-            batches.append((rows, placed))
-        return batches
-
     def programs(self) -> list[tuple[str, tuple, dict]]:
         """Every program the engine can run, as (name, arguments, static arguments) for `Programs.compile`: each
         prompt bucket x its prefill row counts, each decode row count x block count."""
         state = (self.params, self._cache, self._last_tokens)
         prefills = [("prefill", (*state, np.zeros((r, width), np.int32), np.ones(r, np.int32),
-                                 np.full(r, -1, np.int32), fill_sampling(r, [])), {})
-                    for width, group_rows in self._prefill_rows.items() for r in (n * self._dp for n in group_rows)]
+                                 np.full(r, -1, np.int32), fill_sampling(r, [])), {"top": MAX_TOP})
+                    for width, group_rows in self.schedule.prefill_rows().items()
+                    for r in (n * self._dp for n in group_rows)]
         zeros = np.zeros(self.n_slots, np.int32)
         steps = Steps(zeros, zeros, fill_sampling(self.n_slots, []))
-        decodes = [("decode", (*state, steps), {"rows": rows, "n_blocks": count})
-                   for rows in self._decode_rows for count in self._block_counts]
+        decodes = [("decode", (*state, steps), {"rows": rows, "n_blocks": count, "top": MAX_TOP})
+                   for rows in self.schedule.decode_rows for count in self.schedule.block_counts]
         return prefills + decodes
 
     def _warm_up(self) -> None:
@@ -250,28 +224,24 @@ class Engine:
             list(pool.map(lambda program: self._programs.compile(*program), programs))
         log.info("compiled them in %.1f s", time.perf_counter() - start_s)
 
-    def _width(self, slots: list[int]) -> int:
-        """The prompt bucket of these slots' requests."""
-        return bucket(max(len(self._slots[slot].request.prompt) for slot in slots), maximum=self.cfg.seq)
-
     def _run_prefill(self, ids_RxT: np.ndarray, length_R: np.ndarray, slot_R: np.ndarray,
-                     sampling_R) -> tuple[jax.Array, jax.Array]:
+                     sampling_R) -> tuple[jax.Array, Logprobs]:
         """Dispatch a prefill of R prompts (R split over dp like the slots; each row's slot local to its group, -1
-        for a padding row). Returns the first tokens and log-probs [R], still on the device."""
+        for a padding row). Returns the first tokens and their log-probs [R], still on the device."""
         tokens, logprobs, self._last_tokens, self._cache = self._programs.prefill(
-            self.params, self._cache, self._last_tokens, ids_RxT, length_R, slot_R, sampling_R)
+            self.params, self._cache, self._last_tokens, ids_RxT, length_R, slot_R, sampling_R, top=MAX_TOP)
         return tokens, logprobs
 
-    def _run_decode(self, steps: Steps, rows: int, n_blocks: int) -> tuple[jax.Array, jax.Array]:
+    def _run_decode(self, steps: Steps, rows: int, n_blocks: int) -> tuple[jax.Array, Logprobs]:
         """Dispatch a decode step of the first `rows` slots of each dp group."""
         tokens, logprobs, self._last_tokens, _, self._cache = self._programs.decode(
-            self.params, self._cache, self._last_tokens, steps, rows=rows, n_blocks=n_blocks)
+            self.params, self._cache, self._last_tokens, steps, rows=rows, n_blocks=n_blocks, top=MAX_TOP)
         return tokens, logprobs
 
-    def _prefill(self, rows_per_group: int, batch: list[tuple[int, int]]) -> _Step:
-        """Prefill one batch of admitted requests, (slot, input row) each, in one program."""
+    def _prefill(self, rows_per_group: int, width: int, batch: list[tuple[int, int]]) -> _Step:
+        """Prefill one batch of admitted requests, (slot, input row) each, in one program of prompts padded to
+        `width`."""
         n = rows_per_group * self._dp
-        width = self._width([slot for slot, _ in batch])
         ids_RxT = np.zeros((n, width), np.int32)
         length, local_slot = np.ones(n, np.int32), np.full(n, -1, np.int32)  # padding rows: written nowhere
         for slot, row in batch:
@@ -287,9 +257,7 @@ class Engine:
         live = [i for i, slot in enumerate(self._slots) if slot is not None and slot.needs_step]
         if not live:
             return None
-        rows = fit(max(i % self._n_local for i in live) + 1, self._decode_rows)
-        furthest = max(self._slots[i].position for i in live)
-        n_blocks = fit(furthest // self._block_sizes[0] + 1, self._block_counts)
+        rows, n_blocks, out_rows = self.schedule.decode({i: self._slots[i].position for i in live})
         position, index = np.zeros(self.n_slots, np.int32), np.zeros(self.n_slots, np.int32)
         sampling = fill_sampling(self.n_slots, [(i, self._slots[i].request) for i in live])
         for i in live:
@@ -297,18 +265,17 @@ class Engine:
             position[i], index[i] = slot.position, slot.dispatched
             slot.dispatched += 1
         tokens, chosen = self._run_decode(Steps(position, index, sampling), rows=rows, n_blocks=n_blocks)
-        # Outputs hold `rows` entries per dp group.
-        return _Step(tokens, chosen, [(i, self._slots[i], (i // self._n_local) * rows + i % self._n_local)
-                                        for i in live])
+        return _Step(tokens, chosen, [(i, self._slots[i], out_rows[i]) for i in live])
 
     def _read_back(self, step: _Step) -> None:
         """Take a step's tokens, for the slots that still hold the requests they were made for."""
-        tokens, logprobs = np.asarray(step.tokens), np.asarray(step.logprobs)
+        tokens, logprobs = np.asarray(step.tokens), jax.device_get(step.logprobs)
         for i, completion, row in step.entries:
             if self._slots[i] is not completion:
                 continue
-            for event in completion.accept(int(tokens[row]), float(logprobs[row]), self.tokenizer,
-                                           self.stop_token_ids):
+            top = tuple(zip(logprobs.top_ids[row].tolist(), logprobs.top[row].tolist()))
+            for event in completion.accept(int(tokens[row]), float(logprobs.chosen[row]), self.tokenizer,
+                                           self.stop_token_ids, top):
                 if event.finish_reason is not None:
                     with self._cond:
                         self._slots[i] = None

@@ -147,7 +147,7 @@ async def _run(engine: Engine, request: Request, params: CompletionParams) -> tu
                 raise ApiError(503, event.error, type="server_error")
             pieces[index].append(event)
         return [Event("".join(e.text for e in p), sum((e.tokens for e in p), ()), sum((e.logprobs for e in p), ()),
-                      p[-1].finish_reason) for p in pieces]
+                      p[-1].finish_reason, alternatives=sum((e.alternatives for e in p), ())) for p in pieces]
 
     collecting, watching = asyncio.ensure_future(collect()), asyncio.ensure_future(_until_disconnected(request))
     try:
@@ -160,8 +160,8 @@ async def _run(engine: Engine, request: Request, params: CompletionParams) -> tu
 
 
 class _Scoring:
-    """Log-probs and top alternatives of echoed prompts and of completions (logprobs > 0), from one forward over
-    prompt + completion, run on the engine thread between decode steps."""
+    """Log-probs and top alternatives of echoed prompts, from one forward over each prompt, run on the engine thread
+    between decode steps (a completion's come from the decode steps that made its tokens)."""
 
     def __init__(self, engine: Engine, scorer: Scorer):
         self.engine, self.scorer = engine, scorer
@@ -174,26 +174,22 @@ class _Scoring:
         return await asyncio.wrap_future(future)
 
     def wanted(self, params: CompletionParams) -> bool:
-        return params.logprobs is not None and (params.echo or params.logprobs > 0)
+        return params.logprobs is not None and params.echo
 
 
 def _choice_prompts(params: CompletionParams) -> list[list[int]]:
     return [list(p) for p in params.prompts for _ in range(params.n)]
 
 
-def _scored(event: Event, prompt: list[int], done: int, scores: TokenScores | None,
-            echo: bool) -> tuple[Event, list | None]:
-    """The event with the prompt in front when echoing (its first token's log-prob null) and, with scores of
-    prompt + completion, its tokens' log-probs and alternatives from them; `done` completion tokens came before."""
-    alternatives = None
-    if scores is not None:
-        start = len(prompt) - 1 + done
-        span = slice(start, start + len(event.tokens))
-        event = dataclasses.replace(event, logprobs=tuple(scores.logprobs[span]))
-        alternatives = scores.alternatives[span]
-        if echo:
-            alternatives = [None, *scores.alternatives[:len(prompt) - 1], *alternatives]
-            event = dataclasses.replace(event, logprobs=(None, *scores.logprobs[:len(prompt) - 1], *event.logprobs))
+def _scored(event: Event, prompt: list[int], prompt_scores: TokenScores | None, echo: bool,
+            k: int | None) -> tuple[Event, list | None]:
+    """The event with the prompt in front when echoing (with the prompt's scores, its log-probs and alternatives;
+    the first token's null), and the k alternatives of each token (k > 0), the completion's from its decode steps."""
+    alternatives = [list(top[:k]) for top in event.alternatives] if k else None
+    if echo and prompt_scores is not None:
+        event = dataclasses.replace(event, logprobs=(None, *prompt_scores.logprobs, *event.logprobs))
+        if k:
+            alternatives = [None, *prompt_scores.alternatives, *alternatives]
     if echo:
         event = dataclasses.replace(event, tokens=(*prompt, *event.tokens))
     return event, alternatives
@@ -205,23 +201,23 @@ async def _echoed(scoring: _Scoring, params: CompletionParams, tokenizer: Any,
     prompts = _choice_prompts(params)
     scores = [None] * len(events)
     if scoring.wanted(params):
-        scores = await scoring([p + list(e.tokens) for p, e in zip(prompts, events)], params.logprobs)
+        scores = await scoring(prompts, params.logprobs)
     out = []
     for prompt, event, score in zip(prompts, events, scores):
         text = tokenizer.decode(prompt) + event.text if params.echo else event.text
-        out.append(_scored(dataclasses.replace(event, text=text), prompt, 0, score, params.echo))
+        out.append(_scored(dataclasses.replace(event, text=text), prompt, score, params.echo, params.logprobs))
     return out
 
 
 async def _stream(job: _Job | None, params: CompletionParams, tokenizer: Any, meta: dict, prompt_tokens: int,
                   scoring: _Scoring) -> AsyncIterator[str]:
     """A streamed completion as server-sent events, ending with [DONE]; with echo, each prompt comes first."""
-    prompts = _choice_prompts(params)
-    offsets, made, completion_tokens = [0] * len(prompts), [[] for _ in prompts], 0
+    n_choices = len(params.prompts) * params.n
+    offsets, completion_tokens = [0] * n_choices, 0
     try:
         if params.echo:
             echoes = await _echoed(scoring, params, tokenizer, [Event(finish_reason=None if job else "length")
-                                                                for _ in prompts])
+                                                                for _ in range(n_choices)])
             for index, (event, alternatives) in enumerate(echoes):
                 yield _sse(api.completion(**meta, choices=[api.choice(index, event, tokenizer, params.logprobs, 0,
                                                                       alternatives)]))
@@ -230,11 +226,7 @@ async def _stream(job: _Job | None, params: CompletionParams, tokenizer: Any, me
             if event.error:
                 yield _sse(api.error_body(event.error, "server_error"))
                 return
-            alternatives = None
-            if params.logprobs:
-                scores = (await scoring([prompts[index] + made[index] + list(event.tokens)], params.logprobs))[0]
-                event, alternatives = _scored(event, prompts[index], len(made[index]), scores, False)
-            made[index] += event.tokens
+            event, alternatives = _scored(event, [], None, False, params.logprobs)
             chunk = api.choice(index, event, tokenizer, params.logprobs, offsets[index], alternatives)
             offsets[index] += len(event.text)
             completion_tokens += len(event.tokens)

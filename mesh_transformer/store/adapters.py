@@ -96,5 +96,5 @@ def export_peft(source: str, output: str) -> list[str]:
 
 
 def _rank_alpha(run_cfg: dict) -> tuple[int, float]:
-    """A LoRA run's rank and alpha (alpha unset: the rank, a scale of 1) from its saved config."""
-    return run_cfg["lora_rank"], run_cfg.get("lora_alpha") or run_cfg["lora_rank"]
+    """A LoRA run's rank and alpha from its saved config."""
+    return run_cfg["lora_rank"], lora.alpha(run_cfg["lora_rank"], run_cfg.get("lora_alpha"))

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mesh_transformer.store import checkpoint_format as fmt
-from mesh_transformer.store import storage
+from mesh_transformer import storage
 from mesh_transformer.store.checkpoint_format import (COMMIT_NAME, ChecksumError, CorruptCheckpointError,
                                                       MissingPieceError, read_metadata, step_dir)
 

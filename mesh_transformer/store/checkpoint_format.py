@@ -42,7 +42,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from mesh_transformer.store import storage
+from mesh_transformer import storage
 
 FORMAT_VERSION = 1
 COMMIT_NAME = "COMMITTED"

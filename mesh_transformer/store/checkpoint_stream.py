@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from mesh_transformer.store import checkpoint_format as fmt
-from mesh_transformer.store import storage
+from mesh_transformer import storage
 from mesh_transformer.store.checkpoint_format import Box, step_dir
 
 

@@ -22,11 +22,12 @@ import numpy as np
 from tqdm import tqdm
 
 from mesh_transformer.model import table
-from mesh_transformer.store import adapters, checkpoint, hf, mtj_v1, safetensors_io, storage
+from mesh_transformer import storage
+from mesh_transformer.store import adapters, checkpoint, hf, mtj_v1, safetensors_io
 from mesh_transformer import config
 from mesh_transformer.model import gptj as model
 from mesh_transformer.model.table import Path, get_path, param_paths, set_path
-from mesh_transformer.parallel.layout import MEGATRON_RULES, Layout, followed_param, param_specs
+from mesh_transformer.parallel.layout import MEGATRON, Layout, followed_param, param_specs
 from mesh_transformer.store.checkpoint_stream import LeafReader, StreamingWriter
 from mesh_transformer.config import Config, ConfigError
 from mesh_transformer.parallel.mesh import DP, MP
@@ -34,19 +35,8 @@ from mesh_transformer.parallel.mesh import DP, MP
 log = logging.getLogger(__name__)
 
 CHECKPOINT, MTJ_V1, HF = "checkpoint", "mtj_v1", "hf"
-DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _SHAPE_KEYS = ("layers", "d_model", "n_heads", "n_vocab", "pe_rotary_dims")
 _PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
-
-
-def parse_dtype(name: Any) -> np.dtype:
-    """A numpy dtype from 'bf16' / 'fp16' / 'fp32', a full name such as 'bfloat16', or a dtype."""
-    if not isinstance(name, str):
-        return np.dtype(name)
-    full = DTYPE_NAMES.get(name, name)
-    if full not in table.DTYPES:
-        raise ConfigError(f"dtype {name!r} must be one of {', '.join([*DTYPE_NAMES, *table.DTYPES])}")
-    return np.dtype(table.DTYPES[full])
 
 
 def _check_config(saved: Mapping, cfg: Config, where: str) -> None:
@@ -218,7 +208,7 @@ def read_array(reader: Any, path: Path, shape: tuple[int, ...], dtype: np.dtype 
 
 def iter_params(path: str, cfg: Config, dtype: Any = None) -> Iterator[tuple[Path, np.ndarray]]:
     """(our param path, global numpy array) for every param of a checkpoint of any format, one array at a time."""
-    dtype = None if dtype is None else parse_dtype(dtype)
+    dtype = None if dtype is None else table.dtype_named(dtype)
     with open_params(path, cfg) as reader:
         for param, like in param_paths(cfg):
             yield param, read_array(reader, param, like.shape, dtype)
@@ -231,7 +221,7 @@ def load_params(layout: Layout, source: str, dtype: Any = None) -> dict:
     formats are read one global array at a time on the host.
     """
     cfg = layout.cfg
-    dtype = parse_dtype(dtype if dtype is not None else model.compute_dtype(cfg))
+    dtype = table.dtype_named(dtype if dtype is not None else model.compute_dtype(cfg))
     fmt = detect_format(source)
     if fmt == CHECKPOINT:
         root, step = checkpoint.find_step(source)
@@ -264,7 +254,7 @@ def _copy_leaf(writer: StreamingWriter, leaf: str, read: Any, key: Any, shape: t
 
 def _write_leaves(reader: Any, writer: StreamingWriter, cfg: Config, extra: list[str], dtype: np.dtype | None) -> None:
     """The params (cast to `dtype`) and then the `extra` leaves, split as the Megatron layout places them."""
-    specs = param_specs(MEGATRON_RULES)
+    specs = param_specs(MEGATRON)
     params = param_paths(cfg)
     shapes = {path: like.shape for path, like in params}
     with tqdm(total=len(params) + len(extra), desc=f"writing {writer.directory}", unit="array") as bar:
@@ -292,7 +282,7 @@ def write_checkpoint(source: str, cfg: Config, output: str, *, cores_per_replica
     state) and its metadata come along; other formats give params only. Returns the written step directory.
     """
     out_cfg = config.from_dict({**cfg.to_dict(), "cores_per_replica": cores_per_replica or cfg.cores_per_replica})
-    dtype = None if dtype is None else parse_dtype(dtype)
+    dtype = None if dtype is None else table.dtype_named(dtype)
     fmt = detect_format(source)
     with open_params(source, cfg, fmt) as reader:
         metadata = {"config": out_cfg.to_dict(),
@@ -347,7 +337,7 @@ def write_hf(source: str, cfg: Config, output: str, *, dtype: Any = "fp16", max_
     Weights larger in total than `max_shard_bytes` are split over several files with an index. config.json comes
     last, so a directory from an interrupted export does not load. Returns the names of the files written.
     """
-    dtype = parse_dtype(dtype)
+    dtype = table.dtype_named(dtype)
     layout = hf.hf_layout(cfg.layers)
     shapes = dict(param_paths(cfg))
     entries = [(name, _hf_shape(shapes[path].shape, layer, transpose), dtype)

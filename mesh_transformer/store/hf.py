@@ -7,31 +7,13 @@ from collections.abc import Callable, Iterator, Mapping
 import numpy as np
 
 from mesh_transformer.config import Config
-from mesh_transformer.model.table import get_path, param_shapes, set_path
+from mesh_transformer.model.table import PARAMS, get_path, param_shapes, set_path
 
 GPT2_EOS = 50256
 
-# (our path inside one layer, HF name inside transformer.h.{i}, transpose?)
-_LAYER_NAMES = [
-    (("ln_1", "scale"), "ln_1.weight", False),
-    (("ln_1", "bias"), "ln_1.bias", False),
-    (("attn", "q"), "attn.q_proj.weight", True),
-    (("attn", "k"), "attn.k_proj.weight", True),
-    (("attn", "v"), "attn.v_proj.weight", True),
-    (("attn", "out"), "attn.out_proj.weight", True),
-    (("mlp", "fc_in", "kernel"), "mlp.fc_in.weight", True),
-    (("mlp", "fc_in", "bias"), "mlp.fc_in.bias", False),
-    (("mlp", "fc_out", "kernel"), "mlp.fc_out.weight", True),
-    (("mlp", "fc_out", "bias"), "mlp.fc_out.bias", False),
-]
-# (our top-level path, HF name, transpose?)
-_TOP_NAMES = [
-    (("embed", "wte"), "transformer.wte.weight", False),
-    (("ln_f", "scale"), "transformer.ln_f.weight", False),
-    (("ln_f", "bias"), "transformer.ln_f.bias", False),
-    (("lm_head", "kernel"), "lm_head.weight", True),
-    (("lm_head", "bias"), "lm_head.bias", False),
-]
+# (our path, HF name, transposed?) of the top-level params and of a layer's (path and name inside one layer)
+_TOP_NAMES = [(path, row.hf, row.transposed) for path, row in PARAMS.items() if path[0] != "layers"]
+_LAYER_NAMES = [(path[1:], row.hf, row.transposed) for path, row in PARAMS.items() if path[0] == "layers"]
 
 
 def hf_layout(n_layers: int) -> list[tuple[tuple[str, ...], int | None, str, bool]]:

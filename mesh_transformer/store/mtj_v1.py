@@ -19,7 +19,8 @@ import ml_dtypes
 import numpy as np
 
 from mesh_transformer.model import table
-from mesh_transformer.store import storage
+from mesh_transformer.store import checkpoint_format
+from mesh_transformer import storage
 from mesh_transformer.config import Config, ConfigError
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,6 @@ log = logging.getLogger(__name__)
 N_FILES = 16
 _ROOT = "causal_transformer_shard/~/"
 _SHARD_DIR = re.compile(r"^shard_(\d+)$")
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 SUM, FIRST = "sum", "first"  # besides an axis to concatenate on: pieces summed (per-shard biases), or shard 0's copy
 
 # our path inside a layer -> (haiku module inside layer_i, haiku leaf, how the shards' pieces combine)
@@ -86,7 +86,8 @@ def resolve_step_dir(path: str) -> str | None:
     path = path.rstrip("/")
     if storage.exists(storage.join(path, "shard_0")):
         return path
-    steps = sorted((int(m.group(1)), name) for name in storage.listdir(path) if (m := _STEP_DIR.match(name)))
+    steps = sorted((step, name) for name in storage.listdir(path)
+                   if (step := checkpoint_format.parse_step_dir(name)) is not None)
     for _, name in reversed(steps):
         if storage.exists(storage.join(path, name, "shard_0")):
             return storage.join(path, name)
@@ -152,8 +153,8 @@ class Reader:
         self._file_counts = counts
         self._shapes = {path: like.shape for path, like in table.param_paths(cfg)}
         self._check_shapes()
-        match = _STEP_DIR.match(step_dir.rstrip("/").rpartition("/")[2])
-        self.step = int(match.group(1)) if match else int(np.asarray(self._load(0, sum(counts) - 1)).reshape(-1)[0])
+        step = checkpoint_format.parse_step_dir(step_dir.rstrip("/").rpartition("/")[2])
+        self.step = step if step is not None else int(np.asarray(self._load(0, sum(counts) - 1)).reshape(-1)[0])
         log.info("MTJ v1 checkpoint %s: %d shards, %d leaves per shard (%d before the params)", step_dir,
                  self.n_shards, sum(counts), first)
 

@@ -14,13 +14,14 @@ from collections.abc import Iterator
 import numpy as np
 
 from mesh_transformer.config import ConfigError
-from mesh_transformer.store import safetensors_io, storage
+from mesh_transformer.model import table
+from mesh_transformer import storage
+from mesh_transformer.store import safetensors_io
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # our target -> the HF GPTJ module inside transformer.h.{i}
-HF_MODULES = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj", "out": "attn.out_proj",
-              "fc_in": "mlp.fc_in", "fc_out": "mlp.fc_out"}
+HF_MODULES = {target: table.PARAMS[path].hf.removesuffix(".weight") for target, path in table.lora_targets().items()}
 _KEY = re.compile(r"(?:^|\.)transformer\.h\.(\d+)\.(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
 
 

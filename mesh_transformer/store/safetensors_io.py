@@ -8,33 +8,22 @@ A model split over several files gets `model.safetensors.index.json` with a weig
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from typing import IO
 
 import ml_dtypes
 import numpy as np
 
-from mesh_transformer.store import storage
+from mesh_transformer import storage
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64,
            "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 _CODES = {np.dtype(dtype): code for code, dtype in _DTYPES.items()}
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
-               "GIB": 2**30, "TIB": 2**40}
 _HEADER_ALIGN = 8  # the reference writer pads the header so tensor data starts 8-byte aligned
 
 Entry = tuple[str, tuple[int, ...], np.dtype]  # name, shape, dtype
-
-
-def parse_size(text: str) -> int:
-    """Bytes in a size such as '5GB' (powers of ten), '2GiB' (powers of two) or '1000'; as transformers reads it."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*", text, re.IGNORECASE)
-    if not match:
-        raise ValueError(f"size {text!r} must look like 5GB, 500MB, 2GiB or a number of bytes")
-    return int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").upper()])
 
 
 def _nbytes(entry: Entry) -> int:

@@ -14,7 +14,7 @@ from typing import IO
 import google_crc32c
 import numpy as np
 
-from mesh_transformer.store import storage
+from mesh_transformer import storage
 
 HEADER_BYTES = 12  # uint64 length + uint32 masked crc of the length
 FOOTER_BYTES = 4  # uint32 masked crc of the data

@@ -20,7 +20,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from mesh_transformer.store import storage
+from mesh_transformer import storage
 from mesh_transformer.store.tfrecord import DataError, decode_example, read_record_at, scan_offsets
 
 __all__ = ["DataError", "RecordFiles", "TokenDataset", "count_from_name", "read_index", "val_batches"]

@@ -18,7 +18,8 @@ import numpy as np
 
 from mesh_transformer.config import ConfigError
 from mesh_transformer.parallel.layout import Layout
-from mesh_transformer.store import adapters, checkpoint, convert, storage
+from mesh_transformer import storage
+from mesh_transformer.store import adapters, checkpoint, convert
 
 log = logging.getLogger(__name__)
 SAMPLES_PER_DIM = 4

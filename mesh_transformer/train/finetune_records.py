@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from mesh_transformer.store import storage
+from mesh_transformer import storage
 from mesh_transformer.train.data import TOKENS_FEATURE
 from mesh_transformer.store.tfrecord import DataError, encode_example, write_records
 

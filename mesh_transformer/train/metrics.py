@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from mesh_transformer.store import storage
+from mesh_transformer import storage
 from mesh_transformer.store.tfrecord import len_field, varint, frame_record
 
 log = logging.getLogger(__name__)

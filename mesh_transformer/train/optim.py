@@ -8,10 +8,8 @@ import jax.numpy as jnp
 import optax
 
 from mesh_transformer.config import Config
+from mesh_transformer.model import table
 
-# Leaf names of weight matrices; biases and LayerNorm params are never decayed (both are 2-D once stacked, so the
-# mask goes by name, not by ndim).
-DECAYED_NAMES = ("wte", "q", "k", "v", "out", "kernel")
 
 
 def lr_schedule(cfg: Config) -> Callable[[jax.Array], jax.Array]:
@@ -28,8 +26,13 @@ def lr_schedule(cfg: Config) -> Callable[[jax.Array], jax.Array]:
 
 
 def decay_mask(params: dict) -> dict:
-    """True for the leaves weight decay applies to, chosen by leaf name."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in DECAYED_NAMES, params)
+    """True for the leaves weight decay applies to: the params the table marks decayed (weight matrices; biases and
+    LayerNorm params, 2-D too once stacked, never), not LoRA adapters."""
+    def decayed(path, _):
+        row = table.PARAMS.get(tuple(k.key for k in path))
+        return row is not None and row.decayed
+
+    return jax.tree_util.tree_map_with_path(decayed, params)
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:

@@ -16,7 +16,8 @@ from tqdm import tqdm
 
 from mesh_transformer.model.split import split_of
 from mesh_transformer.parallel.layout import make_layout
-from mesh_transformer.store import checkpoint, storage
+from mesh_transformer import storage
+from mesh_transformer.store import checkpoint
 from mesh_transformer.train import data, finetune, optim, state
 from mesh_transformer.config import Config, ConfigError
 from mesh_transformer.train.metrics import MetricsWriter

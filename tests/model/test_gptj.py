@@ -201,3 +201,23 @@ def test_train_step_with_joined_projections_equals_the_unjoined_step(tokens, par
     if joined is not None:
         np.testing.assert_allclose(joined["loss"], plain["loss"], rtol=1e-6)
         np.testing.assert_allclose(joined["grad_norm"], plain["grad_norm"], rtol=1e-5)
+
+
+def test_the_one_forward_on_unstacked_layers_and_chosen_columns_equals_the_stacked_forward(params, tokens):
+    """`run` on a list of layers (the inference form) at chosen positions gives the stacked forward's logits there."""
+    ids = tokens[:2, :-1]
+    full = model.forward(params, ids, CFG, policy=CPU_POLICY)
+    columns = jnp.array([[0, 5], [3, CFG.seq - 1]])
+    picked, states = model.run(table.unstack_layers(params), ids, model.positions(ids), CFG, policy=CPU_POLICY,
+                               columns_BxC=columns)
+    np.testing.assert_allclose(picked, jnp.take_along_axis(full, columns[..., None], axis=1), atol=1e-5)
+    assert states == [None] * CFG.layers
+
+
+def test_the_param_table_names_every_lora_target_and_hf_weight_once():
+    assert set(table.lora_targets()) == set(config.LORA_TARGETS)
+    names = [row.hf for row in table.PARAMS.values()]
+    assert len(names) == len(set(names))
+    for path, row in table.PARAMS.items():
+        assert (path[0] == "layers") == (row.axes[0] == "layers")
+        assert row.lora is None or (row.decayed and len(row.axes) == 3)

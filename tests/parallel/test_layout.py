@@ -70,17 +70,18 @@ def test_every_param_has_logical_axes_of_its_rank():
         assert len(a) == s.ndim
 
 
-def test_fsdp_rule_splits_params_on_embed_but_activations_on_batch():
-    specs = partitioning.param_specs(partitioning.GSPMD_RULES["fsdp_tp"])
+def test_fsdp_mappings_split_params_on_embed_but_activations_on_batch():
+    mappings = partitioning.GSPMD["fsdp_tp"]
+    specs = partitioning.param_specs(mappings)
     assert specs["layers"]["attn"]["q"] == P(None, "fsdp", "tensor")
     assert specs["layers"]["mlp"]["fc_out"]["kernel"] == P(None, "tensor", "fsdp")
     assert specs["embed"]["wte"] == P("tensor", "fsdp")
-    rules = partitioning.GSPMD_RULES["fsdp_tp"]
+    rules = mappings.compute
     hidden = partitioning.logical_to_spec(partitioning.ACTIVATION_AXES["hidden"], rules)
-    assert hidden == P(("data", "fsdp"), None, None)  # embed finds 'fsdp' taken by the batch: gathered weights
+    assert hidden == P(("data", "fsdp"), None, None)  # compute keeps embed whole: gathered weights
     assert partitioning.logical_to_spec(partitioning.ACTIVATION_AXES["logits"], rules) == P(("data", "fsdp"), None,
                                                                                             "tensor")
-    assert partitioning.param_specs(partitioning.GSPMD_RULES["dp"])["layers"]["attn"]["q"] == P(None, None, None)
+    assert partitioning.param_specs(partitioning.GSPMD["dp"])["layers"]["attn"]["q"] == P(None, None, None)
 
 
 @pytest.mark.parametrize("mode, data, fsdp, tensor", MESHES, ids=MESH_IDS)
@@ -172,7 +173,7 @@ def test_megatron_specs_derived_from_the_rules_equal_the_original_hand_written_o
         "ln_f": {"scale": whole, "bias": whole},
         "lm_head": {"kernel": P(None, "mp"), "bias": P("mp")},
     }
-    derived = partitioning.param_specs(partitioning.MEGATRON_RULES)
+    derived = partitioning.param_specs(partitioning.MEGATRON)
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     assert jax.tree.structure(derived, is_leaf=is_spec) == jax.tree.structure(hand_written, is_leaf=is_spec)
     for got, want in zip(jax.tree.leaves(derived, is_leaf=is_spec), jax.tree.leaves(hand_written, is_leaf=is_spec)):

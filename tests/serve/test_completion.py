@@ -17,23 +17,29 @@ def completion(**kwargs):
 def feed(c, tokens, stop_ids=(25,)):
     events = []
     for i, token in enumerate(tokens):
-        events += c.accept(token, -float(i), Letters(), frozenset(stop_ids))
+        events += c.accept(token, -float(i), Letters(), frozenset(stop_ids), ((token, -float(i)), (0, -9.0)))
     return events
+
+
+def tops(tokens):
+    """What `feed` gave as the alternatives of these tokens."""
+    return tuple(((t, -float(i)), (0, -9.0)) for i, t in enumerate(tokens))
 
 
 def test_without_streaming_one_event_at_the_end_with_every_token():
     events = feed(completion(max_tokens=3), [7, 4, 11, 11])
-    assert events == [Event("hel", (7, 4, 11), (-0.0, -1.0, -2.0), "length")]
+    assert events == [Event("hel", (7, 4, 11), (-0.0, -1.0, -2.0), "length", alternatives=tops([7, 4, 11]))]
 
 
 def test_a_stop_token_ends_it_and_is_not_returned():
     c = completion()
-    assert feed(c, [7, 8, 25, 3]) == [Event("hi", (7, 8), (-0.0, -1.0), "stop")] and c.finished
+    assert feed(c, [7, 8, 25, 3]) == [Event("hi", (7, 8), (-0.0, -1.0), "stop", alternatives=tops([7, 8]))]
+    assert c.finished
 
 
 def test_a_stop_string_cuts_text_and_tokens_before_it():
     events = feed(completion(stop=("ll",)), [7, 4, 11, 11, 14])
-    assert events == [Event("he", (7, 4), (-0.0, -1.0), "stop")]
+    assert events == [Event("he", (7, 4), (-0.0, -1.0), "stop", alternatives=tops([7, 4]))]
 
 
 def test_streaming_holds_back_a_possible_stop_and_a_partial_character():

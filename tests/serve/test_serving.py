@@ -410,7 +410,7 @@ def test_slots_at_different_positions_across_uneven_cache_blocks_match_offline(p
     """Blocks of 24, 24 and 16 positions: two requests of different lengths cross block edges at different steps,
     side by side, and still make the offline sampler's greedy tokens."""
     engine = serving.Engine(layout(), params, tokenizer, programs=programs, max_batch=4, min_span=24)
-    assert engine._block_sizes == [24, 24, 16]
+    assert engine.schedule.block_sizes == (24, 24, 16)
     prompts = [tokenizer.encode(PROMPTS[0])[:3], tokenizer.encode(PROMPTS[5])[:16]]
     n_new = CFG.seq - 16
     got, logprobs, done = {}, {}, threading.Semaphore(0)

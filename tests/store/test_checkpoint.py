@@ -16,7 +16,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from mesh_transformer.store import checkpoint, storage
+from mesh_transformer import storage
+from mesh_transformer.store import checkpoint
 from tests.gcs_emulator import create_bucket, gcs_emulator
 
 # Saved layout on a ('dp', 'mp') 2x4 mesh: leaf -> (shape, dtype, spec).

@@ -14,15 +14,16 @@ import torch
 from transformers import AutoTokenizer, GPTJForCausalLM
 
 from mesh_transformer.model import table
-from mesh_transformer.store import checkpoint, convert, storage
+from mesh_transformer import storage
+from mesh_transformer.store import checkpoint, convert
 from mesh_transformer import config
 from mesh_transformer.parallel import mesh
 from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.model import gptj as model
 from mesh_transformer.train import optim
 from mesh_transformer.store.checkpoint_stream import StreamingWriter
-from mesh_transformer.store.safetensors_io import parse_size
-from mesh_transformer.parallel.layout import MEGATRON_RULES, param_specs
+from mesh_transformer.config import parse_size
+from mesh_transformer.parallel.layout import MEGATRON, param_specs
 from mesh_transformer.train.state import abstract_train_state
 from tests.gcs_emulator import create_bucket, gcs_emulator
 from tests.helpers import CPU_POLICY, original_shards, random_params, run_script, write_mtj_v1
@@ -167,7 +168,7 @@ def test_resharding_memory_stays_near_one_layer(tmp_path, source_format):
         write_mtj_v1(f"{source}/step_1", original_shards(params, cfg, 8, np.random.default_rng(0)), 1, full=False)
     else:
         writer = StreamingWriter(source, 1, {"config": cfg.to_dict()}, {"mp": 4})
-        specs = param_specs(MEGATRON_RULES)
+        specs = param_specs(MEGATRON)
         for path, _ in table.param_paths(cfg):
             writer.add("params/" + "/".join(path), table.get_path(params, path), table.get_path(specs, path))
         writer.commit()

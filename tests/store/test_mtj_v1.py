@@ -10,11 +10,12 @@ import pytest
 import torch
 from transformers import GPTJConfig, GPTJForCausalLM
 
-from mesh_transformer.store import checkpoint, convert, hf, mtj_v1, storage
+from mesh_transformer import storage
+from mesh_transformer.store import checkpoint, convert, hf, mtj_v1
 from mesh_transformer import config
 from mesh_transformer.parallel import mesh
 from mesh_transformer.parallel.layout import make_layout
-from mesh_transformer.parallel.layout import MEGATRON_RULES, param_specs
+from mesh_transformer.parallel.layout import MEGATRON, param_specs
 from tests.gcs_emulator import create_bucket, gcs_emulator
 from tests.helpers import BF16, MTJ_ROOT, make_checkpoint, run_script
 from tests.helpers import MTJ_CFG as CFG
@@ -67,7 +68,7 @@ def test_full_checkpoint_with_optimizer_state_loads_onto_mesh(tmp_path):
     cfg4 = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=4"])
     layout = make_layout(cfg4, mesh=mesh.make_dp_mp(1, 4))
     params = convert.load_params(layout, str(tmp_path / "model"))  # the model dir: its latest step
-    assert params["layers"]["attn"]["q"].sharding.spec == param_specs(MEGATRON_RULES)["layers"]["attn"]["q"]
+    assert params["layers"]["attn"]["q"].sharding.spec == param_specs(MEGATRON)["layers"]["attn"]["q"]
     np.testing.assert_allclose(our_logits(params, cfg4, IDS), hf_logits(expected, IDS), atol=1e-4, rtol=0)
     with mtj_v1.Reader(step_dir, CFG) as reader:
         assert reader.n_shards == 4 and reader.step == 383500

@@ -231,7 +231,7 @@ def gcs_bucket():
 
 
 def test_reads_gcs_like_local_files(tmp_path, gcs_bucket):
-    from mesh_transformer.store import storage
+    from mesh_transformer import storage
 
     local = _make_index(tmp_path, [3, 4], count_in_name=False)
     names = (tmp_path / "set.index").read_text().split()

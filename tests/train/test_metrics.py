@@ -13,7 +13,7 @@ import google_crc32c
 import pytest
 
 from mesh_transformer.train import metrics
-from mesh_transformer.store import storage
+from mesh_transformer import storage
 from mesh_transformer.train.metrics import MetricsError, MetricsWriter, plot_loss, read_metrics
 from tests.gcs_emulator import create_bucket, gcs_emulator
 from tests.helpers import run_script

@@ -135,7 +135,7 @@ def test_training_reads_and_writes_gcs(tmp_path):
     with gcs_emulator() as url:
         create_bucket(url, "bucket")
         local = make_config(tmp_path, total_steps=3)
-        from mesh_transformer.store import storage
+        from mesh_transformer import storage
 
         for name in ("train_0_64.tfrecords", "train.index", "val_0_8.tfrecords", "val.index"):
             storage.write_bytes_atomic(f"gs://bucket/data/{name}", (tmp_path / name).read_bytes())

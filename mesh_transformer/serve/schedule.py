@@ -1,0 +1,83 @@
+"""The serving engine's scheduling policy, as a pure object: which free slot a request takes, how admitted requests
+are grouped into prefill programs, and which decode program a step runs. No device, no thread, no queue: the
+engine (engine.py) asks it and runs what it says, and the tests check it without compiling anything.
+
+Slots are split over dp groups like the cache: slot i is row i % n_local of group i // n_local. A program computes
+the same number of rows in every group, padded up to one of a few counts (a ladder), so that each (rows, blocks)
+or (rows, prompt bucket) pair is one compiled program.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from mesh_transformer.infer.sizes import bucket, fit, ladder
+
+MAX_PREFILL_ROWS = 16  # requests prefilled together at most, per dp group
+# A prefill of more than one row is at most this many tokens (rows x prompt bucket): longer prompts are prefilled a
+# few or one at a time. Past a few hundred tokens a prefill is bound by compute, not by reading the weights, so
+# batching more gains little, and each (rows, bucket) pair is one more program to compile.
+PREFILL_TOKENS = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The policy of an engine with `n_slots` slots over `dp` groups, a context of `seq` and cache blocks of these
+    sizes."""
+    n_slots: int
+    dp: int
+    seq: int
+    block_sizes: tuple[int, ...]
+
+    @property
+    def n_local(self) -> int:
+        """Slots per dp group."""
+        return self.n_slots // self.dp
+
+    @property
+    def decode_rows(self) -> list[int]:
+        """The row counts (per group) decode programs are compiled for."""
+        return ladder(self.n_local, 4)
+
+    @property
+    def block_counts(self) -> list[int]:
+        """The cache block counts decode programs are compiled for."""
+        return ladder(len(self.block_sizes), 2)
+
+    def prefill_rows(self) -> dict[int, list[int]]:
+        """Per prompt bucket, the row counts (per group) prefill programs are compiled for."""
+        group_rows = ladder(min(self.n_local, MAX_PREFILL_ROWS), 4)
+        return {width: [r for r in group_rows if r == 1 or r * width <= PREFILL_TOKENS]
+                for width in sorted({bucket(n, maximum=self.seq) for n in range(1, self.seq)})}
+
+    def admission_order(self, free: Sequence[int]) -> list[int]:
+        """Free slots in the order requests take them: lowest row of a group first, so steps compute fewer rows."""
+        return sorted(free, key=lambda i: (i % self.n_local, i // self.n_local))
+
+    def prefill_batches(self, prompt_lengths: dict[int, int]) -> list[tuple[int, int, list[tuple[int, int]]]]:
+        """Admitted requests ({slot: prompt length}) as prefill programs: (rows per group, prompt bucket,
+        [(slot, row)]), at most MAX_PREFILL_ROWS slots per group each, group g's requests at rows g x rows + j."""
+        groups: list[list[int]] = [[] for _ in range(self.dp)]
+        for slot in prompt_lengths:
+            groups[slot // self.n_local].append(slot)
+        rows_by_width = self.prefill_rows()
+        batches = []
+        while any(groups):
+            allowed = rows_by_width[self.width([prompt_lengths[s] for g in groups for s in g[:MAX_PREFILL_ROWS]])]
+            taken = [group[:allowed[-1]] for group in groups]
+            groups = [group[allowed[-1]:] for group in groups]
+            rows = fit(max(map(len, taken)), allowed)
+            placed = [(slot, g * rows + j) for g, group in enumerate(taken) for j, slot in enumerate(group)]
+            batches.append((rows, self.width([prompt_lengths[slot] for slot, _ in placed]), placed))
+        return batches
+
+    def width(self, prompt_lengths: Sequence[int]) -> int:
+        """The prompt bucket of prompts of these lengths."""
+        return bucket(max(prompt_lengths), maximum=self.seq)
+
+    def decode(self, positions: dict[int, int]) -> tuple[int, int, dict[int, int]]:
+        """The decode program for the live slots ({slot: its position}): (rows per group, cache blocks read,
+        {slot: its output row})."""
+        rows = fit(max(i % self.n_local for i in positions) + 1, self.decode_rows)
+        n_blocks = fit(max(positions.values()) // self.block_sizes[0] + 1, self.block_counts)
+        return rows, n_blocks, {i: (i // self.n_local) * rows + i % self.n_local for i in positions}
