@@ -43,7 +43,7 @@ def add_inference_args(parser: argparse.ArgumentParser) -> None:
                                                                           "(default: the config's compute_dtype)")
 
 
-CONVERT_DTYPES = ("bf16", "fp16", "fp32")  # --dtype of the checkpoint converters
+CONVERT_DTYPES = tuple(config.DTYPE_FLAGS)  # --dtype of the checkpoint converters
 
 
 def add_convert_args(parser: argparse.ArgumentParser) -> None:
