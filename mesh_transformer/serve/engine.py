@@ -206,7 +206,7 @@ class Engine:
         state = (self.params, self._cache, self._last_tokens)
         prefills = [("prefill", (*state, np.zeros((r, width), np.int32), np.ones(r, np.int32),
                                  np.full(r, -1, np.int32), fill_sampling(r, [])), {"top": MAX_TOP})
-                    for width, group_rows in self.schedule.prefill_rows().items()
+                    for width, group_rows in self.schedule.prefill_rows.items()
                     for r in (n * self._dp for n in group_rows)]
         zeros = np.zeros(self.n_slots, np.int32)
         steps = Steps(zeros, zeros, fill_sampling(self.n_slots, []))
@@ -269,13 +269,18 @@ class Engine:
 
     def _read_back(self, step: _Step) -> None:
         """Take a step's tokens, for the slots that still hold the requests they were made for."""
-        tokens, logprobs = np.asarray(step.tokens), jax.device_get(step.logprobs)
+        tokens = np.asarray(step.tokens)
+        # Log-probs are read only when a request wants them: each array read back is a wait on the device.
+        wanted = any(completion.request.logprobs for _, completion, _ in step.entries)
+        logprobs = jax.device_get(step.logprobs) if wanted else None
         for i, completion, row in step.entries:
             if self._slots[i] is not completion:
                 continue
-            top = tuple(zip(logprobs.top_ids[row].tolist(), logprobs.top[row].tolist()))
-            for event in completion.accept(int(tokens[row]), float(logprobs.chosen[row]), self.tokenizer,
-                                           self.stop_token_ids, top):
+            chosen, top = 0.0, ()
+            if logprobs is not None and completion.request.logprobs:
+                chosen = float(logprobs.chosen[row])
+                top = tuple(zip(logprobs.top_ids[row].tolist(), logprobs.top[row].tolist()))
+            for event in completion.accept(int(tokens[row]), chosen, self.tokenizer, self.stop_token_ids, top):
                 if event.finish_reason is not None:
                     with self._cond:
                         self._slots[i] = None

@@ -9,6 +9,7 @@ or (rows, prompt bucket) pair is one compiled program.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 from mesh_transformer.infer.sizes import bucket, fit, ladder
@@ -34,16 +35,17 @@ class Schedule:
         """Slots per dp group."""
         return self.n_slots // self.dp
 
-    @property
+    @functools.cached_property
     def decode_rows(self) -> list[int]:
         """The row counts (per group) decode programs are compiled for."""
         return ladder(self.n_local, 4)
 
-    @property
+    @functools.cached_property
     def block_counts(self) -> list[int]:
         """The cache block counts decode programs are compiled for."""
         return ladder(len(self.block_sizes), 2)
 
+    @functools.cached_property
     def prefill_rows(self) -> dict[int, list[int]]:
         """Per prompt bucket, the row counts (per group) prefill programs are compiled for."""
         group_rows = ladder(min(self.n_local, MAX_PREFILL_ROWS), 4)
@@ -60,7 +62,7 @@ class Schedule:
         groups: list[list[int]] = [[] for _ in range(self.dp)]
         for slot in prompt_lengths:
             groups[slot // self.n_local].append(slot)
-        rows_by_width = self.prefill_rows()
+        rows_by_width = self.prefill_rows
         batches = []
         while any(groups):
             allowed = rows_by_width[self.width([prompt_lengths[s] for g in groups for s in g[:MAX_PREFILL_ROWS]])]
