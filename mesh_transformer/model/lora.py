@@ -76,17 +76,11 @@ def _replaced(tree: dict, path: tuple[str, ...], value: Any) -> dict:
     return {**tree, path[0]: _replaced(tree[path[0]], path[1:], value)}
 
 
-def _at(tree: dict, path: tuple[str, ...]) -> Any:
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
 def adapt_layer(layer: dict, adapters: dict | None, scale_: float) -> dict:
     """One layer's params with each weight that has an adapter (this layer's slices) replaced by its `Adapted`."""
     for target, ab in (adapters or {}).items():
         path = TARGETS[target][0]
-        layer = _replaced(layer, path, Adapted(_at(layer, path), ab["a"], ab["b"], scale_))
+        layer = _replaced(layer, path, Adapted(table.get_path(layer, path), ab["a"], ab["b"], scale_))
     return layer
 
 
@@ -104,6 +98,6 @@ def merge_layers(layers: dict, adapters: dict, scale_: float) -> dict:
     """`merge` on params["layers"] alone: stacked, or one layer's slices with its adapters' slices."""
     for target, ab in adapters.items():
         path = TARGETS[target][0]
-        w = _at(layers, path)
+        w = table.get_path(layers, path)
         layers = _replaced(layers, path, w + delta(ab["a"], ab["b"], scale_).astype(w.dtype))
     return layers

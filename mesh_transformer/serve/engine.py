@@ -80,7 +80,6 @@ class Engine:
         self.stop_token_ids = frozenset(stop_token_ids)
         self._dp = layout.mesh.shape[DP]
         self.n_slots = -(-max_batch // self._dp) * self._dp
-        self._n_local = self.n_slots // self._dp
         self.params = place_params(params, layout)
         self._programs = programs or Programs(layout)
         self.schedule = Schedule(self.n_slots, self._dp, cfg.seq,
@@ -246,7 +245,7 @@ class Engine:
         length, local_slot = np.ones(n, np.int32), np.full(n, -1, np.int32)  # padding rows: written nowhere
         for slot, row in batch:
             prompt = self._slots[slot].request.prompt
-            ids_RxT[row, :len(prompt)], length[row], local_slot[row] = prompt, len(prompt), slot % self._n_local
+            ids_RxT[row, :len(prompt)], length[row], local_slot[row] = prompt, len(prompt), slot % self.schedule.n_local
             self._slots[slot].dispatched = 1
         sampling = fill_sampling(n, [(row, self._slots[slot].request) for slot, row in batch])
         tokens, chosen = self._run_prefill(ids_RxT, length, local_slot, sampling)
