@@ -24,13 +24,13 @@ import json
 import os
 import sys
 
-from mesh_transformer import cli
+from mesh_transformer import errors, flags
 from mesh_transformer.parallel.layout import MODES
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    cli.add_config_args(parser)
+    flags.add_config_args(parser)
     parser.add_argument("--mode", choices=("shard_map", *MODES, "all"),
                         help="parallelism (default: the config's); all: every mode's train step")
     parser.add_argument("--mesh", default="", help="GSPMD mesh sizes, e.g. data=1,fsdp=8,tensor=1")
@@ -48,14 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> int:
         from mesh_transformer import aot
 
-        records = aot.run(cli.load_config(args), args.mode, args.mesh, args.devices, args.device_memory, args.slots,
+        records = aot.run(flags.load_config(args), args.mode, args.mesh, args.devices, args.device_memory, args.slots,
                           args.no_loop_hoisting, args.topology, args.train_only)
         for record in records:
             print(json.dumps(record), flush=True)
         print(aot.human_line(records), flush=True)
         return 0 if records[-1]["fits"] else 1
 
-    return cli.run_main(run)
+    return errors.run_main(run)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ import logging
 import sys
 from functools import partial
 
-from mesh_transformer.cli import Parser, add_inference_args, load_for_inference, platform_setup, run_main
+from mesh_transformer.errors import run_main
+from mesh_transformer.flags import Parser, add_inference_args
+from mesh_transformer.platforms import platform_setup
 
 DEFAULT_SEEDS = "0,1234,1234,1234"  # lm_eval's: python random, numpy, torch, few-shot sampling
 
@@ -58,6 +60,7 @@ def _main(argv: list[str] | None) -> int:
     from lm_eval.utils import make_table
 
     from mesh_transformer.infer import harness
+    from mesh_transformer.infer.load import load_for_inference
 
     manager = harness.task_manager(args.include_path, args.tasks)
     harness.check_tasks(manager, args.tasks)  # before the model is read: a typo costs seconds

@@ -9,11 +9,13 @@ import argparse
 import logging
 import sys
 import time
+from collections.abc import Iterator
 from functools import partial
 
-from mesh_transformer.cli import (Parser, add_inference_args, platform_setup, load_for_inference, run_main,
-                                  stdin_lines)
 from mesh_transformer.config import ConfigError
+from mesh_transformer.errors import run_main
+from mesh_transformer.flags import Parser, add_inference_args
+from mesh_transformer.platforms import platform_setup
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,6 +47,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def stdin_lines() -> Iterator[str]:
+    """Lines typed (or piped) on stdin, prompted with '> ' on a terminal; blank lines are skipped."""
+    while True:
+        if sys.stdin.isatty():
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        if line.strip():
+            yield line.rstrip("\n")
+
+
 def _complete(sampler, tokenizer, prompt: str, args: argparse.Namespace) -> None:
     start_s = time.perf_counter()
     results = sampler.generate_text(
@@ -61,6 +75,7 @@ def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("mesh_transformer.infer.params").setLevel(logging.INFO)  # the mesh chosen
+    from mesh_transformer.infer.load import load_for_inference
     from mesh_transformer.infer.sampler import Sampler
 
     layout, tokenizer, params = load_for_inference(args)

@@ -1,5 +1,5 @@
-"""Serve a GPT-J over HTTP: OpenAI-compatible /v1/completions (streaming too), /v1/models, the original /complete and
-/health, with continuous batching on the devices.
+"""Serve a GPT-J over HTTP: OpenAI-compatible /v1/completions and /v1/chat/completions (streaming too), /v1/models,
+the original /complete, /health and Prometheus /metrics, with continuous batching on the devices.
 
 Example: python device_serve.py --ckpt gptj_1shard --port 5000 [--dtype bf16] [--mp 1]
 """
@@ -10,7 +10,9 @@ import logging
 import sys
 from functools import partial
 
-from mesh_transformer.cli import Parser, add_inference_args, platform_setup, load_for_inference, run_main
+from mesh_transformer.errors import run_main
+from mesh_transformer.flags import Parser, add_inference_args
+from mesh_transformer.platforms import platform_setup
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -24,6 +26,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; more get 429 (default 64)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
     p.add_argument("--model-name", default=None, help="the model id the API reports (default: the config's name)")
+    p.add_argument("--chat-template", default=None, help="a jinja chat template file for /v1/chat/completions "
+                                                         "(default: the tokenizer's, else plain 'User: ...' turns)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="compute every prompt whole (default: reuse the cached keys of a prompt prefix a slot holds)")
     p.add_argument("--warm-up", action="store_true", help="compile every program before listening: a slower start, "
                                                           "no compile pauses while serving")
     args = p.parse_args(argv)
@@ -40,14 +46,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    chat_template = None
+    if args.chat_template:  # read first: a wrong path fails before the model loads
+        with open(args.chat_template, encoding="utf-8") as f:
+            chat_template = f.read()
+    from mesh_transformer.infer.load import load_for_inference
     from mesh_transformer.serve import server
     from mesh_transformer.serve.engine import Engine
 
     layout, tokenizer, params = load_for_inference(args)
     cfg = layout.cfg
     engine = Engine(layout, params, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
-                    warm_up=args.warm_up)
-    app = server.create_app(engine, tokenizer, model_name=args.model_name or cfg.name, api_key=args.api_key)
+                    warm_up=args.warm_up, prefix_cache=args.prefix_cache)
+    app = server.create_app(engine, tokenizer, model_name=args.model_name or cfg.name, api_key=args.api_key,
+                            chat_template=chat_template)
     logging.info("serving %s with %d slots on http://%s:%d", cfg.name, engine.n_slots, args.host, args.port)
     try:
         server.serve(app, args.host, args.port)

@@ -8,13 +8,13 @@ import argparse
 import logging
 import sys
 
-from mesh_transformer import cli
+from mesh_transformer import errors, flags, platforms
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    cli.add_config_args(parser)
-    cli.add_distributed_args(parser)
+    flags.add_config_args(parser)
+    flags.add_distributed_args(parser)
     parser.add_argument("--tune-model-path", help="start from this checkpoint's params, with a fresh schedule")
     parser.add_argument("--fresh-opt", action="store_true", help="reset the optimizer state when resuming")
     parser.add_argument("--include_path", help="a directory of extra lm-eval task YAML files for eval_harness_tasks")
@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> int:
 
         from mesh_transformer.train import trainer
 
-        cfg = cli.load_config(args)
-        cli.start_distributed(args)
+        cfg = flags.load_config(args)
+        flags.start_distributed(args)
         evaluate = None
         if cfg.eval_harness_tasks:  # lm-eval is imported only then
             from mesh_transformer.infer import harness
@@ -41,9 +41,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stopped at step {step}; checkpoints and metrics in {cfg.model_path}", flush=True)
         return 0
 
-    return cli.run_main(run)
+    return errors.run_main(run)
 
 
 if __name__ == "__main__":
-    cli.platform_setup()
+    platforms.platform_setup()
     sys.exit(main())

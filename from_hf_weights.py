@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from mesh_transformer import cli
+from mesh_transformer import errors
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
                                 dtype=args.dtype), flush=True)
         return 0
 
-    return cli.run_main(run)
+    return errors.run_main(run)
 
 
 if __name__ == "__main__":

@@ -12,28 +12,28 @@ import argparse
 import logging
 import sys
 
-from mesh_transformer import cli
+from mesh_transformer import errors, flags
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    cli.add_convert_args(parser)
+    flags.add_convert_args(parser)
     parser.add_argument("--cores-per-replica", type=int, help="model-parallel layout of the output (default: the "
                                                               "config's cores_per_replica)")
     parser.add_argument("--slim", action="store_true", help="params only: leave the optimizer state out")
-    parser.add_argument("--dtype", choices=cli.CONVERT_DTYPES, help="cast the params (default: keep their dtype)")
+    parser.add_argument("--dtype", choices=flags.CONVERT_DTYPES, help="cast the params (default: keep their dtype)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def run() -> int:
         from mesh_transformer.store import convert
 
-        print(convert.convert_checkpoint(args.input_ckpt, cli.load_config(args), args.output_ckpt,
+        print(convert.convert_checkpoint(args.input_ckpt, flags.load_config(args), args.output_ckpt,
                                          cores_per_replica=args.cores_per_replica, dtype=args.dtype, slim=args.slim),
               flush=True)
         return 0
 
-    return cli.run_main(run)
+    return errors.run_main(run)
 
 
 if __name__ == "__main__":

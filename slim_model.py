@@ -8,13 +8,13 @@ import argparse
 import logging
 import sys
 
-from mesh_transformer import cli
+from mesh_transformer import errors, flags
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    cli.add_convert_args(parser)
-    parser.add_argument("--dtype", choices=cli.CONVERT_DTYPES, default="bf16",
+    flags.add_convert_args(parser)
+    parser.add_argument("--dtype", choices=flags.CONVERT_DTYPES, default="bf16",
                         help="dtype of the params (default: bf16)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -22,11 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> int:
         from mesh_transformer.store import convert
 
-        print(convert.convert_checkpoint(args.input_ckpt, cli.load_config(args), args.output_ckpt, dtype=args.dtype,
+        print(convert.convert_checkpoint(args.input_ckpt, flags.load_config(args), args.output_ckpt, dtype=args.dtype,
                                          slim=True), flush=True)
         return 0
 
-    return cli.run_main(run)
+    return errors.run_main(run)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import argparse
 import logging
 import sys
 
-from mesh_transformer import cli
+from mesh_transformer import errors, flags
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input-ckpt", required=True,
                         help="our checkpoint (root or step dir), an original step_N dir, or an HF directory")
-    cli.add_config_args(parser, required=False)
+    flags.add_config_args(parser, required=False)
     parser.add_argument("--output-path", required=True, help="directory to write (local or gs://)")
     parser.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16", help="weight dtype (fp16)")
     parser.add_argument("--max-shard-size", type=parse_size, default="5GB",
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             files = adapters.export_peft(args.input_ckpt, args.output_path)
             print(f"wrote {args.output_path}: {', '.join(files)}", flush=True)
             return 0
-        cfg = cli.load_config(args) if args.config else convert.source_config(
+        cfg = flags.load_config(args) if args.config else convert.source_config(
             args.input_ckpt, **parse_overrides(args.overrides))
         if cfg is None:
             raise ConfigError(f"{args.input_ckpt} carries no config: give --config")
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.output_path}: {', '.join(files)}", flush=True)
         return 0
 
-    return cli.run_main(run)
+    return errors.run_main(run)
 
 
 if __name__ == "__main__":

@@ -65,19 +65,29 @@ def _inference(config_path: str):
 
     from mesh_transformer import aot, config
     from mesh_transformer.infer.choose import fill_sampling
-    from mesh_transformer.infer.decode import Programs, Steps
+    from mesh_transformer.infer.decode import Steps
     from mesh_transformer.infer.params import make_inference_layout
+    try:  # trees before the programs had a module of their own
+        from mesh_transformer.infer.programs import Programs
+    except ImportError:
+        from mesh_transformer.infer.decode import Programs
     from mesh_transformer.parallel.mesh import make_dp_mp
 
     cfg = config.load(config_path, ["cores_per_replica=1"])
     layout = make_inference_layout(cfg, mesh=make_dp_mp(1, 1))
     programs, params, n = Programs(layout), aot._abstract_decode_params(layout), 32
-    cache, last = programs.new_cache(n, [64, 64, 128]), programs.new_last_tokens(n)
+    # Trees before the slots carried penalties: a last token each, no logit bias at a prefill.
+    slots = getattr(programs, "new_slots", None) or programs.new_last_tokens
+    cache, last = programs.new_cache(n, [64, 64, 128]), slots(n)
+    try:
+        first = fill_sampling(4, [], bias=True)
+    except TypeError:
+        first = fill_sampling(4, [])
     steps = Steps(np.zeros(n, np.int32), np.zeros(n, np.int32), fill_sampling(n, []))
     yield "decode_32_rows", programs.jitted["decode"].lower(params, cache, last, steps, rows=n, n_blocks=2).compile()
     ids, ones = np.zeros((4, 64), np.int32), np.ones(4, np.int32)
     yield "prefill_4x64", programs.jitted["prefill"].lower(params, cache, last, ids, ones, ones * 0,
-                                                           fill_sampling(4, [])).compile()
+                                                           first).compile()
     yield "sampler_loop_32_rows", programs.jitted["generate"].lower(
         params, cache, last, steps, np.ones(n, bool), np.full(4, -1, np.int32), np.int32(8), rows=n, n_blocks=1,
         out_len=128).compile()

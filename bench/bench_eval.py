@@ -24,7 +24,7 @@ import torch
 
 from bench.common import emit
 from mesh_transformer import config
-from mesh_transformer.cli import keep_host_memory
+from mesh_transformer.platforms import keep_host_memory
 from mesh_transformer.infer import harness
 from mesh_transformer.infer.params import make_inference_layout, read_params
 from mesh_transformer.tokenizer import load_tokenizer

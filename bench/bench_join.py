@@ -25,7 +25,7 @@ import torch
 from bench.bench_model import hf_steps, our_steps
 from bench.common import emit, matmul_peak_flop_per_s, train_flops_per_token
 from mesh_transformer import config
-from mesh_transformer.cli import platform_setup
+from mesh_transformer.platforms import platform_setup
 
 
 def timed_s(fn) -> float:

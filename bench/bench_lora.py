@@ -17,7 +17,7 @@ import jax
 from bench.common import best_time_s, emit
 from mesh_transformer.model import table
 from mesh_transformer import config
-from mesh_transformer.cli import keep_host_memory
+from mesh_transformer.platforms import keep_host_memory
 from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.train import optim

@@ -20,7 +20,7 @@ import torch
 from transformers import GPTJConfig, GPTJForCausalLM
 
 from bench.common import emit, interleaved_times_s, matmul_peak_flop_per_s, train_flops_per_token
-from mesh_transformer.cli import platform_setup
+from mesh_transformer.platforms import platform_setup
 from mesh_transformer import config
 from mesh_transformer.store import hf
 from mesh_transformer.model import gptj as model

@@ -27,7 +27,7 @@ from transformers import GPTJConfig, GPTJForCausalLM
 from bench.ab import ab_rounds, median_ratios
 from bench.common import best_time_s, emit, read_bandwidth_bytes_per_s
 from mesh_transformer.model import table
-from mesh_transformer.cli import platform_setup
+from mesh_transformer.platforms import platform_setup
 from mesh_transformer import config
 from mesh_transformer.store import hf
 from mesh_transformer.model import gptj as model

@@ -25,7 +25,7 @@ import numpy as np
 
 from bench.common import emit
 from mesh_transformer.model import table
-from mesh_transformer.cli import platform_setup
+from mesh_transformer.platforms import platform_setup
 from mesh_transformer import config
 from mesh_transformer.serve import engine as serving, server
 from mesh_transformer.infer.params import make_inference_layout

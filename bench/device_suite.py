@@ -38,7 +38,7 @@ from bench.suite_parts import (CompileLog, Peaks, decode_records, one_device_lay
                                serving_records)
 from mesh_transformer.model import table
 from mesh_transformer import config
-from mesh_transformer.cli import platform_setup
+from mesh_transformer.platforms import platform_setup
 from mesh_transformer.model import gptj
 from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.parallel.mesh import make_dp_mp

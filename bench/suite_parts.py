@@ -13,7 +13,8 @@ from bench.common import figure
 from mesh_transformer.model import table
 from mesh_transformer.config import Config
 from mesh_transformer.infer.choose import fill_sampling
-from mesh_transformer.infer.decode import Programs, Steps, block_sizes, default_block
+from mesh_transformer.infer.decode import Steps, block_sizes, default_block
+from mesh_transformer.infer.programs import Programs
 from mesh_transformer.infer.params import make_inference_layout, place_params
 from mesh_transformer.model import gptj
 from mesh_transformer.parallel.layout import Layout
@@ -87,7 +88,7 @@ def decode_records(layout: Layout, params: dict, sizes, peaks: Peaks) -> list[di
     n_blocks = min(len(blocks), -(-(sizes.decode_context + n_steps + 2) // blocks[0]))
     span = sum(blocks[:n_blocks])
     n_slots = max(sizes.decode_batches)
-    cache, last_N = programs.new_cache(n_slots, blocks), programs.new_last_tokens(n_slots)
+    cache, last_N = programs.new_cache(n_slots, blocks), programs.new_slots(n_slots)
     itemsize = gptj.compute_dtype(cfg).itemsize
     # Every weight is read once a step, but of the embedding only a row per token; each row reads its keys and
     # values of the span in every layer.

@@ -22,8 +22,9 @@ from jax.sharding import PartitionSpec as P
 
 from mesh_transformer import estimate, platforms, targets
 from mesh_transformer.config import Config, ConfigError, parse_size
-from mesh_transformer.infer.choose import Sampling
-from mesh_transformer.infer.decode import KVCache, Programs, Steps, block_sizes, cache_dtype, default_block
+from mesh_transformer.infer.choose import Sampling, fill_sampling
+from mesh_transformer.infer.decode import KVCache, Steps, block_sizes, cache_dtype, default_block, new_slots
+from mesh_transformer.infer.programs import Programs
 from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.infer.score import MAX_TOP, Rows, Scorer
 from mesh_transformer.model import gptj, layers, table
@@ -133,21 +134,24 @@ def _abstract_decode_params(layout: Layout) -> dict:
 
 
 def _abstract_slots(programs: Programs, n_slots: int, sizes: list[int]) -> tuple:
-    """(cache, last tokens, Steps) of n_slots slots whose cache blocks have these lengths, abstract."""
+    """(cache, `decode.Slots`, Steps) of n_slots slots whose cache blocks have these lengths, abstract."""
     cfg = programs.layout.cfg
     row = programs.row_sharding
     block = [jax.ShapeDtypeStruct((n_slots, cfg.n_heads, cfg.head_dim, size), cache_dtype(cfg, programs.layout.policy),
                                   sharding=programs.cache_sharding) for size in sizes]
     ints = jax.ShapeDtypeStruct((n_slots,), jnp.int32, sharding=row)
     steps = Steps(ints, ints, _abstract_sampling(row, n_slots))
-    return KVCache([block] * cfg.layers, [block] * cfg.layers), ints, steps
+    slots = _abstract_like(new_slots(n_slots, cfg.n_vocab), row)
+    return KVCache([block] * cfg.layers, [block] * cfg.layers), slots, steps
 
 
-def _abstract_sampling(sharding: NamedSharding, n: int) -> Sampling:
-    def leaf(dtype):
-        return jax.ShapeDtypeStruct((n,), dtype, sharding=sharding)
+def _abstract_like(tree, sharding: NamedSharding):
+    """A tree of arrays as ShapeDtypeStructs with this sharding."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
-    return Sampling(leaf(jnp.float32), leaf(jnp.int32), leaf(jnp.float32), leaf(jnp.uint32), leaf(jnp.bool_))
+
+def _abstract_sampling(sharding: NamedSharding, n: int, bias: bool = False) -> Sampling:
+    return _abstract_like(fill_sampling(n, [], bias=bias), sharding)
 
 
 def _measure_inference(train_layout: Layout, n_slots: int, common: dict) -> list[dict]:
@@ -187,7 +191,7 @@ def _measure_inference(train_layout: Layout, n_slots: int, common: dict) -> list
     ids = jax.ShapeDtypeStruct((dp, cfg.seq), jnp.int32, sharding=layout.sharding(("batch", "length")))
     rows = jax.ShapeDtypeStruct((dp,), jnp.int32, sharding=programs.row_sharding)
     prefill, prefill_s = _compile(programs.jitted["prefill"], params, cache, last, ids, rows, rows,
-                                  _abstract_sampling(programs.row_sharding, dp), policy=policy)
+                                  _abstract_sampling(programs.row_sharding, dp, bias=True), policy=policy)
     score_rows = Rows(*[ids] * 6)
     scorer, scorer_s = _compile(Scorer(layout, None)._program, params, score_rows, policy=policy, top_k=MAX_TOP)
     return [{"check": "serve_decode_step", **serve, **serve_memory, "per_slot_bytes": round(per_slot),

@@ -4,10 +4,15 @@ Layout carries and the programs read. Model, infer and train code never ask JAX 
 The CPU policy holds the workarounds for XLA's CPU backend, each measured where it is written: blocked training
 attention (`model/attention.py`), the dense layers' hand-written backward (`model/layers.py`), weight converts
 ordered layer by layer and a KV cache stored as bits (`infer/decode.py`). TPU and GPU programs hold none of them.
+
+Before JAX starts, what a process does is chosen from the platform JAX will start on (`expected_platform`): importing
+the package pins a machine without an accelerator to the CPU (`pin_platform`), and every script's `__main__` calls
+`platform_setup` (on CPU the glibc restart that keeps freed host memory, on GPU XLA's GPU flags).
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import glob
 import importlib.util
@@ -15,6 +20,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
+from platform import libc_ver
 
 CPU, TPU, GPU = "cpu", "tpu", "gpu"
 
@@ -132,3 +138,65 @@ def quiet_stderr() -> Iterator[None]:
         finally:
             os.dup2(saved, 2)
             os.close(saved)
+
+
+# XLA's flags for GPUs, set here and nowhere else (`platform_setup`): the latency-hiding scheduler moves collectives
+# and their waits so they overlap compute (NVIDIA's JAX images set it), and collectives get the highest-priority
+# stream, so a compute kernel does not hold one back. A flag the user set in XLA_FLAGS is left as the user set it.
+GPU_XLA_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",
+                 "--xla_gpu_enable_highest_priority_async_stream=true")
+
+
+def platform_setup() -> None:
+    """What every script does first thing in its `__main__`, before JAX starts: on CPU the glibc restart
+    (`keep_host_memory`), on GPU XLA's GPU flags (GPU_XLA_FLAGS) added to XLA_FLAGS. (Importing the package has
+    pinned JAX to the CPU where no accelerator is attached: `pin_platform`.)"""
+    if expected_platform() == GPU:
+        flags = os.environ.get("XLA_FLAGS", "")
+        missing = [f for f in GPU_XLA_FLAGS if f.partition("=")[0] not in flags]
+        os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
+    keep_host_memory()
+
+
+# glibc malloc told to keep freed memory: no mmap'd blocks, no trimming, one arena for every thread.
+KEEP_HOST_MEMORY = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776:glibc.malloc.arena_max=1"
+
+
+def keep_host_memory() -> None:
+    """Restart this script once with glibc malloc set to keep the memory it frees (call it from `__main__` only).
+
+    XLA's CPU backend allocates its large buffers (logits, gradients, optimizer updates) afresh every step, and
+    glibc returns such blocks to the kernel when they are freed (mmap'd chunks, per-thread arenas), so each step
+    page-faults them all in again: an elementwise pass over the bench config's [1024, 50400] logits takes 0.105 s
+    that way and 0.017 s with the memory kept. GLIBC_TUNABLES is only read at process start, hence the re-exec.
+    Nothing happens when GLIBC_TUNABLES is already set (set it to anything, even empty, to opt out), the C library
+    is not glibc, or JAX will run on an accelerator (its buffers are on the device, and the restart would cost a
+    second start of the interpreter). The cost: the process keeps its peak host memory until it exits.
+    """
+    if "GLIBC_TUNABLES" in os.environ or libc_ver()[0] != "glibc" or expected_platform() != CPU:
+        return
+    os.environ["GLIBC_TUNABLES"] = KEEP_HOST_MEMORY
+    os.execv(sys.executable, sys.orig_argv)
+
+
+M_MMAP_THRESHOLD, M_MMAP_MAX = -3, -4  # mallopt's parameters, from glibc's malloc.h
+
+
+@contextlib.contextmanager
+def host_memory_returned(threshold: int = 1 << 20) -> Iterator[None]:
+    """While inside, undo `keep_host_memory`: blocks of `threshold` bytes or more are mmap'd, so freeing one gives
+    it back to the kernel. Loading a model reads, joins and places one layer at a time; with the memory kept, every
+    layer's host buffers stay resident after they are freed (GPT-J-6B in bf16: 17.8 GB resident for a 12.1 GB
+    model, 13.8 GB without the restart). The buffers allocated meanwhile (the params) outlive it; that is fine.
+    Nothing happens unless this process runs with KEEP_HOST_MEMORY."""
+    if os.environ.get("GLIBC_TUNABLES") != KEEP_HOST_MEMORY:
+        yield
+        return
+    libc = ctypes.CDLL(None)
+    libc.mallopt(M_MMAP_THRESHOLD, threshold)
+    libc.mallopt(M_MMAP_MAX, 1 << 20)
+    try:
+        yield
+    finally:
+        libc.mallopt(M_MMAP_MAX, 0)
+        libc.malloc_trim(0)

@@ -4,13 +4,14 @@ imported where used, so a test that needs none of them does not pay their import
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import jax
 import ml_dtypes
@@ -31,9 +32,9 @@ CPU_POLICY = for_platform("cpu")  # the platform policy of the tests' devices, f
 
 def run_script(script: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     """Runs one of the top-level command-line scripts as a user would, from the repository root, with glibc's
-    tunables already as the scripts' CPU restart sets them: the restart is tested in tests/test_cli.py, and here
+    tunables already as the scripts' CPU restart sets them: the restart is tested in tests/test_platforms.py, and here
     it would only start each script twice (a benchmark imports JAX and torch before it restarts)."""
-    from mesh_transformer.cli import KEEP_HOST_MEMORY
+    from mesh_transformer.platforms import KEEP_HOST_MEMORY
 
     env = {**os.environ, "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", KEEP_HOST_MEMORY)}
     return subprocess.run([sys.executable, script, *args], cwd=REPO_ROOT, input=stdin, capture_output=True,
@@ -336,3 +337,25 @@ def assert_same_eval(ours: dict, ref: dict, rolling_docs=None) -> None:
     for task in ("tiny_mc", "tiny_gen"):
         metrics = {k: v for k, v in ours["results"][task].items() if k.startswith(("acc", "exact_match"))}
         assert metrics and metrics == {k: ref["results"][task][k] for k in metrics}, task
+
+
+# ---- the chat and metrics tests' server ----
+
+@contextlib.contextmanager
+def tiny_server(**app_kwargs) -> Iterator[str]:
+    """The URL of an HTTP server on 127.0.0.1 over a serving engine of EVAL_CFG's model with random weights (EOS
+    made impossible, so completions run to max_tokens), on 4 devices (dp 2 x mp 2), 4 slots."""
+    from mesh_transformer.infer.params import make_inference_layout
+    from mesh_transformer.serve import server
+    from mesh_transformer.serve.engine import Engine
+    from mesh_transformer.tokenizer import EOS_ID, load_tokenizer
+
+    params = random_eval_params()
+    params["lm_head"]["bias"][EOS_ID] = -1e4
+    layout = make_inference_layout(EVAL_CFG, mesh=make_dp_mp(2, 2, jax.devices()[:4]))
+    engine = Engine(layout, params, load_tokenizer(), max_batch=4)
+    try:
+        with server.BackgroundServer(server.create_app(engine, engine.tokenizer, **app_kwargs)) as running:
+            yield running.url
+    finally:
+        engine.close()

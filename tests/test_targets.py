@@ -10,7 +10,8 @@ import pytest
 
 from mesh_transformer import aot, config, estimate, platforms, targets
 from mesh_transformer.config import ConfigError
-from mesh_transformer.infer.decode import Programs, block_sizes, default_block
+from mesh_transformer.infer.decode import block_sizes, default_block
+from mesh_transformer.infer.programs import Programs
 
 CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=4", "warmup_steps=0"])
 

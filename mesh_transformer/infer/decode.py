@@ -11,28 +11,25 @@ run per device (the Layout's shard_map) with the same forward as training, the l
 Each row's token is chosen by `choose.choose`.
 
 A prompt is written from position 0 of its slot (right-padded to its bucket), its rotary positions are its own, and
-its queries see only keys at or before their own position. Token i of a request is drawn with key
+its queries see only keys at or before their own position. A prompt whose first tokens are cached already (the
+server's prefix cache, serve/prefix.py) has only the rest computed (`extend_local`): after the cached keys, held in
+its own slot or copied in from another of its dp group. The compiled programs over these functions:
+programs.py. Token i of a request is drawn with key
 fold_in(PRNGKey(seed), i), so a completion does not depend on what else is batched. Shape letters: the legend in
 model/layers.py (here N cache slots, R of them computed in a step, S cache length, T prompt bucket).
 """
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
-import threading
-from functools import partial
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from mesh_transformer.config import Config
-from mesh_transformer.infer.choose import Logprobs, Sampling, choose
+from mesh_transformer.infer.choose import Sampling, choose, dense_bias, wants_adjusting
 from mesh_transformer.model import gptj, layers
-from mesh_transformer.parallel.layout import ACTIVATION_AXES, Layout
 from mesh_transformer.platforms import Policy
 
 class Steps(NamedTuple):
@@ -153,6 +150,41 @@ class _DecodeKV(NamedTuple):
         return written
 
 
+class _ExtendKV(NamedTuple):
+    """Prefill's cache hook after a cached prefix (`gptj.KV`): row r's tokens sit at positions start_r on, after
+    the first start_r positions of slot source_r, which its queries also see (its whole slot read, masked: one
+    program per prompt shape, however long the prefix); the row's slot gets source_r's blocks copied in (when copy_r
+    is set: a prefix held by another slot of the group) and the new keys and values written from start_r (a target
+    past the end is dropped)."""
+    target_R: jax.Array
+    source_R: jax.Array
+    copy_R: jax.Array
+    start_R: jax.Array
+    dtype: Any
+
+    def read(self, state, h_RxTxD):
+        span = sum(block.shape[-1] for block in state[0])
+        past_mask_Rx1xS = (jnp.arange(span)[None, :] < self.start_R[:, None])[:, None, :]
+        past = [[cached(jnp.take(b, self.source_R, 0, mode="clip"), self.dtype).transpose(0, 3, 1, 2)
+                 for b in kind] for kind in state]
+        return past[0], past[1], past_mask_Rx1xS
+
+    def write(self, state, k_RxTxHxK, v_RxTxHxK, h_RxTxD):
+        return tuple(self._written(blocks, new) for blocks, new in zip(state, (k_RxTxHxK, v_RxTxHxK)))
+
+    def _written(self, blocks: list, new_RxTxHxK: jax.Array) -> list:
+        written, new_RxTxHxK = list(blocks), new_RxTxHxK.astype(self.dtype)
+        copy_to_R = jnp.where(self.copy_R, self.target_R, blocks[0].shape[0])
+        position_RxT = self.start_R[:, None] + jnp.arange(new_RxTxHxK.shape[1])[None]
+        for j, start in enumerate(_starts(blocks)):
+            block = written[j].at[copy_to_R].set(jnp.take(written[j], self.source_R, 0, mode="clip"), mode="drop")
+            local_RxT = position_RxT - start
+            local_RxT = jnp.where((local_RxT >= 0) & (local_RxT < block.shape[-1]), local_RxT, block.shape[-1])
+            written[j] = scatter(block, (self.target_R[:, None], slice(None), slice(None), local_RxT),
+                                 new_RxTxHxK)
+        return written
+
+
 def _run_cached(params: dict, cache: KVCache, ids_RxT: jax.Array, positions_RxT: jax.Array, kv, cfg: Config,
                 tp_axis: str | None, policy: Policy, **kw) -> tuple[jax.Array, KVCache]:
     """`gptj.run` over the cache's layers with the KV hook `kv`; the logits of its one column per row, over the whole
@@ -176,6 +208,20 @@ def prefill_logits(params: dict, cache: KVCache, ids_RxT: jax.Array, length_R: j
                        columns_BxC=(length_R - 1)[:, None])
 
 
+def extend_logits(params: dict, cache: KVCache, ids_RxT: jax.Array, start_R: jax.Array, length_R: jax.Array,
+                  slot_R: jax.Array, source_R: jax.Array, cfg: Config, tp_axis: str | None = None, *,
+                  policy: Policy) -> tuple[jax.Array, KVCache]:
+    """`prefill_logits` of prompt tails (right-padded to T) that follow a cached prefix: row r's `length_r` tokens go
+    to positions start_r on of its slot, after the prefix held by slot source_r (its own, or another of the group,
+    copied in); return the logits after each tail's last token [R, V]."""
+    n_slots = cache.k[0][0].shape[0]
+    target_R = jnp.where(slot_R >= 0, slot_R, n_slots)
+    kv = _ExtendKV(target_R, source_R, (slot_R >= 0) & (source_R != slot_R), start_R, gptj.compute_dtype(cfg))
+    positions_RxT = start_R[:, None] + gptj.positions(ids_RxT)
+    return _run_cached(params, cache, ids_RxT, positions_RxT, kv, cfg, tp_axis, policy,
+                       columns_BxC=(length_R - 1)[:, None])
+
+
 def decode_logits(params: dict, cache: KVCache, token_R: jax.Array, position_R: jax.Array, cfg: Config,
                   n_blocks: int, tp_axis: str | None = None, *, policy: Policy) -> tuple[jax.Array, KVCache]:
     """Feed one token to each of the first R slots: write its key at the slot's own position, attend to the cache
@@ -185,31 +231,69 @@ def decode_logits(params: dict, cache: KVCache, token_R: jax.Array, position_R: 
                        mask_BxTxS=jnp.ones((token_R.shape[0], 1, 1), bool))
 
 
-def prefill_local(params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R, *, cfg, policy, top: int = 0,
+class Slots(NamedTuple):
+    """What the decode steps carry per cache slot [N] from one to the next: its last token (the next step's input),
+    how often its completion has drawn each token [N, V] and its logit bias [N, V] (`choose.adjusted`)."""
+    last: Any  # i32
+    counts: Any  # i32
+    bias: Any  # f32
+
+
+def new_slots(n_slots: int, vocab: int) -> Slots:
+    """Slots (numpy) with no last token, counts or bias."""
+    return Slots(np.zeros(n_slots, np.int32), np.zeros((n_slots, vocab), np.int32),
+                 np.zeros((n_slots, vocab), np.float32))
+
+
+def prefill_local(params, cache, slots_N: Slots, ids_RxT, length_R, slot_R, sampling_R, *, cfg, policy, top: int = 0,
                   tp_axis=None):
     """`prefill_logits`, then each row's first token: returns tokens [R] and their `Logprobs` (with the `top` most
-    likely), the slots' last tokens [N] with these written into theirs (the next decode step's input), and the
-    cache. Per dp group: its own rows, its own slots."""
+    likely), the `Slots` with these rows' written into theirs (the next decode step's input; counts and bias
+    restarted), and the cache. Per dp group: its own rows, its own slots."""
     logits_RxV, cache = prefill_logits(params, cache, ids_RxT, length_R, slot_R, cfg, tp_axis, policy=policy)
-    token_R, logprob_R = choose(logits_RxV, sampling_R, jnp.zeros_like(length_R), top)
-    last_N = last_N.at[jnp.where(slot_R >= 0, slot_R, last_N.shape[0])].set(token_R, mode="drop")
-    return token_R, logprob_R, last_N, cache
+    return _first_tokens(logits_RxV, cache, slots_N, slot_R, sampling_R, top)
 
 
-def decode_local(params, cache, last_N, steps_N: Steps, *, cfg, policy, rows: int, n_blocks: int, top: int = 0,
-                 tp_axis=None):
-    """One token for each of the first `rows` slots, from its last token. Returns tokens [R] and their `Logprobs`
-    (with the `top` most likely), the slots' last tokens [N] with these written into the first R, the steps
-    advanced by one token, and the cache."""
-    logits_RxV, cache = decode_logits(params, cache, last_N[:rows], steps_N.position[:rows], cfg, n_blocks, tp_axis,
+def _first_tokens(logits_RxV, cache, slots_N: Slots, slot_R, sampling_R, top):
+    """Each prefilled row's first token, chosen with its bias, and written into its slot with the bias and the
+    token's count."""
+    rows, vocab = logits_RxV.shape
+    bias_RxV = dense_bias(sampling_R.bias, rows, vocab)
+    counts_RxV = jnp.zeros((rows, vocab), jnp.int32)
+    token_R, logprob_R = choose(logits_RxV, sampling_R, jnp.zeros_like(slot_R), top, lambda: (counts_RxV, bias_RxV))
+    target_R = jnp.where(slot_R >= 0, slot_R, slots_N.last.shape[0])
+    counts_RxV = counts_RxV.at[jnp.arange(rows), token_R].set(1)
+    slots_N = Slots(*(x.at[target_R].set(new, mode="drop")
+                      for x, new in zip(slots_N, (token_R, counts_RxV, bias_RxV))))
+    return token_R, logprob_R, slots_N, cache
+
+
+def extend_local(params, cache, slots_N: Slots, ids_RxT, start_R, length_R, slot_R, source_R, sampling_R, *, cfg,
+                 policy, top: int = 0, tp_axis=None):
+    """`prefill_local` of prompt tails after cached prefixes (`extend_logits`)."""
+    logits_RxV, cache = extend_logits(params, cache, ids_RxT, start_R, length_R, slot_R, source_R, cfg, tp_axis,
                                       policy=policy)
+    return _first_tokens(logits_RxV, cache, slots_N, slot_R, sampling_R, top)
+
+
+def decode_local(params, cache, slots_N: Slots, steps_N: Steps, *, cfg, policy, rows: int, n_blocks: int,
+                 top: int = 0, tp_axis=None):
+    """One token for each of the first `rows` slots, from its last token. Returns tokens [R] and their `Logprobs`
+    (with the `top` most likely), the `Slots` with these written into the first R (and counted, where a row has
+    penalties), the steps advanced by one token, and the cache."""
+    logits_RxV, cache = decode_logits(params, cache, slots_N.last[:rows], steps_N.position[:rows], cfg, n_blocks,
+                                      tp_axis, policy=policy)
     sampling_R = jax.tree.map(lambda x: x[:rows], steps_N.sampling)
-    token_R, logprob_R = choose(logits_RxV, sampling_R, steps_N.index[:rows], top)
+    token_R, logprob_R = choose(logits_RxV, sampling_R, steps_N.index[:rows], top,
+                                lambda: (slots_N.counts[:rows], slots_N.bias[:rows]))
+    counts_NxV = lax.cond(jnp.any(wants_adjusting(sampling_R)),
+                          lambda: slots_N.counts.at[jnp.arange(rows), token_R].add(1), lambda: slots_N.counts)
+    slots_N = slots_N._replace(last=lax.dynamic_update_slice_in_dim(slots_N.last, token_R, 0, 0), counts=counts_NxV)
     advanced = steps_N._replace(position=steps_N.position + 1, index=steps_N.index + 1)
-    return token_R, logprob_R, lax.dynamic_update_slice_in_dim(last_N, token_R, 0, 0), advanced, cache
+    return token_R, logprob_R, slots_N, advanced, cache
 
 
-def generate_local(params, cache, last_N, steps_N: Steps, live_N, stop_S, n_steps, *, cfg, policy, rows: int,
+def generate_local(params, cache, slots_N: Slots, steps_N: Steps, live_N, stop_S, n_steps, *, cfg, policy, rows: int,
                    n_blocks: int, out_len: int, tp_axis=None, dp_axis=None):
     """Up to `n_steps` (at most out_len) decode steps of the first `rows` slots in one program, ending early once
     every live row of every dp group has drawn one of `stop_S` (padded with -1) since its last token: tokens and
@@ -220,162 +304,20 @@ def generate_local(params, cache, last_N, steps_N: Steps, live_N, stop_S, n_step
         return (lax.psum(any_R, dp_axis) if dp_axis else any_R) > 0
 
     def body(state):
-        i, last_N, steps_N, cache, tokens_RxS, logprobs_RxS, done_R, _ = state
-        token_R, logprob_R, last_N, steps_N, cache = decode_local(params, cache, last_N, steps_N, cfg=cfg,
-                                                                  policy=policy, rows=rows, n_blocks=n_blocks,
-                                                                  tp_axis=tp_axis)
+        i, slots_N, steps_N, cache, tokens_RxS, logprobs_RxS, done_R, _ = state
+        token_R, logprob_R, slots_N, steps_N, cache = decode_local(params, cache, slots_N, steps_N, cfg=cfg,
+                                                                   policy=policy, rows=rows, n_blocks=n_blocks,
+                                                                   tp_axis=tp_axis)
         tokens_RxS = lax.dynamic_update_index_in_dim(tokens_RxS, token_R, i, 1)
         logprobs_RxS = lax.dynamic_update_index_in_dim(logprobs_RxS, logprob_R.chosen, i, 1)
         done_R = done_R | jnp.isin(token_R, stop_S)
-        return i + 1, last_N, steps_N, cache, tokens_RxS, logprobs_RxS, done_R, busy(done_R)
+        return i + 1, slots_N, steps_N, cache, tokens_RxS, logprobs_RxS, done_R, busy(done_R)
 
     def rows_of(dtype):  # typed as varying over dp, like the rows the loop writes into it
         zeros = jnp.zeros((rows, out_len), dtype)
         return lax.pcast(zeros, (dp_axis,), to="varying") if dp_axis else zeros
 
-    done_R = ~live_N[:rows] | jnp.isin(last_N[:rows], stop_S)
-    state = (jnp.int32(0), last_N, steps_N, cache, rows_of(jnp.int32), rows_of(jnp.float32), done_R, busy(done_R))
+    done_R = ~live_N[:rows] | jnp.isin(slots_N.last[:rows], stop_S)
+    state = (jnp.int32(0), slots_N, steps_N, cache, rows_of(jnp.int32), rows_of(jnp.float32), done_R, busy(done_R))
     state = lax.while_loop(lambda s: (s[0] < n_steps) & s[-1], body, state)
     return state[4], state[5], state[3]
-
-
-class Programs:
-    """The prefill and decode programs of one Layout (a shard_map one: see `params.make_inference_layout`), and the
-    cache they run over. Engines and samplers given the same Programs share its compiles.
-
-    prefill(params, cache, last_N, ids [R, T], length [R], slot [R], Sampling [R]) -> (tokens [R], logprobs [R],
-    last_N, cache): R rows split over dp like the slots, each row's slot an index into its own dp group's slots.
-    decode(params, cache, last_N, Steps [N], rows=, n_blocks=) -> (tokens, logprobs [dp x rows], last_N, Steps,
-    cache). generate(params, cache, last_N, Steps [N], live [N], stop ids, n_steps, rows=, n_blocks=, out_len=)
-    -> (tokens, logprobs [dp x rows, out_len], cache): `generate_local`. The cache is donated, and to the step programs
-    the last tokens too.
-
-    Each shape runs its own compiled executable, kept here: `compile` makes them ahead of time from the arguments'
-    shapes alone (nothing runs, so a warm-up need not execute a 2048-token prefill to compile it), and a call with a
-    shape not compiled yet compiles it first.
-    """
-
-    def __init__(self, layout: Layout):
-        self.layout = layout
-        self.traces = 0  # programs compiled so far
-        self.row_sharding = layout.sharding(("batch",))
-        self.cache_sharding = layout.sharding(ACTIVATION_AXES["kv_cache"])
-        self.jitted = {"prefill": jax.jit(self._prefill, static_argnames=("top",), donate_argnums=(1, 2)),
-                       "decode": jax.jit(self._decode, static_argnames=("rows", "n_blocks", "top"),
-                                         donate_argnums=(1, 2)),
-                       "generate": jax.jit(self._generate, static_argnames=("rows", "n_blocks", "out_len"),
-                                           donate_argnums=(1,))}
-        self._executables: dict[tuple, Any] = {}
-        self._lock = threading.Lock()
-        # One program per cache shape, compiled once: a jit made afresh for each new cache compiled every time.
-        self._zeros = jax.jit(self._zero_cache, static_argnums=(0, 1), out_shardings=self.cache_sharding)
-
-    def prefill(self, params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R, *, top: int = 0):
-        return self._run("prefill", (params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R), {"top": top})
-
-    def decode(self, params, cache, last_N, steps_N, *, rows: int, n_blocks: int, top: int = 0):
-        return self._run("decode", (params, cache, last_N, steps_N),
-                         {"rows": rows, "n_blocks": n_blocks, "top": top})
-
-    def generate(self, params, cache, last_N, steps_N, live_N, stop_S, n_steps, *, rows: int, n_blocks: int,
-                 out_len: int):
-        return self._run("generate", (params, cache, last_N, steps_N, live_N, stop_S, n_steps),
-                         {"rows": rows, "n_blocks": n_blocks, "out_len": out_len})
-
-    def lower(self, name: str, *args, **static):
-        """The jitted program `name` lowered for these arguments (arrays or ShapeDtypeStructs); nothing runs."""
-        return self.jitted[name].lower(*args, **static)
-
-    def compile(self, name: str, args: tuple, static: dict | None = None) -> bool:
-        """Compile program `name` for these arguments' shapes (arrays or ShapeDtypeStructs) unless it is compiled
-        already; returns whether it compiled. Safe to call from several threads at once."""
-        static = static or {}
-        key = _signature(name, args, static)
-        with self._lock:
-            if key in self._executables:
-                return False
-            self._executables[key] = pending = concurrent.futures.Future()
-            self.traces += 1
-        try:
-            options = self.compile_policy(name).compiler_options()
-            pending.set_result(self.lower(name, *args, **static).compile(compiler_options=options))
-        except BaseException as e:
-            with self._lock:
-                del self._executables[key]
-            pending.set_exception(e)
-            raise
-        return True
-
-    def compile_policy(self, name: str) -> Policy:
-        """The policy program `name` compiles under: the layout's, except that the device loop over 16-bit weights
-        where converts are ordered (CPU) has no loop-invariant code motion, which hoisted an f32 copy of every
-        layer's weights out of the loop (GPT-J-6B bf16, one device: 35.5 GiB where a step takes 13.0)."""
-        policy = self.layout.policy
-        if name == "generate" and policy.ordered_converts and gptj.compute_dtype(self.layout.cfg).itemsize < 4:
-            return dataclasses.replace(policy, loop_hoisting=False)
-        return policy
-
-    def _run(self, name: str, args: tuple, static: dict):
-        key = _signature(name, args, static)
-        executable = self._executables.get(key)
-        if executable is None:
-            self.compile(name, args, static)
-            executable = self._executables[key]
-        return executable.result()(*args)
-
-    def new_cache(self, n_slots: int, sizes: list[int]) -> KVCache:
-        """An empty cache of n_slots slots in blocks of these lengths, made in its shards."""
-        return KVCache(*self._zeros(n_slots, tuple(sizes)))
-
-    def _zero_cache(self, n_slots: int, sizes: tuple[int, ...]):
-        cfg = self.layout.cfg
-        dtype = cache_dtype(cfg, self.layout.policy)
-
-        def zeros():
-            return [[jnp.zeros((n_slots, cfg.n_heads, cfg.head_dim, size), dtype) for size in sizes]
-                    for _ in range(cfg.layers)]
-
-        return zeros(), zeros()
-
-    def new_last_tokens(self, n_slots: int) -> jax.Array:
-        return jax.device_put(np.zeros(n_slots, np.int32), self.row_sharding)
-
-    def _specs(self):
-        return self.layout.placed_specs(), self.cache_sharding.spec, self.row_sharding.spec
-
-    def _logprobs_spec(self) -> Logprobs:
-        row, top = self.layout.spec(("batch",)), self.layout.spec(("batch", "top"))
-        return Logprobs(row, top, top)
-
-    def _prefill(self, params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R, *, top: int = 0):
-        params_spec, cache_spec, row = self._specs()
-        fn = partial(prefill_local, cfg=self.layout.cfg, policy=self.layout.policy, top=top,
-                     tp_axis=self.layout.tp_axis)
-        in_specs = (params_spec, cache_spec, row, self.layout.spec(("batch", "length")), row, row, row)
-        return self.layout.per_device(fn, in_specs, (row, self._logprobs_spec(), row, cache_spec))(
-            params, cache, last_N, ids_RxT, length_R, slot_R, sampling_R)
-
-    def _decode(self, params, cache, last_N, steps_N, *, rows: int, n_blocks: int, top: int = 0):
-        params_spec, cache_spec, row = self._specs()
-        fn = partial(decode_local, cfg=self.layout.cfg, policy=self.layout.policy, rows=rows, n_blocks=n_blocks,
-                     top=top, tp_axis=self.layout.tp_axis)
-        out_specs = (row, self._logprobs_spec(), row, row, cache_spec)
-        return self.layout.per_device(fn, (params_spec, cache_spec, row, row), out_specs)(params, cache, last_N,
-                                                                                          steps_N)
-
-    def _generate(self, params, cache, last_N, steps_N, live_N, stop_S, n_steps, *, rows: int, n_blocks: int,
-                  out_len: int):
-        params_spec, cache_spec, row = self._specs()
-        fn = partial(generate_local, cfg=self.layout.cfg, policy=self.layout.policy, rows=rows, n_blocks=n_blocks,
-                     out_len=out_len, tp_axis=self.layout.tp_axis, dp_axis=self.layout.dp_axis)
-        in_specs = (params_spec, cache_spec, row, row, row, P(), P())
-        return self.layout.per_device(fn, in_specs, (row, row, cache_spec))(params, cache, last_N, steps_N, live_N,
-                                                                            stop_S, n_steps)
-
-
-def _signature(name: str, args: tuple, static: dict) -> tuple:
-    """What picks a program's executable: its name, static values, the cache's block shapes (the params' shapes are
-    the layout's) and the shapes and dtypes of the other arguments."""
-    cache = args[1]
-    rest = tuple((np.shape(x), np.dtype(x.dtype)) for x in jax.tree.leaves(args[2:]))
-    return name, tuple(sorted(static.items())), tuple(b.shape for b in cache.k[0]), rest

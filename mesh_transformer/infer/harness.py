@@ -22,7 +22,9 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
+from mesh_transformer import flags
 from mesh_transformer.config import Config, ConfigError
+from mesh_transformer.infer.load import load_for_inference
 from mesh_transformer.infer.params import make_inference_layout, place_params
 from mesh_transformer.infer.sampler import Sampler
 from mesh_transformer.infer.score import Scorer, Unit, pack
@@ -73,15 +75,13 @@ class MeshTransformerLM(TemplateLM):
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> MeshTransformerLM:
         """lm-eval's way in: `--model mesh-transformer --model_args ckpt=P[,config=C,mp=N,dtype=bf16,lora=A]`: any
-        flag of the sampling tools' model flags (`cli.add_inference_args`) by its name, the rest for the adapter."""
-        from mesh_transformer import cli
-
+        flag of the sampling tools' model flags (`flags.add_inference_args`) by its name, the rest for the adapter."""
         args = lm_utils.simple_parse_args_string(arg_string)
-        parser = cli.Parser(prog="mesh-transformer model_args")
-        cli.add_inference_args(parser)
-        flags = set(vars(parser.parse_args([]))) - {"overrides"}
-        argv = [item for key in flags & set(args) for item in (f"--{key}", str(args.pop(key)))]
-        layout, tokenizer, params = cli.load_for_inference(parser.parse_args(argv))
+        parser = flags.Parser(prog="mesh-transformer model_args")
+        flags.add_inference_args(parser)
+        names = set(vars(parser.parse_args([]))) - {"overrides"}
+        argv = [item for key in names & set(args) for item in (f"--{key}", str(args.pop(key)))]
+        layout, tokenizer, params = load_for_inference(parser.parse_args(argv))
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
         return cls(layout, params, tokenizer, **{**args, **extra})
 

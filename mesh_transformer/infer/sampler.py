@@ -17,7 +17,8 @@ import jax
 import numpy as np
 
 from mesh_transformer.infer.choose import fill_sampling
-from mesh_transformer.infer.decode import Programs, Steps
+from mesh_transformer.infer.decode import Steps
+from mesh_transformer.infer.programs import Programs
 from mesh_transformer.infer.sizes import bucket, prompt_problem
 from mesh_transformer.infer.params import place_params
 from mesh_transformer.parallel.layout import Layout
@@ -87,6 +88,9 @@ class _RowSampling:
     top_p: float
     seed: int
     logprobs: bool
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict = dataclasses.field(default_factory=dict)
 
 
 class Sampler:
@@ -162,7 +166,7 @@ class Sampler:
             ids_NxT[row, :len(prompt)], length_N[row], slot_N[row] = prompt, len(prompt), row % n_local
         sampling = jax.device_put(fill_sampling(n_slots, enumerate(rows)), programs.row_sharding)
         cache = programs.new_cache(n_slots, [min(width + bucket(max_new_tokens, maximum=seq), seq)])
-        token, logprob, last, cache = programs.prefill(self.params, cache, programs.new_last_tokens(n_slots), ids_NxT,
+        token, logprob, last, cache = programs.prefill(self.params, cache, programs.new_slots(n_slots), ids_NxT,
                                                        length_N, slot_N, sampling)
         logprob = logprob.chosen
         if max_new_tokens == 1:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 MIN_BUCKET = 16
+MAX_LOGIT_BIAS = 300  # token biases per request at most, as OpenAI allows
 
 
 def bucket(n: int, minimum: int = MIN_BUCKET, maximum: int | None = None) -> int:

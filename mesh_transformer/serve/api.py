@@ -1,5 +1,5 @@
-"""The OpenAI-compatible completions API as pure functions: request validation with OpenAI-style errors, and the
-response objects. No HTTP here (server.py) and no device (engine.py).
+"""The OpenAI-compatible completions API as pure functions: request validation with OpenAI-style errors (the field
+checks chat.py shares too), and the response objects. No HTTP here (server.py) and no device (engine.py).
 """
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import json
 import math
 import numbers
 import secrets
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
-from mesh_transformer.infer.sizes import prompt_problem
+from mesh_transformer.infer.sizes import MAX_LOGIT_BIAS, prompt_problem
 from mesh_transformer.serve.completion import Event
 
 DEFAULT_MAX_TOKENS = 16
@@ -64,6 +64,9 @@ class CompletionParams:
     logprobs: int | None = None
     include_usage: bool = False
     echo: bool = False  # the prompt comes back first, with its tokens' log-probs (the first null) if asked
+    presence_penalty: float = 0.0  # OpenAI's penalties and logit bias ((token id, value) pairs): choose.adjusted
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 # --------------------------------------------------------------------------------------------------------- parsing
@@ -96,7 +99,7 @@ def _get(body: dict, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def _integer(body: dict, name: str, default: Any, low: int, high: int) -> Any:
+def int_field(body: dict, name: str, default: Any, low: int, high: int) -> Any:
     value = body.get(name)
     if value is None:
         return default
@@ -107,7 +110,7 @@ def _integer(body: dict, name: str, default: Any, low: int, high: int) -> Any:
     return value
 
 
-def _number(body: dict, name: str, default: float, low: float, high: float, open_low: bool = False) -> float:
+def number_field(body: dict, name: str, default: float, low: float, high: float, open_low: bool = False) -> float:
     value = _get(body, name, default)
     if not _is_number(value):
         raise ApiError(400, f"'{name}' must be a finite number, got {json.dumps(value)[:50]}", name)
@@ -117,7 +120,7 @@ def _number(body: dict, name: str, default: float, low: float, high: float, open
     return float(value)
 
 
-def _boolean(body: dict, name: str) -> bool:
+def bool_field(body: dict, name: str) -> bool:
     value = _get(body, name, False)
     if not isinstance(value, bool):
         raise ApiError(400, f"'{name}' must be true or false, got {json.dumps(value)[:50]}", name)
@@ -170,65 +173,103 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _check_context(prompts: Sequence[Sequence[int]], max_tokens: int, context: int) -> None:
+def check_context(prompts: Sequence[Sequence[int]], max_tokens: int, context: int, prompt_param: str = "prompt",
+                  tokens_param: str = "max_tokens") -> None:
+    """Refuses prompts that leave no room in the context, or too little for max_tokens (errors name the params)."""
     longest = max(map(len, prompts))
     if longest > context or (longest == context and max_tokens > 0):
         raise ApiError(400, f"This model's maximum context length is {context} tokens; the prompt has {longest} "
-                            f"tokens and leaves no room for a completion. Please shorten the prompt.", "prompt")
+                            f"tokens and leaves no room for a completion. Please shorten the prompt.", prompt_param)
     if longest + max_tokens > context:
         raise ApiError(400, f"This model's maximum context length is {context} tokens, however you requested "
                             f"{longest + max_tokens} tokens ({longest} in your prompt; {max_tokens} for the "
-                            f"completion). Please reduce your prompt or completion length.", "max_tokens")
+                            f"completion). Please reduce your prompt or completion length.", tokens_param)
 
 
 # Known OpenAI fields that this server accepts only at their defaults: (is it the default?, what to say).
-_DEFAULT_ONLY = {
-    "presence_penalty": (lambda v: v is None or (_is_number(v) and v == 0), "only 0 is supported"),
-    "frequency_penalty": (lambda v: v is None or (_is_number(v) and v == 0), "only 0 is supported"),
-    "best_of": (lambda v: v is None or (_is_int(v) and v == 1), "only 1 (or null) is supported"),
-    "logit_bias": (lambda v: v is None or v == {}, "only null or {} is supported"),
-    "suffix": (lambda v: v is None or v == "", "only null is supported"),
+DEFAULT_ONLY = {
     "user": (lambda v: v is None or isinstance(v, str), "it must be a string"),
 }
-_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop",
-           "seed", "logprobs", "echo", *_DEFAULT_ONLY}
+_COMPLETION_DEFAULT_ONLY = {
+    **DEFAULT_ONLY,
+    "best_of": (lambda v: v is None or (_is_int(v) and v == 1), "only 1 (or null) is supported"),
+    "suffix": (lambda v: v is None or v == "", "only null is supported"),
+}
+# The fields every generating route takes: check_fields reads model, parse_sampling the sampling ones; each route
+# reads max_tokens and logprobs its own way.
+SHARED_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop",
+                 "seed", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias"}
+_FIELDS = {*SHARED_FIELDS, "prompt", "echo", *_COMPLETION_DEFAULT_ONLY}
 
 
-def parse_completion(body: dict, tokenizer: Any, limits: Limits) -> CompletionParams:
-    """A validated /v1/completions request; raises ApiError(400) naming the first bad field."""
+def check_fields(body: dict, known: Collection[str], default_only: dict) -> None:
+    """Refuses a field the route does not know, a known one away from its one supported value, a non-string model."""
     for name in body:
-        if name not in _FIELDS:
+        if name not in known:
             raise ApiError(400, f"Unrecognized request argument supplied: {name}", name)
-    for name, (is_default, meaning) in _DEFAULT_ONLY.items():
+    for name, (is_default, meaning) in default_only.items():
         if name in body and not is_default(body[name]):
             raise ApiError(400, f"'{name}' is not supported with value {json.dumps(body[name])[:50]}: {meaning}",
                            name)
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise ApiError(400, "'model' must be a string", "model")
-    if "prompt" not in body:
-        raise ApiError(400, "'prompt' is required", "prompt")
-    n = _integer(body, "n", 1, 1, MAX_N)
-    prompts = parse_prompts(body["prompt"], tokenizer, limits.vocab)
-    if len(prompts) * n > limits.max_choices:
-        raise ApiError(400, f"{len(prompts)} prompts x n={n} is {len(prompts) * n} completions; at most "
+
+
+def parse_sampling(body: dict, limits: Limits, n_prompts: int) -> dict:
+    """What the generating routes share, as CompletionParams fields: n (n_prompts x n choices must fit one
+    request), temperature, top_p, top_k, stream with stream_options, stop, seed, penalties and logit bias."""
+    n = int_field(body, "n", 1, 1, MAX_N)
+    if n_prompts * n > limits.max_choices:
+        raise ApiError(400, f"{n_prompts} prompt(s) x n={n} is {n_prompts * n} completions; at most "
                             f"{limits.max_choices} fit in one request", "n")
-    echo = _boolean(body, "echo")
-    max_tokens = _integer(body, "max_tokens", DEFAULT_MAX_TOKENS, 0, limits.context)
-    if max_tokens == 0 and not echo:
-        raise ApiError(400, "'max_tokens' must be at least 1 unless 'echo' is true", "max_tokens")
-    stream = _boolean(body, "stream")
     options = _get(body, "stream_options", {})
     if not isinstance(options, dict) or set(options) - {"include_usage"} or not isinstance(
             options.get("include_usage", False), bool):
         raise ApiError(400, "'stream_options' must be null or {\"include_usage\": true|false}", "stream_options")
-    seed = _integer(body, "seed", None, -MAX_SEED, MAX_SEED)
-    params = CompletionParams(
-        prompts=prompts, max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_low=True), top_k=_integer(body, "top_k", 0, 0, limits.vocab),
-        n=n, stream=stream, stop=_stop(body), seed=secrets.randbits(32) if seed is None else seed,
-        logprobs=_integer(body, "logprobs", None, 0, MAX_LOGPROBS), include_usage=options.get("include_usage", False),
-        echo=echo)
-    _check_context(prompts, max_tokens, limits.context)
+    seed = int_field(body, "seed", None, -MAX_SEED, MAX_SEED)
+    return {"n": n, "temperature": number_field(body, "temperature", 1.0, 0.0, 2.0),
+            "top_p": number_field(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
+            "top_k": int_field(body, "top_k", 0, 0, limits.vocab), "stream": bool_field(body, "stream"),
+            "include_usage": options.get("include_usage", False), "stop": _stop(body),
+            "seed": secrets.randbits(32) if seed is None else seed,
+            "presence_penalty": number_field(body, "presence_penalty", 0.0, -2.0, 2.0),
+            "frequency_penalty": number_field(body, "frequency_penalty", 0.0, -2.0, 2.0),
+            "logit_bias": _logit_bias(body, limits.vocab)}
+
+
+def _logit_bias(body: dict, vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: null or an object of token ids (as strings) to values in [-100, 100], at most
+    MAX_LOGIT_BIAS of them."""
+    bias = _get(body, "logit_bias", {})
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"'logit_bias' must be null or an object of at most {MAX_LOGIT_BIAS} token ids to "
+                            "numbers", "logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and int(key) < vocab):
+            raise ApiError(400, f"'logit_bias' key {json.dumps(key)[:50]} is not a token id in [0, {vocab})",
+                           "logit_bias")
+        if not _is_number(value) or not -100 <= value <= 100:
+            raise ApiError(400, f"'logit_bias' value for token {key} must be a number in [-100, 100], got "
+                                f"{json.dumps(value)[:50]}", "logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
+
+
+def parse_completion(body: dict, tokenizer: Any, limits: Limits) -> CompletionParams:
+    """A validated /v1/completions request; raises ApiError(400) naming the first bad field."""
+    check_fields(body, _FIELDS, _COMPLETION_DEFAULT_ONLY)
+    if "prompt" not in body:
+        raise ApiError(400, "'prompt' is required", "prompt")
+    prompts = parse_prompts(body["prompt"], tokenizer, limits.vocab)
+    sampling = parse_sampling(body, limits, len(prompts))
+    echo = bool_field(body, "echo")
+    max_tokens = int_field(body, "max_tokens", DEFAULT_MAX_TOKENS, 0, limits.context)
+    if max_tokens == 0 and not echo:
+        raise ApiError(400, "'max_tokens' must be at least 1 unless 'echo' is true", "max_tokens")
+    params = CompletionParams(prompts=prompts, max_tokens=max_tokens, echo=echo,
+                              logprobs=int_field(body, "logprobs", None, 0, MAX_LOGPROBS), **sampling)
+    check_context(prompts, max_tokens, limits.context)
     return params
 
 
@@ -241,11 +282,12 @@ def parse_complete(body: dict, tokenizer: Any, limits: Limits) -> CompletionPara
     if not isinstance(context, str) or not context:
         raise ApiError(400, "'context' must be a non-empty string", "context")
     prompt = _text_prompt(context, tokenizer, "context")
-    length = _integer(body, "length", None, 1, limits.context)
+    length = int_field(body, "length", None, 1, limits.context)
     length = min(COMPLETE_DEFAULT_LENGTH, max(1, limits.context - len(prompt))) if length is None else length
-    _check_context([prompt], length, limits.context)
-    return CompletionParams(prompts=(prompt,), max_tokens=length, temperature=_number(body, "temp", 1.0, 0.0, 2.0),
-                            top_p=_number(body, "top_p", 0.9, 0.0, 1.0, open_low=True), seed=secrets.randbits(32))
+    check_context([prompt], length, limits.context)
+    return CompletionParams(prompts=(prompt,), max_tokens=length,
+                            temperature=number_field(body, "temp", 1.0, 0.0, 2.0),
+                            top_p=number_field(body, "top_p", 0.9, 0.0, 1.0, open_low=True), seed=secrets.randbits(32))
 
 
 # ------------------------------------------------------------------------------------------------------- responses

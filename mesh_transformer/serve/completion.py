@@ -41,6 +41,9 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     logprobs: bool = True
+    presence_penalty: float = 0.0  # OpenAI's penalties and logit bias ({token id: value}): `choose.adjusted`
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 

@@ -27,14 +27,16 @@ import jax
 import numpy as np
 
 from mesh_transformer.infer.choose import Logprobs, fill_sampling
-from mesh_transformer.infer.decode import Programs, Steps, block_sizes, default_block
+from mesh_transformer.infer.decode import Steps, block_sizes, default_block
 from mesh_transformer.infer.params import place_params
+from mesh_transformer.infer.programs import Programs
 from mesh_transformer.infer.sampler import check_sampling
 from mesh_transformer.infer.sizes import prompt_problem
 from mesh_transformer.infer.score import MAX_TOP
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import DP
 from mesh_transformer.serve.completion import Completion, Event, GenerationRequest
+from mesh_transformer.serve.prefix import Placement, PrefixIndex
 from mesh_transformer.serve.schedule import Schedule
 from mesh_transformer.tokenizer import EOS_ID
 
@@ -66,12 +68,13 @@ class Engine:
     group's) and reads only the cache blocks (of `min_span` positions) up to the furthest busy one (a power of two of
     them), so a lone request does not pay for N slots and a long context; each (rows, blocks) pair is one compiled
     program. With `warm_up`, the constructor compiles every program first (ahead of time: none is run), so no
-    request waits for a compile.
+    request waits for a compile. With `prefix_cache`, a request reuses the cached keys of its longest prompt prefix
+    held by a slot (serve/prefix.py) and computes only the rest.
     """
 
     def __init__(self, layout: Layout, params: dict, tokenizer: Any, *, max_batch: int = 8, max_queue: int = 64,
                  stop_token_ids: Sequence[int] = (EOS_ID,), min_span: int | None = None, warm_up: bool = False,
-                 programs: Programs | None = None):
+                 programs: Programs | None = None, prefix_cache: bool = True):
         if max_batch < 1 or max_queue < 1:
             raise ValueError(f"max_batch and max_queue must be at least 1, got {max_batch} and {max_queue}")
         self.layout, self.cfg, self.tokenizer, self.max_queue = layout, layout.cfg, tokenizer, max_queue
@@ -85,9 +88,10 @@ class Engine:
         self.schedule = Schedule(self.n_slots, self._dp, cfg.seq,
                                  tuple(block_sizes(cfg.seq, min(self.min_span, cfg.seq))))
         self._cache = self._programs.new_cache(self.n_slots, list(self.schedule.block_sizes))
-        # Each slot's last token, the next decode step's input: made and kept on the device.
-        self._last_tokens = self._programs.new_last_tokens(self.n_slots)
+        # Each slot's last token (the next decode step's input), token counts and logit bias, kept on the device.
+        self._slot_state = self._programs.new_slots(self.n_slots)
         self._slots: list[Completion | None] = [None] * self.n_slots
+        self._prefix = PrefixIndex(self.n_slots, self.schedule.n_local) if prefix_cache else None
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
         self._calls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
         self._cond = threading.Condition()
@@ -147,8 +151,12 @@ class Engine:
         """Slots, queue and request counts, for health checks."""
         with self._cond:
             busy = sum(slot is not None for slot in self._slots)
+            prefix = self._prefix
             return {"slots": {"total": self.n_slots, "busy": busy, "free": self.n_slots - busy},
-                    "queue": {"waiting": len(self._waiting), "max": self.max_queue}, "requests": dict(self.counts)}
+                    "queue": {"waiting": len(self._waiting), "max": self.max_queue}, "requests": dict(self.counts),
+                    "prefix_cache": {"enabled": prefix is not None,
+                                     "queried_tokens": prefix.queried_tokens if prefix else 0,
+                                     "hit_tokens": prefix.hit_tokens if prefix else 0}}
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the device loop; requests still waiting or running get an error event."""
@@ -171,9 +179,7 @@ class Engine:
                     calls, self._calls = list(self._calls), collections.deque()
                 for fn, future in calls:
                     _run_call(fn, future)
-                lengths = {slot: len(request.prompt) for slot, request in admitted}
-                for rows_per_group, width, batch in self.schedule.prefill_batches(lengths):
-                    in_flight.append(self._prefill(rows_per_group, width, batch))
+                in_flight.extend(self._prefills(admitted))
                 self._drop_cancelled()
                 step = self._decode_step()
                 if step is not None:
@@ -188,25 +194,49 @@ class Engine:
                 self.error = f"the generation engine failed: {type(e).__name__}: {e}"
             self._fail_all(self.error)
 
-    def _take_admissions(self) -> list[tuple[int, GenerationRequest]]:
-        """Pop waiting requests into free slots, lowest local row first so decode steps compute fewer rows."""
+    def _take_admissions(self) -> dict[int, Placement]:
+        """Pop waiting requests into free slots: where the prefix cache says, else lowest local row first so decode
+        steps compute fewer rows. Returns {slot: its placement}."""
         free = self.schedule.admission_order([i for i, slot in enumerate(self._slots) if slot is None])
-        admitted = []
+        admitted, pinned = {}, set()
         while free and self._waiting:
-            request = self._waiting.popleft()
-            slot = free.pop(0)
-            self._slots[slot] = Completion(request)  # reserved now, so stats count it busy
-            admitted.append((slot, request))
+            prompt = self._waiting[0].prompt
+            placement = self._prefix.place(prompt, free, pinned) if self._prefix else Placement(free[0], free[0], 0)
+            if placement is None:  # the free slots left are copied from in this round
+                break
+            free.remove(placement.slot)
+            pinned.add(placement.source)
+            self._slots[placement.slot] = Completion(self._waiting.popleft())  # reserved now: stats count it busy
+            admitted[placement.slot] = placement
+        if self._prefix:  # once placed, their prompts' blocks are held (the programs writing them run first)
+            for slot in admitted:
+                self._prefix.hold(slot, self._slots[slot].request.prompt)
         return admitted
+
+    def _prefills(self, admitted: dict[int, Placement]) -> list[_Step]:
+        """Dispatch the admitted requests' prefills: of whole prompts, and of the rest after a cached prefix."""
+        fresh = {slot: len(self._slots[slot].request.prompt) for slot, p in admitted.items() if not p.reused}
+        steps = [self._prefill(rows, width, batch) for rows, width, batch in self.schedule.prefill_batches(fresh)]
+        tails = {slot: len(self._slots[slot].request.prompt) - p.reused for slot, p in admitted.items() if p.reused}
+        for rows, width, batch in self.schedule.prefill_batches(tails):
+            steps.append(self._extend(rows, width, batch, admitted))
+        return steps
 
     def programs(self) -> list[tuple[str, tuple, dict]]:
         """Every program the engine can run, as (name, arguments, static arguments) for `Programs.compile`: each
-        prompt bucket x its prefill row counts, each decode row count x block count."""
-        state = (self.params, self._cache, self._last_tokens)
+        prompt bucket x its prefill row counts (whole prompts, and after a cached prefix), each decode row count x
+        block count."""
+        state = (self.params, self._cache, self._slot_state)
+        shapes = [(width, n * self._dp) for width, group_rows in self.schedule.prefill_rows.items()
+                  for n in group_rows]
         prefills = [("prefill", (*state, np.zeros((r, width), np.int32), np.ones(r, np.int32),
-                                 np.full(r, -1, np.int32), fill_sampling(r, [])), {"top": MAX_TOP})
-                    for width, group_rows in self.schedule.prefill_rows.items()
-                    for r in (n * self._dp for n in group_rows)]
+                                 np.full(r, -1, np.int32), fill_sampling(r, [], bias=True)), {"top": MAX_TOP})
+                    for width, r in shapes]
+        if self._prefix:
+            prefills += [("extend", (*state, np.zeros((r, width), np.int32), np.zeros(r, np.int32),
+                                     np.ones(r, np.int32), np.full(r, -1, np.int32), np.full(r, -1, np.int32),
+                                     fill_sampling(r, [], bias=True)), {"top": MAX_TOP})
+                         for width, r in shapes]
         zeros = np.zeros(self.n_slots, np.int32)
         steps = Steps(zeros, zeros, fill_sampling(self.n_slots, []))
         decodes = [("decode", (*state, steps), {"rows": rows, "n_blocks": count, "top": MAX_TOP})
@@ -217,7 +247,7 @@ class Engine:
         """Compile every program ahead of time (nothing runs), a few at once."""
         programs = self.programs()
         log.info("compiling %d programs (%d prefill, %d decode)", len(programs),
-                 sum(name == "prefill" for name, _, _ in programs), sum(name == "decode" for name, _, _ in programs))
+                 sum(name != "decode" for name, _, _ in programs), sum(name == "decode" for name, _, _ in programs))
         start_s = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
             list(pool.map(lambda program: self._programs.compile(*program), programs))
@@ -227,29 +257,49 @@ class Engine:
                      sampling_R) -> tuple[jax.Array, Logprobs]:
         """Dispatch a prefill of R prompts (R split over dp like the slots; each row's slot local to its group, -1
         for a padding row). Returns the first tokens and their log-probs [R], still on the device."""
-        tokens, logprobs, self._last_tokens, self._cache = self._programs.prefill(
-            self.params, self._cache, self._last_tokens, ids_RxT, length_R, slot_R, sampling_R, top=MAX_TOP)
+        tokens, logprobs, self._slot_state, self._cache = self._programs.prefill(
+            self.params, self._cache, self._slot_state, ids_RxT, length_R, slot_R, sampling_R, top=MAX_TOP)
         return tokens, logprobs
 
     def _run_decode(self, steps: Steps, rows: int, n_blocks: int) -> tuple[jax.Array, Logprobs]:
         """Dispatch a decode step of the first `rows` slots of each dp group."""
-        tokens, logprobs, self._last_tokens, _, self._cache = self._programs.decode(
-            self.params, self._cache, self._last_tokens, steps, rows=rows, n_blocks=n_blocks, top=MAX_TOP)
+        tokens, logprobs, self._slot_state, _, self._cache = self._programs.decode(
+            self.params, self._cache, self._slot_state, steps, rows=rows, n_blocks=n_blocks, top=MAX_TOP)
         return tokens, logprobs
 
     def _prefill(self, rows_per_group: int, width: int, batch: list[tuple[int, int]]) -> _Step:
         """Prefill one batch of admitted requests, (slot, input row) each, in one program of prompts padded to
         `width`."""
-        n = rows_per_group * self._dp
-        ids_RxT = np.zeros((n, width), np.int32)
-        length, local_slot = np.ones(n, np.int32), np.full(n, -1, np.int32)  # padding rows: written nowhere
-        for slot, row in batch:
-            prompt = self._slots[slot].request.prompt
-            ids_RxT[row, :len(prompt)], length[row], local_slot[row] = prompt, len(prompt), slot % self.schedule.n_local
-            self._slots[slot].dispatched = 1
-        sampling = fill_sampling(n, [(row, self._slots[slot].request) for slot, row in batch])
+        ids_RxT, length, local_slot, _, _ = self._prefill_rows(rows_per_group, width, batch, {})
+        sampling = fill_sampling(len(length), [(row, self._slots[slot].request) for slot, row in batch], bias=True)
         tokens, chosen = self._run_prefill(ids_RxT, length, local_slot, sampling)
         return _Step(tokens, chosen, [(slot, self._slots[slot], row) for slot, row in batch])
+
+    def _extend(self, rows_per_group: int, width: int, batch: list[tuple[int, int]],
+                placements: dict[int, Placement]) -> _Step:
+        """Prefill the rest of each prompt of a batch after its cached prefix (`placements`)."""
+        ids_RxT, length, local_slot, start, source = self._prefill_rows(rows_per_group, width, batch, placements)
+        sampling = fill_sampling(len(length), [(row, self._slots[slot].request) for slot, row in batch], bias=True)
+        tokens, chosen, self._slot_state, self._cache = self._programs.extend(
+            self.params, self._cache, self._slot_state, ids_RxT, start, length, local_slot, source, sampling,
+            top=MAX_TOP)
+        return _Step(tokens, chosen, [(slot, self._slots[slot], row) for slot, row in batch])
+
+    def _prefill_rows(self, rows_per_group: int, width: int, batch: list[tuple[int, int]],
+                      placements: dict[int, Placement]) -> tuple[np.ndarray, ...]:
+        """A prefill's input rows: ids [R, width] (each prompt after what it reuses), lengths, slots, starts and
+        source slots [R] (slots local to their dp group; a padding row's -1, written nowhere)."""
+        n, n_local = rows_per_group * self._dp, self.schedule.n_local
+        ids_RxT = np.zeros((n, width), np.int32)
+        length, local_slot = np.ones(n, np.int32), np.full(n, -1, np.int32)
+        start, source = np.zeros(n, np.int32), np.full(n, -1, np.int32)
+        for slot, row in batch:
+            placement = placements.get(slot, Placement(slot, slot, 0))
+            tail = self._slots[slot].request.prompt[placement.reused:]
+            ids_RxT[row, :len(tail)], length[row], local_slot[row] = tail, len(tail), slot % n_local
+            start[row], source[row] = placement.reused, placement.source % n_local
+            self._slots[slot].dispatched = 1
+        return ids_RxT, length, local_slot, start, source
 
     def _decode_step(self) -> _Step | None:
         """Dispatch one token for every slot that needs one, or None if none does."""
@@ -281,6 +331,8 @@ class Engine:
                 top = tuple(zip(logprobs.top_ids[row].tolist(), logprobs.top[row].tolist()))
             for event in completion.accept(int(tokens[row]), chosen, self.tokenizer, self.stop_token_ids, top):
                 if event.finish_reason is not None:
+                    if self._prefix:  # its slot holds the keys of every token fed to it
+                        self._prefix.hold(i, completion.request.prompt + completion.tokens[:-1])
                     with self._cond:
                         self._slots[i] = None
                         self.counts["completed"] += 1

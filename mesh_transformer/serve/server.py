@@ -1,6 +1,7 @@
-"""The HTTP front of the serving engine (FastAPI + uvicorn): OpenAI-compatible /v1/completions (streamed as server-sent
-events too) and /v1/models, the original /complete, and /health. Handlers only validate, enqueue and stream; the
-engine's thread owns the device, and its events reach the event loop through call_soon_threadsafe.
+"""The HTTP front of the serving engine (FastAPI + uvicorn): OpenAI-compatible /v1/completions and
+/v1/chat/completions (streamed as server-sent events too) and /v1/models, the original /complete, /health and
+Prometheus /metrics. Handlers only validate, enqueue and stream; the engine's thread owns the device, and its events
+reach the event loop through call_soon_threadsafe (timed on the way, serve/metrics.py).
 """
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mesh_transformer.infer.score import Scorer, TokenScores, score_sequences
-from mesh_transformer.serve import api
+from mesh_transformer.serve import api, chat
 from mesh_transformer.serve.api import ApiError, CompletionParams
 from mesh_transformer.serve.completion import Event, GenerationRequest
 from mesh_transformer.serve.engine import Engine, EngineStopped, QueueFull
+from mesh_transformer.serve.metrics import CONTENT_TYPE, ServingMetrics
 
 log = logging.getLogger(__name__)
 
@@ -37,18 +39,22 @@ _ERROR_TYPES = {401: "invalid_request_error", 404: "invalid_request_error", 405:
 
 
 class _Job:
-    """The engine requests behind one HTTP request (prompts x n); their events arrive on the event loop's queue."""
+    """The engine requests behind one HTTP request (prompts x n); their events are timed for the metrics where they
+    are made and arrive on the event loop's queue."""
 
-    def __init__(self, engine: Engine, params: CompletionParams, loop: asyncio.AbstractEventLoop):
-        self.engine, self.events_queue = engine, asyncio.Queue()
+    def __init__(self, engine: Engine, params: CompletionParams, metrics: ServingMetrics):
+        self.engine, self.events_queue, loop = engine, asyncio.Queue(), asyncio.get_running_loop()
         self.requests = [
             GenerationRequest(list(prompt), params.max_tokens, partial(self._deliver, loop, index),
                               temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                               seed=params.seed + index, stop=params.stop, stream=params.stream,
-                              logprobs=params.logprobs is not None)
+                              logprobs=params.logprobs is not None, presence_penalty=params.presence_penalty,
+                              frequency_penalty=params.frequency_penalty, logit_bias=dict(params.logit_bias))
             for index, prompt in enumerate(p for p in params.prompts for _ in range(params.n))]
+        self.timers = [metrics.timer(request) for request in self.requests]
 
     def _deliver(self, loop: asyncio.AbstractEventLoop, index: int, event: Event) -> None:
+        self.timers[index].on_event(event)
         loop.call_soon_threadsafe(self.events_queue.put_nowait, (index, event))
 
     def submit(self) -> None:
@@ -95,10 +101,6 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
-def _sse(data: Any) -> str:
-    return f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n"
-
-
 def _authorizer(api_key: str | None) -> Callable[[Request], None]:
     """A route dependency: with an api_key, the request must carry `Authorization: Bearer <api_key>`."""
     def check_key(request: Request) -> None:
@@ -133,10 +135,9 @@ def _add_error_handlers(app: FastAPI) -> None:
                             500)
 
 
-async def _run(engine: Engine, request: Request, params: CompletionParams) -> tuple[list[Event], float] | None:
-    """Every choice's whole completion (one merged Event each) and the seconds taken, or None when the client went
-    away first."""
-    job = _Job(engine, params, asyncio.get_running_loop())
+async def _run(job: _Job, request: Request) -> tuple[list[Event], float] | None:
+    """Submit the job: every choice's whole completion (one merged Event each) and the seconds taken, or None when
+    the client went away first."""
     job.submit()
     start_s = time.perf_counter()
 
@@ -177,10 +178,6 @@ class _Scoring:
         return params.logprobs is not None and params.echo
 
 
-def _choice_prompts(params: CompletionParams) -> list[list[int]]:
-    return [list(p) for p in params.prompts for _ in range(params.n)]
-
-
 def _scored(event: Event, prompt: list[int], prompt_scores: TokenScores | None, echo: bool,
             k: int | None) -> tuple[Event, list | None]:
     """The event with the prompt in front when echoing (with the prompt's scores, its log-probs and alternatives;
@@ -198,7 +195,7 @@ def _scored(event: Event, prompt: list[int], prompt_scores: TokenScores | None, 
 async def _echoed(scoring: _Scoring, params: CompletionParams, tokenizer: Any,
                   events: list[Event]) -> list[tuple[Event, list | None]]:
     """Whole choices with the prompt echoed and log-probs re-scored as the request asks."""
-    prompts = _choice_prompts(params)
+    prompts = [list(p) for p in params.prompts for _ in range(params.n)]
     scores = [None] * len(events)
     if scoring.wanted(params):
         scores = await scoring(prompts, params.logprobs)
@@ -210,33 +207,29 @@ async def _echoed(scoring: _Scoring, params: CompletionParams, tokenizer: Any,
 
 
 async def _stream(job: _Job | None, params: CompletionParams, tokenizer: Any, meta: dict, prompt_tokens: int,
-                  scoring: _Scoring) -> AsyncIterator[str]:
-    """A streamed completion as server-sent events, ending with [DONE]; with echo, each prompt comes first."""
+                  scoring: _Scoring) -> AsyncIterator[dict | str]:
+    """A streamed completion's data, ending with [DONE]; with echo, each prompt comes first."""
     n_choices = len(params.prompts) * params.n
     offsets, completion_tokens = [0] * n_choices, 0
-    try:
-        if params.echo:
-            echoes = await _echoed(scoring, params, tokenizer, [Event(finish_reason=None if job else "length")
-                                                                for _ in range(n_choices)])
-            for index, (event, alternatives) in enumerate(echoes):
-                yield _sse(api.completion(**meta, choices=[api.choice(index, event, tokenizer, params.logprobs, 0,
-                                                                      alternatives)]))
-                offsets[index] = len(event.text)
-        async for index, event in (job.events() if job else _nothing()):
-            if event.error:
-                yield _sse(api.error_body(event.error, "server_error"))
-                return
-            event, alternatives = _scored(event, [], None, False, params.logprobs)
-            chunk = api.choice(index, event, tokenizer, params.logprobs, offsets[index], alternatives)
-            offsets[index] += len(event.text)
-            completion_tokens += len(event.tokens)
-            yield _sse(api.completion(**meta, choices=[chunk]))
-        if params.include_usage:
-            yield _sse(api.completion(**meta, choices=[], usage=api.usage(prompt_tokens, completion_tokens)))
-        yield _sse("[DONE]")
-    finally:
-        if job:
-            job.cancel()  # the client went away (or all is done): free the slots at the next step
+    if params.echo:
+        echoes = await _echoed(scoring, params, tokenizer, [Event(finish_reason=None if job else "length")
+                                                            for _ in range(n_choices)])
+        for index, (event, alternatives) in enumerate(echoes):
+            chunk = api.choice(index, event, tokenizer, params.logprobs, 0, alternatives)
+            yield api.completion(**meta, choices=[chunk])
+            offsets[index] = len(event.text)
+    async for index, event in (job.events() if job else _nothing()):
+        if event.error:
+            yield api.error_body(event.error, "server_error")
+            return
+        event, alternatives = _scored(event, [], None, False, params.logprobs)
+        chunk = api.choice(index, event, tokenizer, params.logprobs, offsets[index], alternatives)
+        offsets[index] += len(event.text)
+        completion_tokens += len(event.tokens)
+        yield api.completion(**meta, choices=[chunk])
+    if params.include_usage:
+        yield api.completion(**meta, choices=[], usage=api.usage(prompt_tokens, completion_tokens))
+    yield "[DONE]"
 
 
 async def _nothing() -> AsyncIterator[tuple[int, Event]]:
@@ -244,34 +237,57 @@ async def _nothing() -> AsyncIterator[tuple[int, Event]]:
         yield item
 
 
-def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, scorer: Scorer | None = None) -> FastAPI:
-    """The HTTP app over a running engine. With `api_key`, every route but /health needs `Authorization: Bearer`.
-    `scorer` (by default one over the engine's params) scores echoed prompts and finds top_logprobs."""
-    app = FastAPI(title="mesh-transformer serving", docs_url=None, redoc_url=None, openapi_url=None)
-    created = int(time.time())
-    vocab = min(len(tokenizer), engine.cfg.n_vocab)
-    limits = api.Limits(context=engine.cfg.seq, vocab=vocab, max_choices=min(api.MAX_PROMPTS, engine.max_queue))
-    authorized = [Depends(_authorizer(api_key))]
-    scoring = _Scoring(engine, scorer or Scorer(engine.layout, engine.params, batch_rows=4))
-    _add_error_handlers(app)
+def _event_stream(data: AsyncIterator[dict | str], job: _Job | None) -> StreamingResponse:
+    """Data as server-sent events; the job is cancelled when the stream ends or its client goes away (its slots
+    are freed at the next step)."""
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for item in data:
+                yield f"data: {json.dumps(item) if not isinstance(item, str) else item}\n\n"
+        finally:
+            if job:
+                job.cancel()
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Served:
+    """What the generating routes share: the engine, its tokenizer and model name, the limits and the metrics."""
+    engine: Engine
+    tokenizer: Any
+    model_name: str
+    limits: api.Limits
+    metrics: ServingMetrics
+    max_body_bytes: int
+
+    async def body(self, request: Request) -> dict:
+        return api.parse_json_object(await _read_body(request, self.max_body_bytes))
+
+    def job(self, params: CompletionParams) -> _Job:
+        return _Job(self.engine, params, self.metrics)
+
+    def meta(self, id_prefix: str) -> dict:
+        return {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
+
+
+def _add_completion_routes(app: FastAPI, served: _Served, authorized: list, scoring: _Scoring) -> None:
+    """/v1/completions and the original /complete."""
+    tokenizer = served.tokenizer
 
     @app.post("/v1/completions", dependencies=authorized)
     async def completions(request: Request) -> Response:
-        params = api.parse_completion(api.parse_json_object(await _read_body(request, max_body_bytes)), tokenizer,
-                                      limits)
-        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
-        prompt_tokens = sum(map(len, params.prompts))
+        params = api.parse_completion(await served.body(request), tokenizer, served.limits)
+        meta, prompt_tokens = served.meta("cmpl"), sum(map(len, params.prompts))
         if params.stream:
             job = None
             if params.max_tokens > 0:
-                job = _Job(engine, params, asyncio.get_running_loop())
+                job = served.job(params)
                 job.submit()
-            return StreamingResponse(_stream(job, params, tokenizer, meta, prompt_tokens, scoring),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return _event_stream(_stream(job, params, tokenizer, meta, prompt_tokens, scoring), job)
         events = [Event(finish_reason="length")] * len(params.prompts) * params.n
         if params.max_tokens > 0:
-            done = await _run(engine, request, params)
+            done = await _run(served.job(params), request)
             if done is None:
                 return Response(status_code=499)  # nobody is listening
             events = done[0]
@@ -283,13 +299,52 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
     @app.post("/complete", dependencies=authorized)
     async def complete(request: Request) -> Response:
         """The original mesh-transformer-jax API: {"context", "top_p", "temp"[, "length"]} -> {"completion"}."""
-        params = api.parse_complete(api.parse_json_object(await _read_body(request, max_body_bytes)), tokenizer,
-                                    limits)
-        done = await _run(engine, request, params)
+        params = api.parse_complete(await served.body(request), tokenizer, served.limits)
+        done = await _run(served.job(params), request)
         if done is None:
             return Response(status_code=499)
         events, compute_s = done
         return JSONResponse({"completion": events[0].text, "compute_time": compute_s})
+
+
+def _add_chat_route(app: FastAPI, served: _Served, authorized: list, template: chat.ChatTemplate) -> None:
+    """/v1/chat/completions: the messages rendered by the template, completed as one prompt."""
+    tokenizer = served.tokenizer
+
+    @app.post("/v1/chat/completions", dependencies=authorized)
+    async def chat_completions(request: Request) -> Response:
+        params = chat.parse_chat(await served.body(request), tokenizer, served.limits, template)
+        meta, prompt_tokens, job = served.meta("chatcmpl"), len(params.prompts[0]), served.job(params)
+        if params.stream:
+            job.submit()
+            return _event_stream(chat.chunks(job.events(), tokenizer, params, meta, prompt_tokens), job)
+        done = await _run(job, request)
+        if done is None:
+            return Response(status_code=499)
+        return JSONResponse(chat.chat_completion(meta, done[0], tokenizer, params, prompt_tokens))
+
+
+def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES, scorer: Scorer | None = None,
+               chat_template: str | None = None) -> FastAPI:
+    """The HTTP app over a running engine. With `api_key`, every route but /health needs `Authorization: Bearer`.
+    `scorer` (by default one over the engine's params) scores echoed prompts and finds top_logprobs;
+    `chat_template` (jinja source) replaces the tokenizer's (serve/chat.py)."""
+    app = FastAPI(title="mesh-transformer serving", docs_url=None, redoc_url=None, openapi_url=None)
+    created = int(time.time())
+    vocab = min(len(tokenizer), engine.cfg.n_vocab)
+    limits = api.Limits(context=engine.cfg.seq, vocab=vocab, max_choices=min(api.MAX_PROMPTS, engine.max_queue))
+    metrics = ServingMetrics(engine.stats, model_name)
+    served = _Served(engine, tokenizer, model_name, limits, metrics, max_body_bytes)
+    authorized = [Depends(_authorizer(api_key))]
+    _add_error_handlers(app)
+    _add_completion_routes(app, served, authorized,
+                           _Scoring(engine, scorer or Scorer(engine.layout, engine.params, batch_rows=4)))
+    _add_chat_route(app, served, authorized, chat.template_for(tokenizer, chat_template))
+
+    @app.get("/metrics", dependencies=authorized)
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models", dependencies=authorized)
     async def models() -> dict:

@@ -12,7 +12,7 @@ from mesh_transformer.model import table
 from mesh_transformer.store import checkpoint, hf
 from mesh_transformer import config
 from mesh_transformer.model import gptj as model
-from mesh_transformer.infer import choose, decode, sampler as sampling
+from mesh_transformer.infer import choose, decode, programs as infer_programs, sampler as sampling
 from mesh_transformer.infer import params as infer_params
 from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.parallel.mesh import make_dp_mp
@@ -100,6 +100,35 @@ def test_kv_cache_logits_equal_full_forward_at_every_step(params, dtype, atol):
             logits, cache = step(decode_params, cache, fed[:, i].astype(np.int32), length + i)
 
 
+@pytest.mark.parametrize("dtype, atol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_prefill_after_a_cached_prefix_equals_the_full_forward_in_its_own_slot_and_copied(params, dtype, atol):
+    cfg = dataclasses.replace(CFG, compute_dtype=dtype)
+    cached = list(range(40, 50))  # prefilled into slot 0; its first 8 tokens are the prefix both rows reuse
+    own, copied = cached[:8] + [3, 4, 5], cached[:8] + [7, 9, 11, 13]  # row 0: in slot 0 itself; row 1: into slot 2
+    decode_params = infer_params.place_params(params, make_inference_layout(cfg, mesh=make_dp_mp(1, 1)))
+    cache = decode.KVCache(*([[jnp.zeros((3, cfg.n_heads, cfg.head_dim, size), decode.cache_dtype(cfg, CPU_POLICY))
+                               for size in (8, 8, 16)]
+                              for _ in range(cfg.layers)] for _ in range(2)))
+    _, cache = jax.jit(lambda p, c: decode.prefill_logits(p, c, right_pad([cached]), np.array([10], np.int32),
+                                                          np.array([0], np.int32), cfg, policy=CPU_POLICY))(
+        decode_params, cache)
+    tails = right_pad([own[8:], copied[8:]]).astype(np.int32)
+    extend = jax.jit(lambda p, c: decode.extend_logits(
+        p, c, tails, np.array([8, 8], np.int32), np.array([3, 4], np.int32), np.array([0, 2], np.int32),
+        np.array([0, 0], np.int32), cfg, policy=CPU_POLICY))
+    logits, cache = extend(decode_params, cache)
+    step = jax.jit(lambda p, c: decode.decode_logits(p, c, np.array([21, 22, 23], np.int32),
+                                                     np.array([11, 0, 12], np.int32), cfg, n_blocks=3,
+                                                     policy=CPU_POLICY))
+    next_logits, _ = step(decode_params, cache)  # slot 2's copied prefix and written tail are what it reads
+    rows = [own + [21], copied + [23]]
+    full = np.asarray(jax.jit(lambda p, x: model.forward(p, x, cfg, policy=CPU_POLICY))(params, right_pad(rows)))
+    for row, tokens in enumerate(rows):
+        np.testing.assert_allclose(logits[row], full[row, len(tokens) - 2], atol=atol)
+    np.testing.assert_allclose(next_logits[0], full[0, len(own)], atol=atol)
+    np.testing.assert_allclose(next_logits[2], full[1, len(copied)], atol=atol)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_the_cache_scatter_on_bits_equals_a_plain_scatter(dtype):
     cfg = dataclasses.replace(CFG, compute_dtype=dtype)
@@ -126,14 +155,14 @@ def test_sharded_results_equal_single_device(params, sampler, greedy, dp, mp):
 
 def test_the_device_loop_equals_decode_steps_and_ends_once_every_live_row_has_stopped(params):
     layout = make_inference_layout(CFG, mesh=make_dp_mp(2, 4))
-    programs, placed = decode.Programs(layout), infer_params.place_params(params, layout)
+    programs, placed = infer_programs.Programs(layout), infer_params.place_params(params, layout)
     ids = right_pad(PROMPTS + [[1]])  # 4 slots, 2 per dp group; the last a padding row, not live
     length, slots = np.array([len(p) for p in PROMPTS] + [1], np.int32), np.array([0, 1, 0, -1], np.int32)
     sampling = jax.device_put(choose.fill_sampling(4, []), programs.row_sharding)
 
     def prefilled():
         cache = programs.new_cache(4, [32])
-        first, _, last, cache = programs.prefill(placed, cache, programs.new_last_tokens(4), ids, length, slots,
+        first, _, last, cache = programs.prefill(placed, cache, programs.new_slots(4), ids, length, slots,
                                                  sampling)
         steps = jax.device_put(decode.Steps(length, np.ones(4, np.int32), sampling), programs.row_sharding)
         return np.asarray(first), (cache, last, steps)

@@ -1,6 +1,7 @@
 import collections
 import json
 import random
+import socket
 import subprocess
 import sys
 import threading
@@ -12,15 +13,16 @@ import numpy as np
 import openai
 import pytest
 
-from mesh_transformer.model import table
+from mesh_transformer.model import gptj, table
 from mesh_transformer import config
 from mesh_transformer.infer import sampler as sampling
-from mesh_transformer.infer.decode import Programs
+from mesh_transformer.infer.programs import Programs
 from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.serve import engine as serving, server
 from mesh_transformer.serve.completion import Event, GenerationRequest, streamable_length
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.tokenizer import EOS_ID, load_tokenizer
+from tests.helpers import CPU_POLICY
 
 # GPT-2's vocabulary (padded to divide the shards), so text round-trips through the real tokenizer.
 CFG = config.from_dict({"layers": 2, "d_model": 32, "n_heads": 4, "n_vocab": 50304, "pe_rotary_dims": 4, "seq": 64,
@@ -208,10 +210,11 @@ BAD_VALUES = {
     "seed": [1.5, "7", True, 2 ** 64, -(2 ** 64), *WRONG_TYPES],
     "logprobs": [-1, 6, 1.5, True, "1", 10 ** 10, *WRONG_TYPES],
     "echo": [1, "no", *WRONG_TYPES],
-    "presence_penalty": [0.5, -1, "0", True, *WRONG_TYPES],
-    "frequency_penalty": [1, -0.5, "0", *WRONG_TYPES],
+    "presence_penalty": [2.5, -2.01, "0", True, 1e400, *WRONG_TYPES],
+    "frequency_penalty": [-3, 2.5, "0", *WRONG_TYPES],
     "best_of": [2, 0, "1", 1.5, *WRONG_TYPES],
-    "logit_bias": [{"50256": -100}, [], "x", 1],
+    "logit_bias": [{"50304": -100}, {"-1": 1}, {"1.5": 1}, {"a": 1}, {"7": 101}, {"7": "1"}, {"7": True},
+                   {str(i): 1 for i in range(301)}, [], "x", 1],
     "suffix": ["tail", 1, []],
     "user": [1, [], {}, True],
     "stream_options": ["yes", {"include_usage": 1}, {"other": True}, [], True],
@@ -269,7 +272,7 @@ def test_malformed_requests_get_openai_errors_and_the_server_carries_on(http, ur
                         ({"context": "a", "length": 0}, "length"), ({"context": "a", "x": 1}, "x")]:
         check_error(http.post("/complete", json=body), 400, param)
     check_error(http.get("/nothing"), 404)
-    check_error(http.post("/v1/chat/completions", json={}), 404)
+    check_error(http.post("/v1/chat/completions", json={}), 400, "messages")
     check_error(http.get("/v1/completions"), 405)
     check_error(http.delete("/v1/models"), 405)
     check_error(http.post("/health"), 405)
@@ -277,12 +280,15 @@ def test_malformed_requests_get_openai_errors_and_the_server_carries_on(http, ur
     # Valid though unusual: non-ASCII text, token prompts, defaults given as null.
     for body in [{"prompt": "Grüße, 日本語 🙂"}, {"prompt": [15496, 995]}, {"prompt": [[15496], [995, 11]]},
                  {"prompt": ["ä", "b"], "n": 2, "max_tokens": None, "temperature": None, "stop": None, "seed": None,
-                  "user": "me", "echo": False, "best_of": 1, "logit_bias": {}, "presence_penalty": 0}]:
+                  "user": "me", "echo": False, "best_of": 1, "logit_bias": {"50256": -100}, "presence_penalty": 0.5,
+                  "frequency_penalty": -0.5}]:
         response = http.post("/v1/completions", json={"temperature": 0, **body, "max_tokens": 3})
         assert response.status_code == 200, response.text
     assert health(http)["slots"]["busy"] == 0
     normal = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 5, "temperature": 0})
     assert normal.status_code == 200 and normal.json()["usage"]["completion_tokens"] == 5
+    biased = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "logit_bias": {"262": 100}})
+    assert biased.status_code == 200 and biased.json()["choices"][0]["text"] == " the the the"  # token 262: " the"
 
 
 def test_api_key_is_required_except_for_health(url):
@@ -339,6 +345,32 @@ def test_client_disconnecting_mid_stream_frees_its_slot(http):
     wait_for(http, lambda s: s["slots"]["busy"] == 0 and s["requests"]["cancelled"] == cancelled + 1)
 
 
+def test_client_disconnecting_from_a_non_streamed_request_frees_its_slot(engine, http, url):
+    """The engine is held (by calls that wait) so that the request sits in its slot when the client goes away; once
+    let go, the engine frees the slot before its next decode step."""
+    cancelled = health(http)["requests"]["cancelled"]
+    body = json.dumps({"prompt": "Once", "max_tokens": CFG.seq - 8, "temperature": 0}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    first, second = threading.Event(), threading.Event()
+    held = [engine.call(first.wait)]
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
+                       + b"\r\n\r\n" + body)
+        wait_for(http, lambda s: s["queue"]["waiting"] + s["slots"]["busy"] == 1)
+        held.append(engine.call(second.wait))  # the engine's next round admits the request, then waits here
+        first.set()
+        wait_for(http, lambda s: s["slots"]["busy"] == 1)
+    deadline = time.monotonic() + 60
+    while not any(slot is not None and slot.request.cancelled.is_set() for slot in engine._slots):
+        assert time.monotonic() < deadline, "the server never cancelled the request"
+        time.sleep(0.01)
+    second.set()
+    for future in held:
+        future.result(timeout=60)
+    wait_for(http, lambda s: s["slots"]["busy"] == 0 and s["requests"]["cancelled"] == cancelled + 1)
+
+
 def test_eos_ends_a_completion_with_finish_reason_stop(params, tokenizer, engine, offline, programs):
     first = offline[0].tokens[0]  # treat the first greedy token as the end of text: nothing is generated
     eos_engine = serving.Engine(layout(), params, tokenizer, programs=programs, max_batch=4, stop_token_ids=[first])
@@ -381,6 +413,93 @@ def test_requests_ending_early_on_a_stop_token_free_their_slots_for_the_next(par
         assert events[i][-1].finish_reason == ("stop" if stop in result.tokens else "length")
         stopped += stop in result.tokens
     assert stopped >= 1
+
+
+def run_engine(engine, prompts, max_tokens):
+    """Each prompt's greedy tokens from this engine, all submitted at once."""
+    tokens, done = {}, threading.Semaphore(0)
+
+    def collect(i):
+        def on_event(event):
+            assert event.error is None
+            tokens.setdefault(i, []).extend(event.tokens)
+            if event.finish_reason:
+                done.release()
+        return on_event
+
+    engine.submit([GenerationRequest(p, max_tokens, collect(i), temperature=0.0, logprobs=False)
+                   for i, p in enumerate(prompts)])
+    for _ in prompts:
+        assert done.acquire(timeout=120)
+    return [tokens[i] for i in range(len(prompts))]
+
+
+def test_penalties_and_logit_bias_on_the_device_equal_a_numpy_greedy_reference(params, tokenizer, programs):
+    """On dp2 x mp4, each row with its own penalties and bias: every greedy token is the argmax of the full
+    forward's logits adjusted in NumPy by OpenAI's rule (counts over the completion's tokens so far)."""
+    forward = jax.jit(lambda p, ids: gptj.forward(p, ids, CFG, policy=CPU_POLICY))
+    rows = [{"presence_penalty": 2.0, "frequency_penalty": 0.0, "logit_bias": {}},
+            {"presence_penalty": 0.0, "frequency_penalty": 2.0, "logit_bias": {17: 3.0, 101: 5.0}},
+            {"presence_penalty": -1.0, "frequency_penalty": 1.0, "logit_bias": {5: -100.0}},
+            {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {}}]
+    prompts = [[3, 4, 5], [9, 10, 11, 12], [5, 6], [100, 200, 300]]
+    expected = []
+    for prompt, row in zip(prompts, rows):
+        tokens = []
+        for _ in range(6):
+            ids = np.zeros((1, CFG.seq), np.int32)
+            ids[0, :len(prompt + tokens)] = prompt + tokens
+            logits = np.asarray(forward(params, ids))[0, len(prompt + tokens) - 1].astype(np.float64)
+            counts = np.bincount(tokens, minlength=CFG.n_vocab)
+            logits -= counts * row["frequency_penalty"] + (counts > 0) * row["presence_penalty"]
+            for token, value in row["logit_bias"].items():
+                logits[token] += value
+            tokens.append(int(np.argmax(logits)))
+        expected.append(tokens)
+    engine = serving.Engine(layout(), params, tokenizer, programs=programs, max_batch=4, prefix_cache=False)
+    got, done = {}, threading.Semaphore(0)
+
+    def collect(i):
+        def on_event(event):
+            got.setdefault(i, []).extend(event.tokens)
+            if event.finish_reason:
+                done.release()
+        return on_event
+
+    engine.submit([GenerationRequest(p, 6, collect(i), temperature=0.0, **row)
+                   for i, (p, row) in enumerate(zip(prompts, rows))])
+    for _ in prompts:
+        assert done.acquire(timeout=120)
+    engine.close()
+    assert [got[i] for i in range(4)] == expected
+    assert len(set(expected[0])) == 6 and 5 not in expected[2]  # the presence penalty and the ban were felt
+
+
+def test_prefix_cache_reuses_shared_prefixes_and_the_greedy_output_is_unchanged(params, tokenizer, programs):
+    """On dp2 x mp4: requests sharing a 37-token prefix reuse its cached blocks (in the slot that holds them, or
+    copied into another slot of the group) and compute only their tails; a follow-up turn reuses the prompt and the
+    completion before it; every greedy completion equals the offline sampler's, which computes whole prompts."""
+    rng = random.Random(0)
+    shared = [rng.randrange(1, 1000) for _ in range(37)]
+    first = [shared + [rng.randrange(1, 1000) for _ in range(1 + i % 5)] for i in range(10)]
+    expected = sampling.Sampler(layout(), params, programs=programs).generate(first, 8, temperature=0.0)
+    engine = serving.Engine(layout(), params, tokenizer, programs=programs, max_batch=4, max_queue=len(first))
+    assert run_engine(engine, first[:1], 8) == [expected[0].tokens]  # one slot holds the prefix now
+    assert run_engine(engine, first[1:], 8) == [r.tokens for r in expected[1:]]
+    hits = engine.stats()["prefix_cache"]["hit_tokens"]
+    assert hits >= 32 * (len(first) - 1 - 4)  # at least the requests that found the prefix in their group
+    turn_1 = [2000 + i for i in range(20)]  # one block; with its 14 tokens' completion (13 written), two
+    (answer,) = run_engine(engine, [turn_1], 14)
+    turn_2 = [turn_1 + answer + [11]]
+    again = sampling.Sampler(layout(), params, programs=programs).generate(turn_2, 6, temperature=0.0)
+    assert run_engine(engine, turn_2, 6) == [again[0].tokens]
+    assert engine.stats()["prefix_cache"]["hit_tokens"] - hits == 32
+    engine.close()
+    off = serving.Engine(layout(), params, tokenizer, programs=programs, max_batch=4, max_queue=len(first),
+                         prefix_cache=False)
+    assert run_engine(off, first, 8) == [r.tokens for r in expected]
+    assert off.stats()["prefix_cache"] == {"enabled": False, "queried_tokens": 0, "hit_tokens": 0}
+    off.close()
 
 
 @pytest.mark.parametrize("prompt, max_tokens", [([], 4), ([1] * CFG.seq, 1), ([1], CFG.seq), ([CFG.n_vocab], 1),
@@ -437,12 +556,18 @@ def test_slots_at_different_positions_across_uneven_cache_blocks_match_offline(p
 
 def hostile_requests(n: int, seed: int = 0):
     """(method, path, content bytes) of n generated hostile requests: every route and some that are not, every
-    method, bodies of wrong types, broken JSON or UTF-8, lone surrogates, huge or negative numbers, deep nesting."""
+    method, bodies of wrong types, broken JSON or UTF-8, lone surrogates, huge or negative numbers, deep nesting,
+    chat messages of every wrong shape."""
     rng = random.Random(seed)
     atoms = [None, True, 0, -1, 2 ** 70, 1.5, -1e308, "", "x", "\ud800", "日本", [], {}, [1, "a"], {"a": None},
-             "NaN", 65, [[1], [2 ** 40]], ["\udfff"], [[]], "\x00"]
+             "NaN", 65, [[1], [2 ** 40]], ["\udfff"], [[]], "\x00", {"role": "user", "content": "hi"},
+             {"role": "tool", "content": None}, {"type": "text", "text": "\ud800"}, {"type": "image_url"}]
     fields = ["prompt", "context", "max_tokens", "length", "temperature", "temp", "top_p", "top_k", "n", "stream",
-              "stop", "seed", "logprobs", "echo", "stream_options", "model", "suffix", "best_of", "user", "bogus"]
+              "stop", "seed", "logprobs", "echo", "stream_options", "model", "suffix", "best_of", "user", "bogus",
+              "messages", "max_completion_tokens", "top_logprobs", "tools", "response_format"]
+    messages = [[{"role": "user", "content": "Hi"}], [{"role": "system", "content": ""}, {"role": "user"}],
+                [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image_url"}]}],
+                [{"role": "assistant", "content": [], "name": 1}], [{"role": "developer", "content": "\ud83d"}]]
 
     def value(depth=0):
         if depth < 3 and rng.random() < 0.15:
@@ -456,11 +581,16 @@ def hostile_requests(n: int, seed: int = 0):
                                b'{"prompt": "a"}' * 2, b"[" * 5000 + b"]" * 5000])
         obj = {rng.choice(fields): value() for _ in range(rng.randint(0, 5))}
         if rng.random() < 0.5:  # near-valid: most requests reach the field checks, a few run
-            obj.setdefault("prompt" if rng.random() < 0.7 else "context", rng.choice(["Hi", "\ud83d", [15496], ""]))
-            obj["max_tokens" if "prompt" in obj else "length"] = rng.choice([1, 2, 0, -3, 10 ** 9, "2", None])
+            route = rng.random()
+            if route < 0.3:
+                obj.setdefault("messages", rng.choice(messages))
+            else:
+                obj.setdefault("prompt" if route < 0.75 else "context", rng.choice(["Hi", "\ud83d", [15496], ""]))
+            obj["length" if "context" in obj else "max_tokens"] = rng.choice([1, 2, 0, -3, 10 ** 9, "2", None])
         return json.dumps(obj).encode("utf-8", "surrogatepass")
 
-    paths = ["/complete", "/v1/completions", "/v1/models", "/health", "/", "/v1", "/v1/completions/x", "/%ff"]
+    paths = ["/complete", "/v1/completions", "/v1/chat/completions", "/v1/chat/completions", "/v1/models", "/health",
+             "/metrics", "/", "/v1", "/v1/completions/x", "/%ff"]
     for _ in range(n):
         yield rng.choice(["POST", "POST", "POST", "GET", "PUT", "DELETE", "PATCH"]), rng.choice(paths), body()
 
@@ -483,12 +613,13 @@ def test_1000_hostile_requests_get_4xx_json_and_the_server_stays_well(http, offl
 
 def test_warm_up_compiles_every_program_ahead_and_serving_compiles_no_more(params, tokenizer, offline):
     """A warmed-up engine (its own programs, so the count starts at 0) serves prompts of every bucket, one at a
-    time and many together, across both cache blocks, without compiling again; its greedy answers are the
-    offline sampler's."""
+    time and many together, across both cache blocks, whole and after a cached prefix (the long prompts share one),
+    without compiling again; its greedy answers are the offline sampler's."""
     programs = Programs(layout())
     engine = serving.Engine(layout(), params, tokenizer, programs=programs, max_batch=4, warm_up=True)
     compiled = programs.traces
-    assert compiled == len(engine.programs()) == 2 * 3 + 2 * 2  # rows {1, 2} x buckets {16, 32, 64}; x blocks {1, 2}
+    # Prefill: rows {1, 2} x buckets {16, 32, 64}, whole and after a cached prefix; decode: rows x blocks {1, 2}.
+    assert compiled == len(engine.programs()) == 2 * 3 * 2 + 2 * 2
     prompts = [tokenizer.encode(p) for p in PROMPTS[:5]]
     long_prompts = [list(range(100, 100 + n)) for n in (20, 40, 63)]
     got, done = {}, threading.Semaphore(0)
@@ -501,11 +632,12 @@ def test_warm_up_compiles_every_program_ahead_and_serving_compiles_no_more(param
         return on_event
 
     batches = [[(0, prompts[0], NEW)], [(i, p, NEW) for i, p in enumerate(prompts) if i],
-               [(5 + i, p, CFG.seq - len(p)) for i, p in enumerate(long_prompts)]]
+               *[[(5 + i, p, CFG.seq - len(p))] for i, p in enumerate(long_prompts)]]
     for batch in batches:
         engine.submit([GenerationRequest(p, n, collect(i), temperature=0.0) for i, p, n in batch])
         for _ in batch:
             assert done.acquire(timeout=120)
+    assert engine.stats()["prefix_cache"]["hit_tokens"] == 16 + 32  # the 40- and 63-token prompts' cached blocks
     engine.close()
     assert programs.traces == compiled
     assert [tokenizer.decode(got[i]) for i in range(5)] == [r.text for r in offline[:5]]

@@ -5,7 +5,7 @@ import sys
 SCRIPT = """
 import os, sys
 sys.path.insert(0, {root!r})
-from mesh_transformer.cli import keep_host_memory
+from mesh_transformer.platforms import keep_host_memory
 print(os.getpid(), os.environ.get("GLIBC_TUNABLES"), flush=True)
 keep_host_memory()
 print(os.getpid(), os.environ.get("GLIBC_TUNABLES"), sys.argv[1:], flush=True)
@@ -21,7 +21,7 @@ def run(tmp_path, env):
 
 
 def test_keep_host_memory_restarts_once_with_malloc_tunables(tmp_path):
-    from mesh_transformer.cli import KEEP_HOST_MEMORY
+    from mesh_transformer.platforms import KEEP_HOST_MEMORY
 
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     lines = run(tmp_path, env)
@@ -43,11 +43,11 @@ def test_keep_host_memory_does_not_restart_for_an_accelerator(tmp_path):
 
 
 def test_platform_setup_adds_the_gpu_flags_on_gpu_only(tmp_path):
-    from mesh_transformer.cli import GPU_XLA_FLAGS
+    from mesh_transformer.platforms import GPU_XLA_FLAGS
 
     script = tmp_path / "flags.py"
-    script.write_text(f"import os, sys\nsys.path.insert(0, {os.getcwd()!r})\nfrom mesh_transformer import cli\n"
-                      "cli.platform_setup()\nprint(os.environ.get('XLA_FLAGS'))\n")
+    script.write_text(f"import os, sys\nsys.path.insert(0, {os.getcwd()!r})\nfrom mesh_transformer import platforms\n"
+                      "platforms.platform_setup()\nprint(os.environ.get('XLA_FLAGS'))\n")
     env = {**os.environ, "GLIBC_TUNABLES": "", "XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"}
 
     def flags(platform):
@@ -61,7 +61,7 @@ def test_platform_setup_adds_the_gpu_flags_on_gpu_only(tmp_path):
 def test_the_gpu_flags_are_known_to_this_jaxlib():
     """XLA aborts on an unknown flag; its GPU flags are registered in every build, so a CPU run catches a renamed
     one before it reaches a GPU."""
-    from mesh_transformer.cli import GPU_XLA_FLAGS
+    from mesh_transformer.platforms import GPU_XLA_FLAGS
 
     env = {**os.environ, "XLA_FLAGS": " ".join(GPU_XLA_FLAGS), "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; print(int(jnp.ones(3).sum()))"], env=env,
@@ -69,24 +69,11 @@ def test_the_gpu_flags_are_known_to_this_jaxlib():
     assert out.returncode == 0 and out.stdout.strip() == "3", out.stderr[-500:]
 
 
-def test_device_out_of_memory_is_one_line_saying_what_was_asked_and_what_to_change():
-    import jax
-
-    from mesh_transformer.cli import out_of_memory_message
-
-    error = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 47559058040 bytes.\nmore")
-    message = out_of_memory_message(error)
-    assert message.startswith("out of device memory (Out of memory allocating 47559058040 bytes.); ")
-    assert "--dtype bf16" in message and "--mp" in message and "\n" not in message
-    assert out_of_memory_message(jax.errors.JaxRuntimeError("INTERNAL: other")) is None
-    assert out_of_memory_message(ValueError("RESOURCE_EXHAUSTED")) is None
-
-
 RSS_SCRIPT = """
 import os, sys
 sys.path.insert(0, {root!r})
 import numpy as np
-from mesh_transformer.cli import host_memory_returned, keep_host_memory
+from mesh_transformer.platforms import host_memory_returned, keep_host_memory
 keep_host_memory()
 
 def rss_mb():

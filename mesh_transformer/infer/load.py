@@ -1,0 +1,54 @@
+"""A model for the sampling, serving and evaluation tools from their model flags (`flags.add_inference_args`): the
+config and checkpoint they name, the tokenizer, and the params read onto a mesh fitted to the devices."""
+from __future__ import annotations
+
+import argparse
+
+from transformers import PreTrainedTokenizerBase
+
+from mesh_transformer import config, storage
+from mesh_transformer.infer.params import make_inference_layout, read_params
+from mesh_transformer.parallel.layout import Layout
+from mesh_transformer.platforms import host_memory_returned
+from mesh_transformer.store import convert
+from mesh_transformer.tokenizer import load_tokenizer
+
+
+def inference_config(args: argparse.Namespace) -> tuple[config.Config, str]:
+    """(config, checkpoint path) of the sampling and serving tools: --config when given, else the config the
+    checkpoint carries (ours: its metadata; HF: config.json; original layout: a config.json beside or above its
+    step directory); --set and --dtype applied on top."""
+    source = args.hf or args.ckpt
+    overrides = config.parse_overrides(args.overrides)
+    if args.dtype:
+        overrides["compute_dtype"] = config.DTYPE_FLAGS[args.dtype]
+
+    def file_config(path: str) -> config.Config:
+        return config.from_dict({**config.load(path).to_dict(), **overrides})
+
+    if args.config:
+        cfg = file_config(args.config)
+        return cfg, source or cfg.model_path
+    if source is None:
+        raise config.ConfigError("give --ckpt (or --hf) with the weights, or --config naming their model_dir")
+    cfg = convert.source_config(source, **overrides)
+    if cfg is not None:
+        return cfg, source
+    path = source.rstrip("/")
+    for candidate in (storage.join(path, "config.json"), storage.join(path.rpartition("/")[0] or ".", "config.json")):
+        if storage.exists(candidate):
+            return file_config(candidate), source
+    raise config.ConfigError(f"{source} carries no config (no config.json beside or above it): give --config")
+
+
+def load_for_inference(args: argparse.Namespace) -> tuple[Layout, PreTrainedTokenizerBase, dict]:
+    """(layout, tokenizer, params) for the sampling and serving tools, the params read straight into the decode
+    programs' form on a mesh fitted to the devices."""
+    cfg, source = inference_config(args)
+    layout = make_inference_layout(cfg, mp=args.mp)
+    try:
+        tokenizer = load_tokenizer(cfg.tokenizer)
+    except ValueError as e:
+        raise config.ConfigError(str(e)) from None
+    with host_memory_returned():
+        return layout, tokenizer, read_params(layout, source, lora=args.lora)

@@ -1,0 +1,183 @@
+"""The compiled decode programs of one Layout (prefill, prefill after a cached prefix, decode, the sampler's
+generate loop) and the cache they run over, each shape compiled once and kept; the per-device functions they run
+are decode.py's.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from mesh_transformer.infer.choose import Logprobs
+from mesh_transformer.infer.decode import (KVCache, Slots, cache_dtype, decode_local, extend_local, generate_local,
+                                           new_slots, prefill_local)
+from mesh_transformer.model import gptj
+from mesh_transformer.parallel.layout import ACTIVATION_AXES, Layout
+from mesh_transformer.platforms import Policy
+
+
+class Programs:
+    """The prefill and decode programs of one Layout (a shard_map one: see `params.make_inference_layout`), and the
+    cache they run over. Engines and samplers given the same Programs share its compiles.
+
+    prefill(params, cache, slots_N, ids [R, T], length [R], slot [R], Sampling [R]) -> (tokens [R], logprobs [R],
+    slots_N, cache): R rows split over dp like the slots, each row's slot an index into its own dp group's slots.
+    extend(params, cache, slots_N, ids [R, T], start [R], length [R], slot [R], source [R], Sampling [R])
+    -> the same: prompt tails after cached prefixes (`decode.extend_local`).
+    decode(params, cache, slots_N, Steps [N], rows=, n_blocks=) -> (tokens, logprobs [dp x rows], slots_N, Steps,
+    cache). generate(params, cache, slots_N, Steps [N], live [N], stop ids, n_steps, rows=, n_blocks=, out_len=)
+    -> (tokens, logprobs [dp x rows, out_len], cache): `generate_local`. slots_N is the slots' `decode.Slots`. The
+    cache is donated, and to the step programs the Slots too.
+
+    Each shape runs its own compiled executable, kept here: `compile` makes them ahead of time from the arguments'
+    shapes alone (nothing runs, so a warm-up need not execute a 2048-token prefill to compile it), and a call with a
+    shape not compiled yet compiles it first.
+    """
+
+    def __init__(self, layout: Layout):
+        self.layout = layout
+        self.traces = 0  # programs compiled so far
+        self.row_sharding = layout.sharding(("batch",))
+        self.cache_sharding = layout.sharding(ACTIVATION_AXES["kv_cache"])
+        self.jitted = {"prefill": jax.jit(self._prefill, static_argnames=("top",), donate_argnums=(1, 2)),
+                       "extend": jax.jit(self._extend, static_argnames=("top",), donate_argnums=(1, 2)),
+                       "decode": jax.jit(self._decode, static_argnames=("rows", "n_blocks", "top"),
+                                         donate_argnums=(1, 2)),
+                       "generate": jax.jit(self._generate, static_argnames=("rows", "n_blocks", "out_len"),
+                                           donate_argnums=(1,))}
+        self._executables: dict[tuple, Any] = {}
+        self._lock = threading.Lock()
+        # One program per cache shape, compiled once: a jit made afresh for each new cache compiled every time.
+        self._zeros = jax.jit(self._zero_cache, static_argnums=(0, 1), out_shardings=self.cache_sharding)
+
+    def prefill(self, params, cache, slots_N, ids_RxT, length_R, slot_R, sampling_R, *, top: int = 0):
+        return self._run("prefill", (params, cache, slots_N, ids_RxT, length_R, slot_R, sampling_R), {"top": top})
+
+    def extend(self, params, cache, slots_N, ids_RxT, start_R, length_R, slot_R, source_R, sampling_R, *,
+               top: int = 0):
+        return self._run("extend", (params, cache, slots_N, ids_RxT, start_R, length_R, slot_R, source_R, sampling_R),
+                         {"top": top})
+
+    def decode(self, params, cache, slots_N, steps_N, *, rows: int, n_blocks: int, top: int = 0):
+        return self._run("decode", (params, cache, slots_N, steps_N),
+                         {"rows": rows, "n_blocks": n_blocks, "top": top})
+
+    def generate(self, params, cache, slots_N, steps_N, live_N, stop_S, n_steps, *, rows: int, n_blocks: int,
+                 out_len: int):
+        return self._run("generate", (params, cache, slots_N, steps_N, live_N, stop_S, n_steps),
+                         {"rows": rows, "n_blocks": n_blocks, "out_len": out_len})
+
+    def lower(self, name: str, *args, **static):
+        """The jitted program `name` lowered for these arguments (arrays or ShapeDtypeStructs); nothing runs."""
+        return self.jitted[name].lower(*args, **static)
+
+    def compile(self, name: str, args: tuple, static: dict | None = None) -> bool:
+        """Compile program `name` for these arguments' shapes (arrays or ShapeDtypeStructs) unless it is compiled
+        already; returns whether it compiled. Safe to call from several threads at once."""
+        static = static or {}
+        key = _signature(name, args, static)
+        with self._lock:
+            if key in self._executables:
+                return False
+            self._executables[key] = pending = concurrent.futures.Future()
+            self.traces += 1
+        try:
+            options = self.compile_policy(name).compiler_options()
+            pending.set_result(self.lower(name, *args, **static).compile(compiler_options=options))
+        except BaseException as e:
+            with self._lock:
+                del self._executables[key]
+            pending.set_exception(e)
+            raise
+        return True
+
+    def compile_policy(self, name: str) -> Policy:
+        """The policy program `name` compiles under: the layout's, except that the device loop over 16-bit weights
+        where converts are ordered (CPU) has no loop-invariant code motion, which hoisted an f32 copy of every
+        layer's weights out of the loop (GPT-J-6B bf16, one device: 35.5 GiB where a step takes 13.0)."""
+        policy = self.layout.policy
+        if name == "generate" and policy.ordered_converts and gptj.compute_dtype(self.layout.cfg).itemsize < 4:
+            return dataclasses.replace(policy, loop_hoisting=False)
+        return policy
+
+    def _run(self, name: str, args: tuple, static: dict):
+        key = _signature(name, args, static)
+        executable = self._executables.get(key)
+        if executable is None:
+            self.compile(name, args, static)
+            executable = self._executables[key]
+        return executable.result()(*args)
+
+    def new_cache(self, n_slots: int, sizes: list[int]) -> KVCache:
+        """An empty cache of n_slots slots in blocks of these lengths, made in its shards."""
+        return KVCache(*self._zeros(n_slots, tuple(sizes)))
+
+    def _zero_cache(self, n_slots: int, sizes: tuple[int, ...]):
+        cfg = self.layout.cfg
+        dtype = cache_dtype(cfg, self.layout.policy)
+
+        def zeros():
+            return [[jnp.zeros((n_slots, cfg.n_heads, cfg.head_dim, size), dtype) for size in sizes]
+                    for _ in range(cfg.layers)]
+
+        return zeros(), zeros()
+
+    def new_slots(self, n_slots: int) -> Slots:
+        """The `decode.Slots` of n_slots empty slots, made in their shards."""
+        return jax.device_put(new_slots(n_slots, self.layout.cfg.n_vocab), self.row_sharding)
+
+    def _specs(self):
+        return self.layout.placed_specs(), self.cache_sharding.spec, self.row_sharding.spec
+
+    def _logprobs_spec(self) -> Logprobs:
+        row, top = self.layout.spec(("batch",)), self.layout.spec(("batch", "top"))
+        return Logprobs(row, top, top)
+
+    def _prefill(self, params, cache, slots_N, ids_RxT, length_R, slot_R, sampling_R, *, top: int = 0):
+        params_spec, cache_spec, row = self._specs()
+        fn = partial(prefill_local, cfg=self.layout.cfg, policy=self.layout.policy, top=top,
+                     tp_axis=self.layout.tp_axis)
+        in_specs = (params_spec, cache_spec, row, self.layout.spec(("batch", "length")), row, row, row)
+        return self.layout.per_device(fn, in_specs, (row, self._logprobs_spec(), row, cache_spec))(
+            params, cache, slots_N, ids_RxT, length_R, slot_R, sampling_R)
+
+    def _extend(self, params, cache, slots_N, ids_RxT, start_R, length_R, slot_R, source_R, sampling_R, *,
+                top: int = 0):
+        params_spec, cache_spec, row = self._specs()
+        fn = partial(extend_local, cfg=self.layout.cfg, policy=self.layout.policy, top=top,
+                     tp_axis=self.layout.tp_axis)
+        in_specs = (params_spec, cache_spec, row, self.layout.spec(("batch", "length")), row, row, row, row, row)
+        return self.layout.per_device(fn, in_specs, (row, self._logprobs_spec(), row, cache_spec))(
+            params, cache, slots_N, ids_RxT, start_R, length_R, slot_R, source_R, sampling_R)
+
+    def _decode(self, params, cache, slots_N, steps_N, *, rows: int, n_blocks: int, top: int = 0):
+        params_spec, cache_spec, row = self._specs()
+        fn = partial(decode_local, cfg=self.layout.cfg, policy=self.layout.policy, rows=rows, n_blocks=n_blocks,
+                     top=top, tp_axis=self.layout.tp_axis)
+        out_specs = (row, self._logprobs_spec(), row, row, cache_spec)
+        return self.layout.per_device(fn, (params_spec, cache_spec, row, row), out_specs)(params, cache, slots_N,
+                                                                                          steps_N)
+
+    def _generate(self, params, cache, slots_N, steps_N, live_N, stop_S, n_steps, *, rows: int, n_blocks: int,
+                  out_len: int):
+        params_spec, cache_spec, row = self._specs()
+        fn = partial(generate_local, cfg=self.layout.cfg, policy=self.layout.policy, rows=rows, n_blocks=n_blocks,
+                     out_len=out_len, tp_axis=self.layout.tp_axis, dp_axis=self.layout.dp_axis)
+        in_specs = (params_spec, cache_spec, row, row, row, P(), P())
+        return self.layout.per_device(fn, in_specs, (row, row, cache_spec))(params, cache, slots_N, steps_N, live_N,
+                                                                            stop_S, n_steps)
+
+
+def _signature(name: str, args: tuple, static: dict) -> tuple:
+    """What picks a program's executable: its name, static values, the cache's block shapes (the params' shapes are
+    the layout's) and the shapes and dtypes of the other arguments."""
+    cache = args[1]
+    rest = tuple((np.shape(x), np.dtype(x.dtype)) for x in jax.tree.leaves(args[2:]))
+    return name, tuple(sorted(static.items())), tuple(b.shape for b in cache.k[0]), rest

@@ -1,0 +1,119 @@
+"""Automatic prefix caching, as a pure object: which slots of the serving cache hold which prompt prefixes, so that a
+new request reuses the keys and values of its longest cached prefix and prefills only the rest. No device: the
+engine (engine.py) asks it where a request goes and runs what it says; the tests check it without compiling.
+
+A prompt is cut into blocks of PAGE tokens; block i is named by a hash of its tokens and of block i - 1's name, so a
+name stands for the whole prefix up to the end of its block. Each slot holds the names of the full blocks whose keys
+it has written, in order; a name's holders are the slots that hold it (its reference count). A request's match in
+a slot is the number of leading names the two share; at most its prompt minus one token is reused (the last token
+is always computed: its logits choose the first new token).
+
+Where a request goes: the free slot that holds its longest match itself (nothing to copy), else a free slot of the
+dp group whose slot, busy or free, holds the longest match (that prefix is copied within the group's devices), else
+the least recently used free slot, whose blocks are evicted. A busy slot's blocks stay held: it writes only after its
+prompt. Within one round of admissions a taken slot serves as a source only up to what its new request reuses, and
+a slot copied from is not taken, so no program of the round reads a block another one overwrites.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+PAGE = 16  # tokens per hashed block
+
+
+def block_names(tokens: Sequence[int], page: int = PAGE) -> list[bytes]:
+    """The names of the full blocks of `tokens`: block i's is a hash of its tokens and block i - 1's name."""
+    names, name = [], b""
+    ids = np.asarray(tokens, np.int64)
+    for start in range(0, len(ids) - page + 1, page):
+        name = hashlib.blake2b(name + ids[start:start + page].tobytes(), digest_size=16).digest()
+        names.append(name)
+    return names
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where an admitted request goes: its slot, the slot whose cache holds its reused prefix (its own, or one of
+    its dp group to copy from) and how many prompt tokens it reuses (a multiple of PAGE; 0: none)."""
+    slot: int
+    source: int
+    reused: int
+
+
+class PrefixIndex:
+    """The prefix blocks held by each of `n_slots` slots split over dp groups of `n_local` slots."""
+
+    def __init__(self, n_slots: int, n_local: int, page: int = PAGE):
+        self.n_local, self.page = n_local, page
+        self.held: list[list[bytes]] = [[] for _ in range(n_slots)]
+        self.holders: dict[bytes, set[int]] = {}
+        self.last_used = [-1] * n_slots  # admission counter of each slot's last request; -1: never used
+        self._clock = 0
+        self.queried_tokens = self.hit_tokens = 0
+
+    def place(self, prompt: Sequence[int], free: Sequence[int], pinned: set[int]) -> Placement | None:
+        """Where a request with this prompt goes among the `free` slots (in the engine's order of preference),
+        skipping `pinned` ones (copied from this round), and its reuse; records the slot as taken (its blocks past
+        the reused ones dropped, the new prompt's added by `hold`). None when every free slot is pinned."""
+        names = block_names(prompt[:len(prompt) - 1], self.page)
+        matches = self._matches(names)
+        free = [s for s in free if s not in pinned]
+        if not free:
+            return None
+        best = max(free, key=lambda s: (matches.get(s, 0), -free.index(s)))
+        placement = Placement(best, best, matches.get(best, 0))
+        group_best = {}
+        for slot, depth in matches.items():
+            group = slot // self.n_local
+            if depth > group_best.get(group, (0, -1))[0]:
+                group_best[group] = (depth, slot)
+        for slot in free:  # a copy within a group, if it reuses more
+            depth, source = group_best.get(slot // self.n_local, (0, -1))
+            if depth > placement.reused:
+                placement = Placement(slot, source, depth)
+        if placement.reused == 0:  # no reuse: evict the least recently used free slot
+            slot = min(free, key=lambda s: (self.last_used[s], free.index(s)))
+            placement = Placement(slot, slot, 0)
+        self._take(placement.slot, placement.reused if placement.source == placement.slot else 0)
+        self.queried_tokens += len(prompt)
+        self.hit_tokens += placement.reused * self.page
+        return dataclasses.replace(placement, reused=placement.reused * self.page)
+
+    def hold(self, slot: int, tokens: Sequence[int]) -> None:
+        """Record that `slot`'s cache holds the keys of `tokens` from position 0 (after its prefill ran, or when its
+        request ends with more of them written)."""
+        names = block_names(tokens, self.page)
+        kept = self.held[slot]
+        if names[:len(kept)] != kept:
+            self._take(slot, 0)
+        for name in names[len(self.held[slot]):]:
+            self.holders.setdefault(name, set()).add(slot)
+            self.held[slot].append(name)
+
+    def _matches(self, names: list[bytes]) -> dict[int, int]:
+        """{slot: how many of these leading names it holds} for the slots holding at least the first."""
+        matches: dict[int, int] = {}
+        candidates = set(self.holders.get(names[0], ())) if names else set()
+        depth = 0
+        while candidates:
+            depth += 1
+            matches.update(dict.fromkeys(candidates, depth))
+            if depth == len(names):
+                break
+            candidates &= self.holders.get(names[depth], set())
+        return matches
+
+    def _take(self, slot: int, kept: int) -> None:
+        """Drop `slot`'s blocks after the first `kept`, and mark it used now."""
+        for name in self.held[slot][kept:]:
+            holders = self.holders[name]
+            holders.discard(slot)
+            if not holders:
+                del self.holders[name]
+        del self.held[slot][kept:]
+        self._clock += 1
+        self.last_used[slot] = self._clock
