@@ -39,7 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=8, help="faked CPU devices (without --topology)")
     parser.add_argument("--device-memory", help="memory of one device, e.g. 16GiB (default: the target's, or 16GiB)")
     parser.add_argument("--slots", type=int, default=8, help="serving slots (device_serve.py --max-batch; default 8)")
-    parser.add_argument("--train-only", action="store_true", help="compile the train step(s) only")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--train-only", action="store_true", help="compile the train step(s) only")
+    only.add_argument("--inference-only", action="store_true",
+                      help="compile the serving and sampling programs only (e.g. with --set weight_dtype=int8)")
     parser.add_argument("--no-loop-hoisting", action="store_true",
                         help="compile the CPU's train step without XLA's loop-invariant code motion, which on CPU "
                              "hoists an f32 copy of a bf16 base out of the layer loop (GPUs and TPUs hold none)")
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         from mesh_transformer import aot
 
         records = aot.run(flags.load_config(args), args.mode, args.mesh, args.devices, args.device_memory, args.slots,
-                          args.no_loop_hoisting, args.topology, args.train_only)
+                          args.no_loop_hoisting, args.topology, args.train_only, args.inference_only)
         for record in records:
             print(json.dumps(record), flush=True)
         print(aot.human_line(records), flush=True)

@@ -4,7 +4,10 @@ Batch 1 is bound by reading the weights once per token, so it is also reported a
 roofline (measured here): bandwidth / bytes of weights read per token. One real CPU device, mp 1.
 
     python bench/bench_sampling.py [--config configs/bench.json] [--prompt-len 32] [--new-tokens 128]
-        [--ab COMMIT [--ab-rounds 2]]
+        [--ab COMMIT [--ab-rounds 2]] [--dtype int8]
+
+--dtype int8 measures ours with int8 weights (computed in bf16) against ours in bf16 instead of HF, batch by batch
+in the same run, with the batch-1 roofline at int8's bytes.
 
 --ab COMMIT runs the commit's copy of this bench and this tree's in alternating rounds (child processes, same
 arguments) and prints each side's decode tokens/s per round and the median of the per-round ratios new / base, for
@@ -13,6 +16,7 @@ ours and, as the control for the machine's state, for HF's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -47,10 +51,16 @@ def memory_bandwidth_bytes_per_s() -> dict[str, float]:
             "numpy_copy_read_write": 2 * BANDWIDTH_BYTES / copy_s}
 
 
-def weight_bytes_per_token(cfg: config.Config, itemsize: int) -> int:
-    """Bytes read per decode step at batch 1: every weight except the embedding table, of which one row is read."""
+def weight_bytes_per_token(cfg: config.Config, itemsize: int, matrix_itemsize: int | None = None) -> int:
+    """Bytes read per decode step at batch 1: every weight except the embedding table, of which one row is read;
+    the layers' matrices at `matrix_itemsize` bytes (int8: 1, plus a 4-byte scale per output) where given."""
     n_params = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(table.param_shapes(cfg)))
-    return (n_params - cfg.n_vocab * cfg.d_model + cfg.d_model) * itemsize
+    total = (n_params - cfg.n_vocab * cfg.d_model + cfg.d_model) * itemsize
+    if matrix_itemsize is None:
+        return total
+    matrices = cfg.layers * (4 * cfg.d_model ** 2 + 2 * cfg.d_model * cfg.d_ff)
+    scales = cfg.layers * (3 * cfg.d_model + cfg.d_ff + cfg.d_model)
+    return total - matrices * (itemsize - matrix_itemsize) + scales * 4
 
 
 def bench_ours(sampler: sampling.Sampler, prompts: list, new_tokens: int, repeats: int) -> tuple[float, float]:
@@ -83,9 +93,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ab", metavar="COMMIT", help="A/B against this commit's copy of the bench")
     parser.add_argument("--ab-rounds", type=int, default=2)
+    parser.add_argument("--dtype", choices=("int8",), help="int8 weights against bf16 (ours both), not HF")
     args = parser.parse_args()
     if args.ab:
         return ab(args)
+    if args.dtype:
+        return int8_against_bf16(args)
     cfg = config.load(args.config, ["cores_per_replica=1"])
     # Measured again after the decode runs, and the best kept: on a shared machine a low first reading would
     # flatter the fraction of the roofline.
@@ -130,6 +143,34 @@ def main() -> None:
             row.update(roofline_tokens_per_s=round(roofline, 1), weight_mb_per_token=round(bytes_per_token / 1e6, 1),
                        fraction_of_roofline=round(row["decode_tokens_per_s"] / roofline, 3))
         emit(**row)
+
+
+def int8_against_bf16(args) -> None:
+    """Decode tokens/s of ours with int8 weights and with bf16 ones, each batch measured on both in turn."""
+    cfg = config.load(args.config, ["cores_per_replica=1", "compute_dtype=bfloat16"])
+    bandwidth = memory_bandwidth_bytes_per_s()
+    params = jax.tree.map(np.asarray, table.init_unsharded(cfg, jax.random.PRNGKey(0)))
+    samplers = {name: sampling.Sampler(make_inference_layout(c, mesh=make_dp_mp(1, 1)), params)
+                for name, c in [("bf16", cfg), ("int8", dataclasses.replace(cfg, weight_dtype="int8"))]}
+    bytes_per_token = {"bf16": weight_bytes_per_token(cfg, 2), "int8": weight_bytes_per_token(cfg, 2, 1)}
+    rng, decode_steps = np.random.default_rng(0), args.new_tokens - 1
+    for batch in args.batches:
+        prompts = rng.integers(0, 50257, (batch, args.prompt_len)).tolist()
+        decode = {}
+        for name, sampler in samplers.items():
+            total_s, prefill_s = bench_ours(sampler, prompts, args.new_tokens, args.repeats)
+            decode[name] = batch * decode_steps / (total_s - prefill_s)
+            row = dict(bench="greedy_decode", impl=f"ours_jax_{name}", batch=batch, prompt_len=args.prompt_len,
+                       new_tokens=args.new_tokens, decode_tokens_per_s=round(decode[name], 1),
+                       prefill_s=round(prefill_s, 4), total_s=round(total_s, 4))
+            if batch == 1:
+                roofline = max(bandwidth.values()) / bytes_per_token[name]
+                row.update(roofline_tokens_per_s=round(roofline, 1),
+                           weight_mb_per_token=round(bytes_per_token[name] / 1e6, 1),
+                           fraction_of_roofline=round(decode[name] / roofline, 3))
+            emit(**row)
+        emit(bench="int8_over_bf16", batch=batch, decode_ratio=round(decode["int8"] / decode["bf16"], 3),
+             goal=1.0 if batch == 1 else None)
 
 
 def ab(args) -> None:

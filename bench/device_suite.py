@@ -6,7 +6,8 @@
   2048, 16 heads, seq 2048, the compute dtype, f32 master params and Adam, remat);
 - train_lora: the GPT-J-6B LoRA step (rank 16, base bf16);
 - decode: GPT-J-6B (random weights, compute dtype) tokens/s at batch 1, 16, 64 and 256 against the bandwidth
-  roofline (weight bytes + KV-cache bytes read per step / measured bandwidth);
+  roofline (weight bytes + KV-cache bytes read per step / measured bandwidth); decode_int8: the same with the
+  layers' weights in int8 (model/quant.py);
 - serving: the continuous-batching engine at 64 concurrent requests against one at a time: tokens/s and time to
   first token;
 - compile: the compile seconds of every program each section ran.
@@ -16,7 +17,7 @@ Sizes are chosen by backend (SIZES); `--tiny` makes every model tiny and compile
 (out of device memory, say) emits an "error" record and the suite goes on; the whole suite is sized to take at
 most 6 minutes on one H200. One device is used.
 
-    python bench/device_suite.py [--only device,train,train_lora,decode,serving] [--tiny]
+    python bench/device_suite.py [--only device,train,train_lora,decode,decode_int8,serving] [--tiny]
 """
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ SIZES = {
 }
 # --tiny only shows that everything runs, so it compiles without XLA's costly backend passes (half the time).
 TINY_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
-SECTIONS = ("device", "train", "train_lora", "decode", "serving")
+SECTIONS = ("device", "train", "train_lora", "decode", "decode_int8", "serving")
 
 
 def datasheet(device: jax.Device) -> tuple[float | None, float | None]:
@@ -182,6 +183,9 @@ def run_section(name: str, device: jax.Device, sizes: Sizes, state: dict) -> lis
                              train_flops_per_token(cfg))]
     if name == "train_lora":
         return [train_lora_record(sizes, peaks, device)]
+    if name == "decode_int8":  # int8 weights (model/quant.py): the bytes a step reads, about halved
+        layout = one_device_layout(model_config(sizes.decode_model, weight_dtype="int8"), device)
+        return decode_records(layout, random_decode_params(layout), sizes, peaks)
     if name not in ("decode", "serving"):
         raise ValueError(name)
     layout = one_device_layout(model_config(sizes.decode_model), device)

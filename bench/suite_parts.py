@@ -111,7 +111,8 @@ def decode_records(layout: Layout, params: dict, sizes, peaks: Peaks) -> list[di
         bytes_per_step = weight_bytes + batch * kv_bytes_per_row
         roofline = batch * peaks.bytes_per_s / bytes_per_step
         records.append({"bench": "decode", "layers": cfg.layers, "d_model": cfg.d_model, "batch": batch,
-                        "dtype": gptj.compute_dtype(cfg).name, "cached_positions_read": span,
+                        "dtype": gptj.compute_dtype(cfg).name, "weight_dtype": cfg.weight_dtype,
+                        "cached_positions_read": span,
                         "compile_s": figure(compile_s), "step_s": figure(step_s),
                         "tokens_per_s": figure(batch / step_s), "gb_read_per_step": figure(bytes_per_step / 1e9),
                         "roofline_tokens_per_s": figure(roofline),

@@ -27,7 +27,7 @@ from mesh_transformer.infer.decode import KVCache, Steps, block_sizes, cache_dty
 from mesh_transformer.infer.programs import Programs
 from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.infer.score import MAX_TOP, Rows, Scorer
-from mesh_transformer.model import gptj, layers, table
+from mesh_transformer.model import gptj, layers, quant, table
 from mesh_transformer.model.split import split_of
 from mesh_transformer.parallel.layout import MODES, SHARD_MAP, Layout, make_layout
 from mesh_transformer.parallel.mesh import DP, MP
@@ -127,6 +127,8 @@ def _abstract_decode_params(layout: Layout) -> dict:
     shapes = table.param_shapes(cfg, gptj.compute_dtype(cfg))
     layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes["layers"])
     fused = jax.eval_shape(partial(layers.fuse_layer, tp_size=layout.mesh.shape[MP]), layer)
+    if cfg.weight_dtype == quant.INT8:
+        fused = jax.eval_shape(quant.quantize_fused, fused)
     shardings = jax.tree.map(partial(NamedSharding, layout.mesh), layout.placed_specs(),
                              is_leaf=lambda x: isinstance(x, P))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -261,9 +263,9 @@ def _train_record(compiled: dict, common: dict, no_loop_hoisting: bool = False,
 
 def measure(cfg: Config, mode: str, devices: list, sizes: dict | None, n_slots: int = 8,
             no_loop_hoisting: bool = False, target: targets.Target | None = None,
-            train_only: bool = False) -> list[dict]:
-    """Compile the train step of `mode` (every mode's: "all") and, unless `train_only`, the inference programs on
-    the same devices and measure their per-device memory: one JSON record each."""
+            train_only: bool = False, inference_only: bool = False) -> list[dict]:
+    """Compile the train step of `mode` (every mode's: "all"; none with `inference_only`) and, unless `train_only`,
+    the inference programs on the same devices and measure their per-device memory: one JSON record each."""
     common = {"devices": len(devices), "target": target.name if target else f"cpu-{len(devices)}",
               "compiler": target.compiler if target else "XLA:CPU (faked devices)"}
     if target is not None:
@@ -274,7 +276,8 @@ def measure(cfg: Config, mode: str, devices: list, sizes: dict | None, n_slots: 
         mesh = sizes if sizes and name == mode else default_mesh(name, len(devices))
         compiled = training_programs(cfg, name, devices, mesh)
         first = first or compiled
-        records.append(_train_record(compiled, common, no_loop_hoisting, target.chip if target else None))
+        if not inference_only:
+            records.append(_train_record(compiled, common, no_loop_hoisting, target.chip if target else None))
     return records if train_only else [*records, *_measure_inference(first["layout"], n_slots, common)]
 
 
@@ -329,7 +332,7 @@ def human_line(records: list[dict]) -> str:
 
 def run(cfg: Config, mode: str | None, mesh_text: str, n_devices: int, device_memory_text: str | None,
         n_slots: int = 8, no_loop_hoisting: bool = False, topology: str | None = None,
-        train_only: bool = False) -> list[dict]:
+        train_only: bool = False, inference_only: bool = False) -> list[dict]:
     """The JSON records of a fit check (train step(s), serving decode step and prefill, sampler decode step, scorer,
     verdict) on `n_devices` faked CPU devices or the compile-only devices of `topology` (`targets.target`); the
     last says whether it fits."""
@@ -345,5 +348,5 @@ def run(cfg: Config, mode: str | None, mesh_text: str, n_devices: int, device_me
     else:
         device_memory = target.chip.memory_bytes if target else 16 * 2 ** 30
     devices = target.devices() if target else start_devices(n_devices)
-    records = measure(cfg, mode, devices, sizes, n_slots, no_loop_hoisting, target, train_only)
+    records = measure(cfg, mode, devices, sizes, n_slots, no_loop_hoisting, target, train_only, inference_only)
     return [*records, verdict(records, device_memory)]

@@ -70,6 +70,8 @@ class Config:
     lora_alpha: float | None = None
     lora_targets: list = dataclasses.field(default_factory=lambda: list(LORA_TARGETS))
     base_dtype: str = "float32"
+    # Inference: what the layers' matrices are held in, "compute" (the compute dtype) or "int8" (model/quant.py).
+    weight_dtype: str = "compute"
 
     @property
     def head_dim(self) -> int:
@@ -97,6 +99,7 @@ _CHOICES = {
     "compute_dtype": ("auto", "float32", "bfloat16"),
     "parallelism": ("shard_map", "dp", "fsdp", "tp", "fsdp_tp"),
     "base_dtype": ("float32", "bfloat16"),
+    "weight_dtype": ("compute", "int8"),
 }
 
 
@@ -230,6 +233,9 @@ def model_parallel_widths(cfg: Config, n_devices: int) -> list[int]:
 
 
 DTYPE_FLAGS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # the tools' --dtype names
+# The sampling, serving and eval tools' --dtype: the config keys each sets (int8: int8 weights, bf16 compute).
+INFERENCE_DTYPES = {**{flag: {"compute_dtype": name} for flag, name in DTYPE_FLAGS.items()},
+                    "int8": {"compute_dtype": "bfloat16", "weight_dtype": "int8"}}
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12, "kib": 2 ** 10,
                "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
 

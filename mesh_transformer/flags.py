@@ -32,8 +32,9 @@ def add_inference_args(parser: argparse.ArgumentParser) -> None:
                                        "PEFT adapter directory (a LoRA run given as --ckpt needs none)")
     parser.add_argument("--mp", type=int, help="model-parallel width (default: the checkpoint's cores_per_replica "
                                                "where it divides the devices, else the widest that fits)")
-    parser.add_argument("--dtype", choices=tuple(config.DTYPE_FLAGS), help="compute dtype the weights are held in "
-                                                                          "(default: the config's compute_dtype)")
+    parser.add_argument("--dtype", choices=tuple(config.INFERENCE_DTYPES),
+                        help="compute dtype the weights are held in, or int8: the layers' weights in int8 with a "
+                             "scale per output, computed in bf16 (default: the config's compute_dtype)")
 
 
 CONVERT_DTYPES = tuple(config.DTYPE_FLAGS)  # --dtype of the checkpoint converters

@@ -26,7 +26,8 @@ def test_tiny_suite_emits_every_record_with_finite_positive_figures():
     for record in records:
         figures = list(numbers(record))
         assert figures and all(math.isfinite(x) and x > 0 for x in figures), record
-    assert sorted(r["batch"] for r in records if r["bench"] == "decode") == [1, 4]
+    for weights in ("compute", "int8"):
+        assert sorted(r["batch"] for r in records if r["bench"] == "decode" and r["weight_dtype"] == weights) == [1, 4]
     assert {r["mode"] for r in records if r["bench"] == "serving"} == {"concurrent", "one_at_a_time"}
     assert {r["section"] for r in records if r["bench"] == "compile"} == {"device", "train", "train_lora", "decode",
-                                                                                   "serving"}
+                                                                                   "decode_int8", "serving"}

@@ -1,11 +1,11 @@
 """How each row's next token is chosen from its logits, by that row's own sampling values (temperature, top-k,
-top-p, seed, and OpenAI's presence and frequency penalties and logit bias): greedy rows skip the sampling work, rows
-without penalties or bias skip adjusting, and the chosen token's log-probability is computed only when a row asks
-for it. The decode programs (decode.py) call `choose` after every prefill and decode step.
+top-p, seed, and OpenAI's presence and frequency penalties and logit bias): greedy rows skip the sampling work, and
+the chosen token's log-probability is computed only when a row asks for it. The decode programs (decode.py) call
+`choose` after every prefill and decode step.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import jax
@@ -32,7 +32,6 @@ class Sampling(NamedTuple):
     logprobs: Any  # bool: whether the row's chosen log-probs are wanted
     presence: Any  # f32: subtracted from the logit of each token drawn before in the completion (0 = off)
     frequency: Any  # f32: subtracted once per earlier draw of the token (0 = off)
-    biased: Any  # bool: whether the row has a logit bias
     bias: LogitBias | None = None  # the bias itself, at a request's first token (prefill; decode steps keep it)
 
 
@@ -40,14 +39,13 @@ def fill_sampling(n: int, placed: Iterable[tuple[int, Any]], bias: bool = False)
     """Sampling rows [n] (numpy) with each item's temperature, top_k, top_p, seed, logprobs and penalties at its row,
     and with `bias` its logit bias ({token id: value}); the other rows are greedy, without log-probs."""
     rows = Sampling(np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32), np.zeros(n, np.uint32),
-                    np.zeros(n, bool), np.zeros(n, np.float32), np.zeros(n, np.float32), np.zeros(n, bool),
+                    np.zeros(n, bool), np.zeros(n, np.float32), np.zeros(n, np.float32),
                     LogitBias(np.full((n, MAX_LOGIT_BIAS), np.iinfo(np.int32).max, np.int32),
                               np.zeros((n, MAX_LOGIT_BIAS), np.float32)) if bias else None)
     for row, item in placed:
         rows.temperature[row], rows.top_k[row], rows.top_p[row] = item.temperature, item.top_k, item.top_p
         rows.seed[row], rows.logprobs[row] = item.seed % 2 ** 32, item.logprobs
         rows.presence[row], rows.frequency[row] = item.presence_penalty, item.frequency_penalty
-        rows.biased[row] = bool(item.logit_bias)
         if bias and item.logit_bias:
             rows.bias.ids[row, :len(item.logit_bias)] = list(item.logit_bias)
             rows.bias.values[row, :len(item.logit_bias)] = list(item.logit_bias.values())
@@ -62,22 +60,11 @@ def dense_bias(bias: LogitBias | None, rows: int, vocab: int) -> jax.Array:
     return dense_RxV.at[jnp.arange(rows)[:, None], bias.ids].add(bias.values, mode="drop")
 
 
-def adjusted(logits_RxV: jax.Array, sampling: Sampling, penalties: Callable[[], tuple[jax.Array, jax.Array]]
-             ) -> jax.Array:
+def adjusted(logits_RxV: jax.Array, sampling: Sampling, counts_RxV: jax.Array, bias_RxV: jax.Array) -> jax.Array:
     """The logits with OpenAI's penalties and bias: logit - count x frequency - (count > 0) x presence + bias, where
-    count is how often the row's completion has drawn the token; `penalties()` gives (counts, bias) [R, V]. Skipped
-    at run time when no row has any."""
-    def apply():
-        counts_RxV, bias_RxV = penalties()
-        return (logits_RxV + bias_RxV - sampling.frequency[:, None] * counts_RxV
-                - sampling.presence[:, None] * (counts_RxV > 0))
-
-    return lax.cond(jnp.any(wants_adjusting(sampling)), apply, lambda: logits_RxV)
-
-
-def wants_adjusting(sampling: Sampling) -> jax.Array:
-    """Per row, whether it has penalties or a bias [R]."""
-    return (sampling.presence != 0) | (sampling.frequency != 0) | sampling.biased
+    count is how often the row's completion has drawn the token."""
+    return (logits_RxV + bias_RxV - sampling.frequency[:, None] * counts_RxV
+            - sampling.presence[:, None] * (counts_RxV > 0))
 
 
 def filter_logits(logits_BxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
@@ -140,11 +127,12 @@ def logprobs(logits_BxV: jax.Array, token_B: jax.Array, wanted: jax.Array, k: in
 
 
 def choose(logits_RxV: jax.Array, sampling: Sampling, index_R: jax.Array, top: int = 0,
-           penalties: Callable[[], tuple[jax.Array, jax.Array]] | None = None) -> tuple[jax.Array, Logprobs]:
-    """Token `index` of each row, drawn with key fold_in(PRNGKey(seed), index) from the logits `adjusted` by its
-    penalties and bias, and its `logprobs` under the model's own distribution (untempered, unadjusted, unfiltered)
-    with the `top` most likely (computed when any row asks for log-probs, else zeros)."""
+           penalties: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, Logprobs]:
+    """Token `index` of each row, drawn with key fold_in(PRNGKey(seed), index) from its logits, `adjusted` by its
+    penalties and bias where `penalties` (its counts and bias [R, V]) are given, and its `logprobs` under the
+    model's own distribution (untempered, unadjusted, unfiltered) with the `top` most likely (computed when any row
+    asks for log-probs, else zeros)."""
     key_Rx2 = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(sampling.seed, index_R)
-    drawn_from = logits_RxV if penalties is None else adjusted(logits_RxV, sampling, penalties)
+    drawn_from = logits_RxV if penalties is None else adjusted(logits_RxV, sampling, *penalties)
     token_R = sample(drawn_from, sampling.temperature, sampling.top_k, sampling.top_p, key_Rx2)
     return token_R, logprobs(logits_RxV, token_R, jnp.any(sampling.logprobs), top)

@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from mesh_transformer.config import Config
-from mesh_transformer.infer.choose import Sampling, choose, dense_bias, wants_adjusting
+from mesh_transformer.infer.choose import Sampling, choose, dense_bias
 from mesh_transformer.model import gptj, layers
 from mesh_transformer.platforms import Policy
 
@@ -260,7 +260,7 @@ def _first_tokens(logits_RxV, cache, slots_N: Slots, slot_R, sampling_R, top):
     rows, vocab = logits_RxV.shape
     bias_RxV = dense_bias(sampling_R.bias, rows, vocab)
     counts_RxV = jnp.zeros((rows, vocab), jnp.int32)
-    token_R, logprob_R = choose(logits_RxV, sampling_R, jnp.zeros_like(slot_R), top, lambda: (counts_RxV, bias_RxV))
+    token_R, logprob_R = choose(logits_RxV, sampling_R, jnp.zeros_like(slot_R), top, (counts_RxV, bias_RxV))
     target_R = jnp.where(slot_R >= 0, slot_R, slots_N.last.shape[0])
     counts_RxV = counts_RxV.at[jnp.arange(rows), token_R].set(1)
     slots_N = Slots(*(x.at[target_R].set(new, mode="drop")
@@ -277,18 +277,20 @@ def extend_local(params, cache, slots_N: Slots, ids_RxT, start_R, length_R, slot
 
 
 def decode_local(params, cache, slots_N: Slots, steps_N: Steps, *, cfg, policy, rows: int, n_blocks: int,
-                 top: int = 0, tp_axis=None):
+                 top: int = 0, penalized: bool = False, tp_axis=None):
     """One token for each of the first `rows` slots, from its last token. Returns tokens [R] and their `Logprobs`
-    (with the `top` most likely), the `Slots` with these written into the first R (and counted, where a row has
-    penalties), the steps advanced by one token, and the cache."""
+    (with the `top` most likely), the `Slots` with these written into the first R, the steps advanced by one token,
+    and the cache. `penalized` (a program of its own, run while some row has penalties or bias): the rows' tokens
+    are chosen with them, and counted (every row's: a row without penalties never reads its counts, and a prefill
+    restarts them); without, the program never touches the counts and bias."""
     logits_RxV, cache = decode_logits(params, cache, slots_N.last[:rows], steps_N.position[:rows], cfg, n_blocks,
                                       tp_axis, policy=policy)
     sampling_R = jax.tree.map(lambda x: x[:rows], steps_N.sampling)
-    token_R, logprob_R = choose(logits_RxV, sampling_R, steps_N.index[:rows], top,
-                                lambda: (slots_N.counts[:rows], slots_N.bias[:rows]))
-    counts_NxV = lax.cond(jnp.any(wants_adjusting(sampling_R)),
-                          lambda: slots_N.counts.at[jnp.arange(rows), token_R].add(1), lambda: slots_N.counts)
-    slots_N = slots_N._replace(last=lax.dynamic_update_slice_in_dim(slots_N.last, token_R, 0, 0), counts=counts_NxV)
+    penalties = (slots_N.counts[:rows], slots_N.bias[:rows]) if penalized else None
+    token_R, logprob_R = choose(logits_RxV, sampling_R, steps_N.index[:rows], top, penalties)
+    slots_N = slots_N._replace(last=lax.dynamic_update_slice_in_dim(slots_N.last, token_R, 0, 0))
+    if penalized:
+        slots_N = slots_N._replace(counts=slots_N.counts.at[jnp.arange(rows), token_R].add(1))
     advanced = steps_N._replace(position=steps_N.position + 1, index=steps_N.index + 1)
     return token_R, logprob_R, slots_N, advanced, cache
 

@@ -21,7 +21,7 @@ def inference_config(args: argparse.Namespace) -> tuple[config.Config, str]:
     source = args.hf or args.ckpt
     overrides = config.parse_overrides(args.overrides)
     if args.dtype:
-        overrides["compute_dtype"] = config.DTYPE_FLAGS[args.dtype]
+        overrides.update(config.INFERENCE_DTYPES[args.dtype])
 
     def file_config(path: str) -> config.Config:
         return config.from_dict({**config.load(path).to_dict(), **overrides})

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from mesh_transformer.config import Config, ConfigError, model_parallel_widths
-from mesh_transformer.model import gptj, layers, lora, table
+from mesh_transformer.model import gptj, layers, lora, quant, table
 from mesh_transformer.parallel.layout import SHARD_MAP, Layout, make_layout
 from mesh_transformer.parallel.mesh import DP, MP, make_mesh
 from mesh_transformer.store import convert
@@ -85,14 +85,15 @@ def _splitter(n_layers: int, one: NamedSharding):
 
 
 @functools.cache
-def _fuser(mesh: Mesh, spec_leaves: tuple, spec_tree: Any, lora_scale: float):
-    """(one layer, its adapters' slices or None) -> `layers.fuse_layer` of the merged layer on `mesh`, placed by
-    the decode specs (given flattened, to be hashable)."""
+def _fuser(mesh: Mesh, spec_leaves: tuple, spec_tree: Any, lora_scale: float, int8: bool):
+    """(one layer, its adapters' slices or None) -> `layers.fuse_layer` of the merged layer on `mesh` (with `int8`,
+    quantized after: `quant.quantize_fused`), placed by the decode specs (given flattened, to be hashable)."""
     specs = jax.tree.unflatten(spec_tree, spec_leaves)
 
     def fuse(layer, adapters):
         layer = lora.merge_layers(layer, adapters, lora_scale) if adapters else layer
-        return layers.fuse_layer(layer, tp_size=mesh.shape[MP])
+        fused = layers.fuse_layer(layer, tp_size=mesh.shape[MP])
+        return quant.quantize_fused(fused) if int8 else fused
 
     return jax.jit(fuse, out_shardings=jax.tree.map(partial(NamedSharding, mesh), specs,
                                                     is_leaf=lambda x: isinstance(x, P)))
@@ -100,8 +101,9 @@ def _fuser(mesh: Mesh, spec_leaves: tuple, spec_tree: Any, lora_scale: float):
 
 def place_params(params: dict, layout: Layout, adapters: dict | None = None) -> dict:
     """The params for the decode programs: on their shards, in the compute dtype, layers unstacked into a list,
-    each layer's projections joined (`layers.fuse_layer`). A tree already in that form is returned as it is. LoRA
-    adapters (a LoRA run's, beside its base) are merged into each layer's weights before it is joined.
+    each layer's projections joined (`layers.fuse_layer`), in int8 where the config's weight_dtype says. A tree
+    already in that form is returned as it is. LoRA adapters (a LoRA run's, beside its base) are merged into each
+    layer's weights before it is joined.
 
     A stacked leaf is placed and split before the next one is touched, and a layer is joined before the next, so
     the device holds little besides the result and the caller's tree.
@@ -124,7 +126,8 @@ def place_params(params: dict, layout: Layout, adapters: dict | None = None) -> 
 
     unstacked_params = table.unstack_layers({**placed, "layers": params["layers"]}, split)
     spec_leaves, spec_tree = jax.tree.flatten(layout.placed_specs()["layers"][0], is_leaf=lambda x: isinstance(x, P))
-    fuse = _fuser(mesh, tuple(spec_leaves), spec_tree, lora.scale(cfg) if adapters else 0.0)
+    fuse = _fuser(mesh, tuple(spec_leaves), spec_tree, lora.scale(cfg) if adapters else 0.0,
+                  cfg.weight_dtype == quant.INT8)
     layer_list = unstacked_params.pop("layers")
     layer_adapters = table.unstack_layers({"layers": adapters})["layers"] if adapters else [None] * cfg.layers
     return {**unstacked_params, "layers": [fuse(layer_list.pop(0), ab) for ab in layer_adapters]}
@@ -135,7 +138,8 @@ def read_params(layout: Layout, source: str, lora: str | None = None) -> dict:
     slice is read on the host in the compute dtype, a layer's projections are joined there, and each device receives
     only its shard. The device ends up holding one copy of the model; the host, about one layer besides the
     embedding and head. LoRA adapters (a LoRA run as `source`, or `lora`: a LoRA run or a PEFT directory) are
-    merged into each weight on the host before its layer is joined."""
+    merged into each weight on the host before its layer is joined; with int8 weights (the config's weight_dtype),
+    each joined layer is quantized there too."""
     cfg = layout.cfg
     dtype = np.dtype(gptj.compute_dtype(cfg))
     shardings = layout.param_shardings()
@@ -154,5 +158,7 @@ def read_params(layout: Layout, source: str, lora: str | None = None) -> dict:
             for path in stacked:
                 table.set_path(layer, path[1:], reader.read(path, i).astype(dtype, copy=False))
             fused = layers.fuse_layer(layer, layout.mesh.shape[MP], xp=np)
+            if cfg.weight_dtype == quant.INT8:
+                fused = quant.quantize_fused(fused, xp=np)
             params["layers"].append(jax.block_until_ready(jax.device_put(fused, layer_shardings)))
     return params

@@ -30,11 +30,11 @@ class Programs:
     prefill(params, cache, slots_N, ids [R, T], length [R], slot [R], Sampling [R]) -> (tokens [R], logprobs [R],
     slots_N, cache): R rows split over dp like the slots, each row's slot an index into its own dp group's slots.
     extend(params, cache, slots_N, ids [R, T], start [R], length [R], slot [R], source [R], Sampling [R])
-    -> the same: prompt tails after cached prefixes (`decode.extend_local`).
-    decode(params, cache, slots_N, Steps [N], rows=, n_blocks=) -> (tokens, logprobs [dp x rows], slots_N, Steps,
-    cache). generate(params, cache, slots_N, Steps [N], live [N], stop ids, n_steps, rows=, n_blocks=, out_len=)
-    -> (tokens, logprobs [dp x rows, out_len], cache): `generate_local`. slots_N is the slots' `decode.Slots`. The
-    cache is donated, and to the step programs the Slots too.
+    -> the same: prompt tails after cached prefixes (`decode.extend_local`). decode(params, cache, slots_N,
+    Steps [N], rows=, n_blocks=, penalized=) -> (tokens, logprobs [dp x rows], slots_N, Steps, cache).
+    generate(params, cache, slots_N, Steps [N], live [N], stop ids, n_steps, rows=, n_blocks=, out_len=) -> (tokens,
+    logprobs [dp x rows, out_len], cache): `generate_local`. slots_N is the slots' `decode.Slots`. The cache is
+    donated, and to the step programs the Slots too.
 
     Each shape runs its own compiled executable, kept here: `compile` makes them ahead of time from the arguments'
     shapes alone (nothing runs, so a warm-up need not execute a 2048-token prefill to compile it), and a call with a
@@ -48,7 +48,7 @@ class Programs:
         self.cache_sharding = layout.sharding(ACTIVATION_AXES["kv_cache"])
         self.jitted = {"prefill": jax.jit(self._prefill, static_argnames=("top",), donate_argnums=(1, 2)),
                        "extend": jax.jit(self._extend, static_argnames=("top",), donate_argnums=(1, 2)),
-                       "decode": jax.jit(self._decode, static_argnames=("rows", "n_blocks", "top"),
+                       "decode": jax.jit(self._decode, static_argnames=("rows", "n_blocks", "top", "penalized"),
                                          donate_argnums=(1, 2)),
                        "generate": jax.jit(self._generate, static_argnames=("rows", "n_blocks", "out_len"),
                                            donate_argnums=(1,))}
@@ -65,9 +65,10 @@ class Programs:
         return self._run("extend", (params, cache, slots_N, ids_RxT, start_R, length_R, slot_R, source_R, sampling_R),
                          {"top": top})
 
-    def decode(self, params, cache, slots_N, steps_N, *, rows: int, n_blocks: int, top: int = 0):
+    def decode(self, params, cache, slots_N, steps_N, *, rows: int, n_blocks: int, top: int = 0,
+               penalized: bool = False):
         return self._run("decode", (params, cache, slots_N, steps_N),
-                         {"rows": rows, "n_blocks": n_blocks, "top": top})
+                         {"rows": rows, "n_blocks": n_blocks, "top": top, "penalized": penalized})
 
     def generate(self, params, cache, slots_N, steps_N, live_N, stop_S, n_steps, *, rows: int, n_blocks: int,
                  out_len: int):
@@ -157,10 +158,11 @@ class Programs:
         return self.layout.per_device(fn, in_specs, (row, self._logprobs_spec(), row, cache_spec))(
             params, cache, slots_N, ids_RxT, start_R, length_R, slot_R, source_R, sampling_R)
 
-    def _decode(self, params, cache, slots_N, steps_N, *, rows: int, n_blocks: int, top: int = 0):
+    def _decode(self, params, cache, slots_N, steps_N, *, rows: int, n_blocks: int, top: int = 0,
+                penalized: bool = False):
         params_spec, cache_spec, row = self._specs()
         fn = partial(decode_local, cfg=self.layout.cfg, policy=self.layout.policy, rows=rows, n_blocks=n_blocks,
-                     top=top, tp_axis=self.layout.tp_axis)
+                     top=top, penalized=penalized, tp_axis=self.layout.tp_axis)
         out_specs = (row, self._logprobs_spec(), row, row, cache_spec)
         return self.layout.per_device(fn, (params_spec, cache_spec, row, row), out_specs)(params, cache, slots_N,
                                                                                           steps_N)

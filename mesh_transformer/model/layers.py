@@ -19,6 +19,7 @@ from functools import partial
 
 from jax import lax
 
+from mesh_transformer.model import quant
 from mesh_transformer.model.attention import attend, causal_mask, self_attention
 from mesh_transformer.platforms import Policy
 
@@ -184,22 +185,19 @@ def fuse_layer(layer: dict, tp_size: int, xp=jnp) -> dict:
             "fused": {"in": in_w, "in_bias": in_b, "out": out_w, "out_bias": mlp_p["fc_out"]["bias"]}}
 
 
-def _by_rows(x: jax.Array, w_NxK: jax.Array) -> jax.Array:
-    """x @ w_NxK.T, contracting the last axis of both."""
-    return lax.dot_general(x, w_NxK, (((x.ndim - 1,), (1,)), ((), ())))
-
-
 def _fused_block(h_BxTxD, n_BxTxD, p: dict, head_dim: int, sincos, mask_BxTxT, tp_axis, past, policy: Policy):
-    """`block` over `fuse_layer`'s matrices (this device's slice: the device axis is 1 here)."""
+    """`block` over `fuse_layer`'s matrices (this device's slice: the device axis is 1 here), or their int8 form
+    with scales (`quant.quantize_fused`)."""
     d = p["in"].shape[-1]
     d_local = (p["in"].shape[1] - p["out"].shape[-1]) // 2  # in: 3 * D/tp + F/tp rows, out: D/tp + F/tp columns
-    y = _by_rows(n_BxTxD, p["in"].reshape(-1, d))
+    scales = [p[name].reshape(-1) if name in p else None for name in ("in_scale", "out_scale")]  # int8: quant.py
+    y = quant.by_rows(n_BxTxD, p["in"].reshape(-1, d), scales[0])
     y = y + lead(p["in_bias"].reshape(-1), y.ndim)
     # Inference only, so forward only: on CPU prefill keeps XLA's attention, whose programs compile faster: the
     # blocked one took 1.2-2.2 s more per 6B prefill program (the serving warm-up compiles 17 of them).
     causal = partial(self_attention, kernel="xla" if policy.attention == "blocked" else policy.attention)
     joined, kv = _attention_and_mlp(y, d_local, None, head_dim, sincos, mask_BxTxT, past, causal)
-    return _residual(h_BxTxD, _by_rows(joined, p["out"].reshape(d, -1)), p["out_bias"], tp_axis), kv
+    return _residual(h_BxTxD, quant.by_rows(joined, p["out"].reshape(d, -1), scales[1]), p["out_bias"], tp_axis), kv
 
 
 def _joined_block(h_BxTxD, n_BxTxD, p: dict, head_dim: int, sincos, mask_BxTxT, tp_axis, past, policy: Policy):

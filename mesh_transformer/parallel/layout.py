@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from mesh_transformer import platforms
 from mesh_transformer.config import Config, ConfigError, check_devices
-from mesh_transformer.model import gptj, layers, table
+from mesh_transformer.model import gptj, layers, quant, table
 from mesh_transformer.model.split import FULL, Split
 from mesh_transformer.parallel.mesh import DATA, DP, FSDP, MP, TENSOR, make_mesh
 from mesh_transformer.platforms import Policy
@@ -166,9 +166,11 @@ class Layout:
 
     def placed_specs(self) -> dict:
         """Specs of the params placed for inference (infer/params.py): layers unstacked into a list, each joined by
-        `layers.fuse_layer` (shard_map kind)."""
-        specs = self.param_specs()
-        return {**specs, "layers": [self.specs(layers.FUSED_AXES)] * self.cfg.layers}
+        `layers.fuse_layer` (shard_map kind), with int8 weights' scales."""
+        fused = layers.FUSED_AXES
+        if self.cfg.weight_dtype == quant.INT8:
+            fused = {**fused, "fused": {**fused["fused"], **quant.SCALE_AXES}}
+        return {**self.param_specs(), "layers": [self.specs(fused)] * self.cfg.layers}
 
     def param_shardings(self) -> dict:
         return self.shardings(table.PARAM_AXES)

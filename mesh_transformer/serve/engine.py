@@ -225,7 +225,7 @@ class Engine:
     def programs(self) -> list[tuple[str, tuple, dict]]:
         """Every program the engine can run, as (name, arguments, static arguments) for `Programs.compile`: each
         prompt bucket x its prefill row counts (whole prompts, and after a cached prefix), each decode row count x
-        block count."""
+        block count (with penalties and without)."""
         state = (self.params, self._cache, self._slot_state)
         shapes = [(width, n * self._dp) for width, group_rows in self.schedule.prefill_rows.items()
                   for n in group_rows]
@@ -239,8 +239,9 @@ class Engine:
                          for width, r in shapes]
         zeros = np.zeros(self.n_slots, np.int32)
         steps = Steps(zeros, zeros, fill_sampling(self.n_slots, []))
-        decodes = [("decode", (*state, steps), {"rows": rows, "n_blocks": count, "top": MAX_TOP})
-                   for rows in self.schedule.decode_rows for count in self.schedule.block_counts]
+        decodes = [("decode", (*state, steps), {"rows": rows, "n_blocks": count, "top": MAX_TOP, "penalized": p})
+                   for rows in self.schedule.decode_rows for count in self.schedule.block_counts
+                   for p in (False, True)]
         return prefills + decodes
 
     def _warm_up(self) -> None:
@@ -261,10 +262,12 @@ class Engine:
             self.params, self._cache, self._slot_state, ids_RxT, length_R, slot_R, sampling_R, top=MAX_TOP)
         return tokens, logprobs
 
-    def _run_decode(self, steps: Steps, rows: int, n_blocks: int) -> tuple[jax.Array, Logprobs]:
-        """Dispatch a decode step of the first `rows` slots of each dp group."""
+    def _run_decode(self, steps: Steps, rows: int, n_blocks: int, penalized: bool) -> tuple[jax.Array, Logprobs]:
+        """Dispatch a decode step of the first `rows` slots of each dp group (`penalized`: the program that applies
+        and counts penalties and bias, run while some request has them)."""
         tokens, logprobs, self._slot_state, _, self._cache = self._programs.decode(
-            self.params, self._cache, self._slot_state, steps, rows=rows, n_blocks=n_blocks, top=MAX_TOP)
+            self.params, self._cache, self._slot_state, steps, rows=rows, n_blocks=n_blocks, top=MAX_TOP,
+            penalized=penalized)
         return tokens, logprobs
 
     def _prefill(self, rows_per_group: int, width: int, batch: list[tuple[int, int]]) -> _Step:
@@ -313,7 +316,8 @@ class Engine:
             slot = self._slots[i]
             position[i], index[i] = slot.position, slot.dispatched
             slot.dispatched += 1
-        tokens, chosen = self._run_decode(Steps(position, index, sampling), rows=rows, n_blocks=n_blocks)
+        penalized = any(_penalized(self._slots[i].request) for i in live)
+        tokens, chosen = self._run_decode(Steps(position, index, sampling), rows, n_blocks, penalized)
         return _Step(tokens, chosen, [(i, self._slots[i], out_rows[i]) for i in live])
 
     def _read_back(self, step: _Step) -> None:
@@ -363,6 +367,11 @@ class Engine:
         for request in requests:
             if not request.cancelled.is_set():
                 self._emit(request, Event(error=message))
+
+
+def _penalized(request: GenerationRequest) -> bool:
+    """Whether a request has penalties or a logit bias."""
+    return bool(request.presence_penalty or request.frequency_penalty or request.logit_bias)
 
 
 def _run_call(fn: Callable[[], Any], future: concurrent.futures.Future) -> None:

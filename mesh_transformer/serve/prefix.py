@@ -8,11 +8,14 @@ it has written, in order; a name's holders are the slots that hold it (its refer
 a slot is the number of leading names the two share; at most its prompt minus one token is reused (the last token
 is always computed: its logits choose the first new token).
 
-Where a request goes: the free slot that holds its longest match itself (nothing to copy), else a free slot of the
-dp group whose slot, busy or free, holds the longest match (that prefix is copied within the group's devices), else
-the least recently used free slot, whose blocks are evicted. A busy slot's blocks stay held: it writes only after its
-prompt. Within one round of admissions a taken slot serves as a source only up to what its new request reuses, and
-a slot copied from is not taken, so no program of the round reads a block another one overwrites.
+Where a request goes: the free slot the engine prefers (the lowest row of its dp group: a decode step computes the
+rows up to the highest busy one), of the group that holds the longest match, busy or free; its blocks are reused in
+place when that slot holds them, else copied from the group's slot that does (on the group's devices). The slot
+taken loses its other blocks (eviction follows the engine's order, not recency: a least-recently-used slot in a
+high row would make every decode step compute that many rows); blocks live as long as some slot holds them. A busy
+slot's blocks stay held: it writes only after its prompt. Within one round of admissions a taken slot serves as a
+source only up to what its new request reuses, and a slot copied from is not taken, so no program of the round
+reads a block another one overwrites.
 """
 from __future__ import annotations
 
@@ -51,37 +54,28 @@ class PrefixIndex:
         self.n_local, self.page = n_local, page
         self.held: list[list[bytes]] = [[] for _ in range(n_slots)]
         self.holders: dict[bytes, set[int]] = {}
-        self.last_used = [-1] * n_slots  # admission counter of each slot's last request; -1: never used
-        self._clock = 0
         self.queried_tokens = self.hit_tokens = 0
 
     def place(self, prompt: Sequence[int], free: Sequence[int], pinned: set[int]) -> Placement | None:
         """Where a request with this prompt goes among the `free` slots (in the engine's order of preference),
         skipping `pinned` ones (copied from this round), and its reuse; records the slot as taken (its blocks past
         the reused ones dropped, the new prompt's added by `hold`). None when every free slot is pinned."""
-        names = block_names(prompt[:len(prompt) - 1], self.page)
-        matches = self._matches(names)
         free = [s for s in free if s not in pinned]
         if not free:
             return None
-        best = max(free, key=lambda s: (matches.get(s, 0), -free.index(s)))
-        placement = Placement(best, best, matches.get(best, 0))
-        group_best = {}
-        for slot, depth in matches.items():
-            group = slot // self.n_local
-            if depth > group_best.get(group, (0, -1))[0]:
-                group_best[group] = (depth, slot)
-        for slot in free:  # a copy within a group, if it reuses more
-            depth, source = group_best.get(slot // self.n_local, (0, -1))
-            if depth > placement.reused:
-                placement = Placement(slot, source, depth)
-        if placement.reused == 0:  # no reuse: evict the least recently used free slot
-            slot = min(free, key=lambda s: (self.last_used[s], free.index(s)))
-            placement = Placement(slot, slot, 0)
-        self._take(placement.slot, placement.reused if placement.source == placement.slot else 0)
+        matches = self._matches(block_names(prompt[:len(prompt) - 1], self.page))
+        best: dict[int, tuple[int, int]] = {}  # per dp group: (blocks, the slot holding them), its own slot first
+        for slot, depth in sorted(matches.items(), key=lambda item: (-item[1], item[0] not in free)):
+            best.setdefault(slot // self.n_local, (depth, slot))
+        # The first free slot of the group that shares the most; among groups that share nothing, the first.
+        slot = max(free, key=lambda s: (best.get(s // self.n_local, (0, s))[0], -free.index(s)))
+        depth, source = best.get(slot // self.n_local, (0, slot))
+        if matches.get(slot, 0) == depth:  # the slot holds as much as any of its group: nothing to copy
+            source = slot
+        self._take(slot, depth if source == slot else 0)
         self.queried_tokens += len(prompt)
-        self.hit_tokens += placement.reused * self.page
-        return dataclasses.replace(placement, reused=placement.reused * self.page)
+        self.hit_tokens += depth * self.page
+        return Placement(slot, source, depth * self.page)
 
     def hold(self, slot: int, tokens: Sequence[int]) -> None:
         """Record that `slot`'s cache holds the keys of `tokens` from position 0 (after its prefill ran, or when its
@@ -108,12 +102,10 @@ class PrefixIndex:
         return matches
 
     def _take(self, slot: int, kept: int) -> None:
-        """Drop `slot`'s blocks after the first `kept`, and mark it used now."""
+        """Drop `slot`'s blocks after the first `kept`."""
         for name in self.held[slot][kept:]:
             holders = self.holders[name]
             holders.discard(slot)
             if not holders:
                 del self.holders[name]
         del self.held[slot][kept:]
-        self._clock += 1
-        self.last_used[slot] = self._clock

@@ -36,21 +36,12 @@ def test_penalties_and_bias_per_row_equal_the_numpy_reference():
     counts = rng.integers(0, 3, (4, vocab)).astype(np.int32)
     sampling = choose.fill_sampling(4, enumerate(rows), bias=True)
     bias = choose.dense_bias(sampling.bias, 4, vocab)
-    got = jax.jit(lambda: choose.adjusted(logits, sampling, lambda: (counts, bias)))()
+    got = jax.jit(lambda: choose.adjusted(logits, sampling, counts, bias))()
     for r, row in enumerate(rows):
         np.testing.assert_allclose(got[r], reference(logits[r].copy(), counts[r], row), rtol=1e-6, atol=1e-5)
     # Greedy draws the adjusted argmax; the log-probs stay the model's own.
     tokens, logprobs = jax.jit(lambda: choose.choose(logits, sampling._replace(logprobs=np.ones(4, bool)),
-                                                     np.zeros(4, np.int32), 2, lambda: (counts, bias)))()
+                                                     np.zeros(4, np.int32), 2, (counts, bias)))()
     assert tokens[2] == 3 and list(tokens) == list(np.argmax(got, -1))
     log_softmax = jax.nn.log_softmax(logits)
     np.testing.assert_allclose(logprobs.chosen, log_softmax[np.arange(4), tokens], rtol=1e-5)
-
-
-def test_rows_without_penalties_or_bias_are_left_as_they_are():
-    logits = np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32)
-    sampling = choose.fill_sampling(2, [(0, Row()), (1, Row())])
-    assert sampling.bias is None and not choose.wants_adjusting(sampling).any()
-    counts = np.ones((2, 8), np.int32)
-    got = choose.adjusted(logits, sampling, lambda: (counts, np.ones((2, 8), np.float32)))
-    np.testing.assert_array_equal(got, logits)

@@ -51,15 +51,14 @@ def test_a_slot_taken_in_a_round_is_a_source_only_for_what_its_new_request_keeps
     assert index.place(SHARED + [2], [1, 2], set()) == Placement(1, 0, PAGE)
 
 
-def test_without_reuse_the_least_recently_used_free_slot_is_evicted():
+def test_without_reuse_the_engines_first_free_slot_is_taken_and_its_blocks_evicted():
     index = PrefixIndex(n_slots=3, n_local=3)
     for slot, first in enumerate([1, 2, 3]):
-        assert index.place([first] * 2 * PAGE, [s for s in range(3) if s >= slot], set()).slot == slot
+        assert index.place([first] * 2 * PAGE, list(range(slot, 3)), set()).slot == slot
         index.hold(slot, [first] * 2 * PAGE)
-    index.place([2] * 2 * PAGE, [0, 1, 2], set())  # slot 1 reused: now the most recent
-    index.hold(1, [2] * 2 * PAGE)
-    assert index.place([9] * 2 * PAGE, [0, 2], set()) == Placement(0, 0, 0)
-    assert not index.holders.get(block_names([1] * 2 * PAGE)[0])  # slot 0's old blocks are gone
+    assert index.place([9] * 2 * PAGE, [0, 1, 2], set()) == Placement(0, 0, 0)  # the lowest row, not the oldest
+    assert not index.holders.get(block_names([1] * 2 * PAGE)[0])  # slot 0's blocks are gone
+    assert index.place([3] * 2 * PAGE, [1, 2], set()) == Placement(1, 2, PAGE)  # slot 2's copied into row 1
 
 
 def test_hold_adds_the_tokens_written_after_the_prompt():

@@ -618,8 +618,9 @@ def test_warm_up_compiles_every_program_ahead_and_serving_compiles_no_more(param
     programs = Programs(layout())
     engine = serving.Engine(layout(), params, tokenizer, programs=programs, max_batch=4, warm_up=True)
     compiled = programs.traces
-    # Prefill: rows {1, 2} x buckets {16, 32, 64}, whole and after a cached prefix; decode: rows x blocks {1, 2}.
-    assert compiled == len(engine.programs()) == 2 * 3 * 2 + 2 * 2
+    # Prefill: rows {1, 2} x buckets {16, 32, 64}, whole and after a cached prefix; decode: rows x blocks {1, 2},
+    # with penalties and without.
+    assert compiled == len(engine.programs()) == 2 * 3 * 2 + 2 * 2 * 2
     prompts = [tokenizer.encode(p) for p in PROMPTS[:5]]
     long_prompts = [list(range(100, 100 + n)) for n in (20, 40, 63)]
     got, done = {}, threading.Semaphore(0)
