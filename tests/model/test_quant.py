@@ -74,19 +74,9 @@ def test_int8_logits_stay_close_to_the_compute_dtype_ones(params):
     assert np.mean(ours.argmax(-1) == ref.argmax(-1)) >= 0.9
 
 
-def test_greedy_int8_text_mostly_agrees_with_the_compute_dtype(params):
-    ref = sampling.Sampler(make_inference_layout(CFG, mesh=make_dp_mp(1, 1)), params)
-    ours = sampling.Sampler(make_inference_layout(INT8, mesh=make_dp_mp(1, 1)), params)
-    a, b = ref.generate(PROMPTS, 12, temperature=0.0), ours.generate(PROMPTS, 12, temperature=0.0)
-    first_differences = [next((i for i, (x, y) in enumerate(zip(ra.tokens, rb.tokens)) if x != y), 12)
-                         for ra, rb in zip(a, b)]
-    assert np.mean(first_differences) >= 4, first_differences
-
-
-@pytest.mark.parametrize("dp, mp", [(2, 4), (1, 8)], ids=["dp2-mp4", "dp1-mp8"])
-def test_int8_sharded_equals_int8_on_one_device(params, dp, mp):
+def test_int8_on_dp2_mp4_equals_int8_on_one_device(params):
     one = sampling.Sampler(make_inference_layout(INT8, mesh=make_dp_mp(1, 1)), params)
-    sharded = sampling.Sampler(make_inference_layout(INT8, mesh=make_dp_mp(dp, mp)), params)
+    sharded = sampling.Sampler(make_inference_layout(INT8, mesh=make_dp_mp(2, 4)), params)
     expected = one.generate(PROMPTS, 8, temperature=0.0, return_logprobs=True)
     for ours, ref in zip(sharded.generate(PROMPTS, 8, temperature=0.0, return_logprobs=True), expected):
         assert ours.tokens == ref.tokens
