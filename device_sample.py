@@ -9,12 +9,11 @@ import argparse
 import logging
 import sys
 import time
-from collections.abc import Iterator
 from functools import partial
 
 from mesh_transformer.config import ConfigError
 from mesh_transformer.errors import run_main
-from mesh_transformer.flags import Parser, add_inference_args
+from mesh_transformer.flags import Parser, add_inference_args, add_sampling_args, check_sampling_args, stdin_lines
 from mesh_transformer.platforms import platform_setup
 
 
@@ -23,40 +22,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = Parser(description=__doc__.splitlines()[0])
     add_inference_args(p)
     p.add_argument("--prompt", help="the prompt; without it, prompts are read from stdin, one a line")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
-    p.add_argument("--temperature", type=float, default=0.75, help="0 = greedy (default 0.75)")
-    p.add_argument("--top-p", type=float, default=0.9, help="nucleus mass in (0, 1]; 1 = off (default 0.9)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default)")
-    p.add_argument("--seed", type=int, default=0, help="sample i uses seed + i (default 0)")
-    p.add_argument("--stop", nargs="+", default=[], metavar="TEXT", help="end a completion before this text")
-    p.add_argument("--num-samples", type=int, default=1, help="completions per prompt (default 1)")
+    add_sampling_args(p)
     args = p.parse_args(argv)
-    for flag in ("max_new_tokens", "num_samples"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.prompt == "":
         p.error("--prompt is empty")
-    if "" in args.stop:
-        p.error("--stop texts must not be empty")
-    from mesh_transformer.infer.sampler import check_sampling
-
-    try:
-        check_sampling([args.temperature], [args.top_k], [args.top_p])
-    except ValueError as e:
-        p.error(str(e))
+    check_sampling_args(p, args)
     return args
-
-
-def stdin_lines() -> Iterator[str]:
-    """Lines typed (or piped) on stdin, prompted with '> ' on a terminal; blank lines are skipped."""
-    while True:
-        if sys.stdin.isatty():
-            print("> ", end="", file=sys.stderr, flush=True)
-        line = sys.stdin.readline()
-        if not line:
-            return
-        if line.strip():
-            yield line.rstrip("\n")
 
 
 def _complete(sampler, tokenizer, prompt: str, args: argparse.Namespace) -> None:

@@ -1,8 +1,11 @@
-"""The flags the command-line scripts share (config, model, conversion, multi-host) and what reads them: the config
-they name (`load_config`) and the multi-process run they describe (`start_distributed`)."""
+"""The flags the command-line scripts share (config, model, sampling, conversion, multi-host) and what reads them:
+the config they name (`load_config`), the multi-process run they describe (`start_distributed`) and prompts typed
+on stdin (`stdin_lines`)."""
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Iterator
 
 from mesh_transformer import config
 
@@ -67,3 +70,41 @@ def start_distributed(args: argparse.Namespace) -> None:
         mesh.init_distributed(args.coordinator, args.num_processes, args.process_id)
     except ValueError as e:
         raise config.ConfigError(str(e)) from None
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """How the sampling tool draws: length, temperature, top-p, top-k, seed, stop texts, samples per prompt."""
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    parser.add_argument("--temperature", type=float, default=0.75, help="0 = greedy (default 0.75)")
+    parser.add_argument("--top-p", type=float, default=0.9, help="nucleus mass in (0, 1]; 1 = off (default 0.9)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default)")
+    parser.add_argument("--seed", type=int, default=0, help="sample i uses seed + i (default 0)")
+    parser.add_argument("--stop", nargs="+", default=[], metavar="TEXT", help="end a completion before this text")
+    parser.add_argument("--num-samples", type=int, default=1, help="completions per prompt (default 1)")
+
+
+def check_sampling_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`add_sampling_args`' values checked: a bad one is the parser's one-line error."""
+    for flag in ("max_new_tokens", "num_samples"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if "" in args.stop:
+        parser.error("--stop texts must not be empty")
+    from mesh_transformer.infer.sampler import check_sampling  # loads JAX: only once the flags are read
+
+    try:
+        check_sampling([args.temperature], [args.top_k], [args.top_p])
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def stdin_lines() -> Iterator[str]:
+    """Lines typed (or piped) on stdin, prompted with '> ' on a terminal; blank lines are skipped."""
+    while True:
+        if sys.stdin.isatty():
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        if line.strip():
+            yield line.rstrip("\n")

@@ -216,11 +216,10 @@ class Engine:
     def _prefills(self, admitted: dict[int, Placement]) -> list[_Step]:
         """Dispatch the admitted requests' prefills: of whole prompts, and of the rest after a cached prefix."""
         fresh = {slot: len(self._slots[slot].request.prompt) for slot, p in admitted.items() if not p.reused}
-        steps = [self._prefill(rows, width, batch) for rows, width, batch in self.schedule.prefill_batches(fresh)]
         tails = {slot: len(self._slots[slot].request.prompt) - p.reused for slot, p in admitted.items() if p.reused}
-        for rows, width, batch in self.schedule.prefill_batches(tails):
-            steps.append(self._extend(rows, width, batch, admitted))
-        return steps
+        return ([self._prefill(rows, width, batch) for rows, width, batch in self.schedule.prefill_batches(fresh)]
+                + [self._prefill(rows, width, batch, admitted)
+                   for rows, width, batch in self.schedule.prefill_batches(tails)])
 
     def programs(self) -> list[tuple[str, tuple, dict]]:
         """Every program the engine can run, as (name, arguments, static arguments) for `Programs.compile`: each
@@ -254,14 +253,6 @@ class Engine:
             list(pool.map(lambda program: self._programs.compile(*program), programs))
         log.info("compiled them in %.1f s", time.perf_counter() - start_s)
 
-    def _run_prefill(self, ids_RxT: np.ndarray, length_R: np.ndarray, slot_R: np.ndarray,
-                     sampling_R) -> tuple[jax.Array, Logprobs]:
-        """Dispatch a prefill of R prompts (R split over dp like the slots; each row's slot local to its group, -1
-        for a padding row). Returns the first tokens and their log-probs [R], still on the device."""
-        tokens, logprobs, self._slot_state, self._cache = self._programs.prefill(
-            self.params, self._cache, self._slot_state, ids_RxT, length_R, slot_R, sampling_R, top=MAX_TOP)
-        return tokens, logprobs
-
     def _run_decode(self, steps: Steps, rows: int, n_blocks: int, penalized: bool) -> tuple[jax.Array, Logprobs]:
         """Dispatch a decode step of the first `rows` slots of each dp group (`penalized`: the program that applies
         and counts penalties and bias, run while some request has them)."""
@@ -270,22 +261,20 @@ class Engine:
             penalized=penalized)
         return tokens, logprobs
 
-    def _prefill(self, rows_per_group: int, width: int, batch: list[tuple[int, int]]) -> _Step:
-        """Prefill one batch of admitted requests, (slot, input row) each, in one program of prompts padded to
-        `width`."""
-        ids_RxT, length, local_slot, _, _ = self._prefill_rows(rows_per_group, width, batch, {})
+    def _prefill(self, rows_per_group: int, width: int, batch: list[tuple[int, int]],
+                 placements: dict[int, Placement] | None = None) -> _Step:
+        """Dispatch the prefill of one batch of admitted requests, (slot, input row) each, in one program of prompts
+        padded to `width`; with `placements`, of the rest of each prompt after its cached prefix. The first tokens
+        and their log-probs stay on the device."""
+        ids_RxT, length, local_slot, start, source = self._prefill_rows(rows_per_group, width, batch,
+                                                                        placements or {})
         sampling = fill_sampling(len(length), [(row, self._slots[slot].request) for slot, row in batch], bias=True)
-        tokens, chosen = self._run_prefill(ids_RxT, length, local_slot, sampling)
-        return _Step(tokens, chosen, [(slot, self._slots[slot], row) for slot, row in batch])
-
-    def _extend(self, rows_per_group: int, width: int, batch: list[tuple[int, int]],
-                placements: dict[int, Placement]) -> _Step:
-        """Prefill the rest of each prompt of a batch after its cached prefix (`placements`)."""
-        ids_RxT, length, local_slot, start, source = self._prefill_rows(rows_per_group, width, batch, placements)
-        sampling = fill_sampling(len(length), [(row, self._slots[slot].request) for slot, row in batch], bias=True)
-        tokens, chosen, self._slot_state, self._cache = self._programs.extend(
-            self.params, self._cache, self._slot_state, ids_RxT, start, length, local_slot, source, sampling,
-            top=MAX_TOP)
+        state = (self.params, self._cache, self._slot_state)
+        if placements is None:
+            out = self._programs.prefill(*state, ids_RxT, length, local_slot, sampling, top=MAX_TOP)
+        else:
+            out = self._programs.extend(*state, ids_RxT, start, length, local_slot, source, sampling, top=MAX_TOP)
+        tokens, chosen, self._slot_state, self._cache = out
         return _Step(tokens, chosen, [(slot, self._slots[slot], row) for slot, row in batch])
 
     def _prefill_rows(self, rows_per_group: int, width: int, batch: list[tuple[int, int]],
