@@ -145,7 +145,11 @@ def train_record(name: str, cfg: config.Config, batch: int, repeats: int, peaks:
     tokens = np.random.default_rng(0).integers(0, cfg.n_vocab, (1, batch, cfg.seq + 1)).astype(np.int32)
     tokens = jax.device_put(tokens, layout.batch_sharding())
     start = time.perf_counter()
-    step = state_lib.make_train_step(layout, opt, optim.lr_schedule(cfg)).lower(state, tokens, base).compile()
+    if base:  # as the trainer runs LoRA: the base in the layouts the step's compiler chose
+        step, formats = state_lib.compile_train_step(layout, opt, optim.lr_schedule(cfg))
+        base = state_lib.place_frozen(base, formats)
+    else:
+        step = state_lib.make_train_step(layout, opt, optim.lr_schedule(cfg)).lower(state, tokens, base).compile()
     compile_s = time.perf_counter() - start
     step_s, _ = time_steps_s(step, state, tokens, repeats, base)
     tokens_per_s = batch * cfg.seq / step_s

@@ -28,7 +28,6 @@ from mesh_transformer.infer.programs import Programs
 from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.infer.score import MAX_TOP, Rows, Scorer
 from mesh_transformer.model import gptj, layers, quant, table
-from mesh_transformer.model.split import split_of
 from mesh_transformer.parallel.layout import MODES, SHARD_MAP, Layout, make_layout
 from mesh_transformer.parallel.mesh import DP, MP
 from mesh_transformer.train import optim, state
@@ -226,13 +225,11 @@ def training_programs(cfg: Config, mode: str, devices: list, sizes: dict) -> dic
             devices = devices[:needed]
     layout = make_layout(cfg, devices)
     optimizer = optim.make_optimizer(cfg)
-    cfg = layout.cfg
-    tokens = jax.ShapeDtypeStruct((cfg.gradient_accumulation_steps, layout.global_batch, cfg.seq + 1), jnp.int32,
-                                  sharding=layout.batch_sharding())
-    split = split_of(cfg)
-    frozen = layout.abstract(split.frozen_axes(cfg), table.DTYPES[cfg.base_dtype])
-    return {"layout": layout, "state": state.abstract_train_state(layout, optimizer), "tokens": tokens,
-            "frozen": frozen, "train": state.make_train_step(layout, optimizer, optim.lr_schedule(cfg))}
+    train_state, tokens, frozen = state.abstract_step_args(layout, optimizer)
+    # The frozen base in the layouts the compiler chooses, as the trainer places it (`state.compile_train_step`).
+    train = state.make_train_step(layout, optimizer, optim.lr_schedule(layout.cfg),
+                                  frozen_formats=state.auto_frozen_formats(layout))
+    return {"layout": layout, "state": train_state, "tokens": tokens, "frozen": frozen, "train": train}
 
 
 def _train_record(compiled: dict, common: dict, no_loop_hoisting: bool = False,

@@ -30,12 +30,12 @@ class Chip:
     bandwidth: float  # memory bytes/s, per device
 
 
-# Per JAX device. v2/v3 expose each of a chip's two cores as a device, and so does libtpu's compile-only v4 (the
-# real v4 joins them, megacore); v5e and v6e have one core per chip, v5p two joined as one device.
+# Per JAX device. v2/v3 expose each of a chip's two cores as a device; v4 and v5p join a chip's two as one device
+# (megacore: libtpu's compile-only v4 is asked for it, `_CHIP_CONFIG`); v5e and v6e have one core per chip.
 TPU_CHIPS = {
     "v2": Chip("TPU v2 core", 8 * GIB, 22.5e12, 350e9),
     "v3": Chip("TPU v3 core", 16 * GIB, 61.5e12, 450e9),
-    "v4": Chip("TPU v4 core", 16 * GIB, 137.5e12, 600e9),
+    "v4": Chip("TPU v4 chip", 32 * GIB, 275e12, 1200e9),
     "v5e": Chip("TPU v5e chip", 16 * GIB, 197e12, 819e9),
     "v5p": Chip("TPU v5p chip", 95 * GIB, 459e12, 2765e9),
     "v6e": Chip("TPU v6e chip", 32 * GIB, 918e12, 1640e9),
@@ -46,7 +46,10 @@ _CLOUD_PREFIX = {"v5litepod": "v5e", "v5lite": "v5e", "v6e": "v6e", "v5p": "v5p"
                  "v2": "v2"}
 # Chips per host of each generation's VMs (a slice of up to that many chips is one host), and JAX devices per chip.
 _CHIPS_PER_HOST = {"v2": 4, "v3": 4, "v4": 4, "v5p": 4, "v5e": 8, "v6e": 8}
-_DEVICES_PER_CHIP = {"v2": 2, "v3": 2, "v4": 2, "v5p": 1, "v5e": 1, "v6e": 1}
+_DEVICES_PER_CHIP = {"v2": 2, "v3": 2, "v4": 1, "v5p": 1, "v5e": 1, "v6e": 1}
+# libtpu's chip configuration where its compile-only default is not the Cloud VM's: v4's default is a device per
+# core, which JAX's mesh builder refuses for a v4 ("requires one device per chip").
+_CHIP_CONFIG = {"v4": "megacore"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +92,8 @@ def tpu_target(name: str) -> Target:
         raise ConfigError(f"{name}: no known {generation} topology of {chips} chips")
     host = chips if chips <= _CHIPS_PER_HOST[generation] else 4  # larger slices: hosts of 4 chips
     options = (("chips_per_host_bounds", _HOST_BOUNDS[host]),) if host != 4 else ()
+    if generation in _CHIP_CONFIG:
+        options += (("chip_config_name", _CHIP_CONFIG[generation]),)
     return Target(name, "tpu", f"XLA:TPU (libtpu), {generation}", TPU_CHIPS[generation],
                   chips * _DEVICES_PER_CHIP[generation], f"{generation}:{grid}", options)
 
@@ -134,7 +139,7 @@ def compile_devices(t: Target) -> list:
     with platforms.quiet_stderr():
         if t.platform == "tpu":
             topology = topologies.get_topology_desc(topology_name=t.topology, platform="tpu",
-                                                    **{k: list(v) for k, v in t.options})
+                                                    **{k: list(v) if isinstance(v, tuple) else v for k, v in t.options})
         else:
             from mesh_transformer import gpu_specs
 

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,12 @@ def test_original_configs_load_unchanged():
     assert cfg.model_path == "gs://neo-models/mesh_jax_pile_6B_rotary"
     example = config.load("configs/example_config.json")
     assert example.total_steps == 72 and example.head_dim == 256
+
+
+def test_every_shipped_config_loads():
+    recipes = {p.name: config.load(str(p)) for p in sorted(Path("configs").glob("*.json"))}
+    assert recipes["6B_lora_v5litepod-1.json"].lora_rank == 16
+    assert recipes["6B_lora_v5litepod-1.json"].cores_per_replica == 1
 
 
 def test_defaults_fill_missing_keys_and_config_is_frozen(tmp_path):

@@ -89,8 +89,11 @@ class Trainer:
         self.frozen: dict = {}  # the split's frozen tree, the steps' last argument: LoRA's base params, or nothing
         self.base_identity: dict | None = None
         self.state, data_state = self._start_state(tune_model_path, fresh_opt)
-        train_step = state.make_train_step(self.layout, self.optimizer, self.schedule)
-        eval_step = state.make_eval_step(self.layout)
+        train_step, frozen_formats = state.make_train_step(self.layout, self.optimizer, self.schedule), None
+        if self.frozen:  # LoRA's base, moved into the layouts the step's compiler chose (`state.compile_train_step`)
+            train_step, frozen_formats = state.compile_train_step(self.layout, self.optimizer, self.schedule)
+            self.frozen = state.place_frozen(self.frozen, frozen_formats)
+        eval_step = state.make_eval_step(self.layout, frozen_formats=frozen_formats)
         self.train_step = lambda train_state, tokens: train_step(train_state, tokens, self.frozen)
         self.eval_step = lambda params, tokens: eval_step(params, tokens, self.frozen)
         self.step = int(self.state["step"])
