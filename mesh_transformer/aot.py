@@ -23,7 +23,8 @@ from jax.sharding import PartitionSpec as P
 from mesh_transformer import estimate, platforms, targets
 from mesh_transformer.config import Config, ConfigError, parse_size
 from mesh_transformer.infer.choose import Sampling, fill_sampling
-from mesh_transformer.infer.decode import KVCache, Steps, block_sizes, cache_dtype, default_block, new_slots
+from mesh_transformer.infer.decode import (KVCache, Steps, block_shape, block_sizes, cache_dtype, default_block,
+                                           new_slots)
 from mesh_transformer.infer.programs import Programs
 from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.infer.score import MAX_TOP, Rows, Scorer
@@ -138,7 +139,8 @@ def _abstract_slots(programs: Programs, n_slots: int, sizes: list[int]) -> tuple
     """(cache, `decode.Slots`, Steps) of n_slots slots whose cache blocks have these lengths, abstract."""
     cfg = programs.layout.cfg
     row = programs.row_sharding
-    block = [jax.ShapeDtypeStruct((n_slots, cfg.n_heads, cfg.head_dim, size), cache_dtype(cfg, programs.layout.policy),
+    policy = programs.layout.policy
+    block = [jax.ShapeDtypeStruct(block_shape(n_slots, size, cfg, policy), cache_dtype(cfg, policy),
                                   sharding=programs.cache_sharding) for size in sizes]
     ints = jax.ShapeDtypeStruct((n_slots,), jnp.int32, sharding=row)
     steps = Steps(ints, ints, _abstract_sampling(row, n_slots))

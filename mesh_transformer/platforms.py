@@ -3,7 +3,8 @@ Layout carries and the programs read. Model, infer and train code never ask JAX 
 
 The CPU policy holds the workarounds for XLA's CPU backend, each measured where it is written: blocked training
 attention (`model/attention.py`), the dense layers' hand-written backward (`model/layers.py`), weight converts
-ordered layer by layer and a KV cache stored as bits (`infer/decode.py`). TPU and GPU programs hold none of them.
+ordered layer by layer, a KV cache stored as bits and with its positions last (`infer/decode.py`). TPU and GPU
+programs hold none of them.
 
 Before JAX starts, what a process does is chosen from the platform JAX will start on (`expected_platform`): importing
 the package pins a machine without an accelerator to the CPU (`pin_platform`), and every script's `__main__` calls
@@ -35,6 +36,7 @@ class Policy:
     dense_backward: str  # "ordered" (the CPU's weight-gradient product order) or "autodiff"
     ordered_converts: bool  # bf16 weights converted to f32 one layer at a time (XLA's CPU dot has no bf16 kernel)
     cache_bits: bool  # the KV cache stored as unsigned bits (XLA's CPU scatter has no bf16 kernel)
+    cache_order: tuple  # a KV cache block's axes, as positions of [slots, positions, heads, head dim]
     loop_hoisting: bool = True  # XLA's loop-invariant code motion (the CPU fit check can turn it off)
 
     def compiler_options(self) -> dict:
@@ -44,11 +46,11 @@ class Policy:
 
 _POLICIES = {
     CPU: Policy(CPU, "cpu", "float32", attention="blocked", dense_backward="ordered", ordered_converts=True,
-                cache_bits=True),
+                cache_bits=True, cache_order=(0, 2, 3, 1)),
     TPU: Policy(TPU, "", "bfloat16", attention="xla", dense_backward="autodiff", ordered_converts=False,
-                cache_bits=False),
+                cache_bits=False, cache_order=(0, 1, 2, 3)),
     GPU: Policy(GPU, "", "bfloat16", attention="cudnn", dense_backward="autodiff", ordered_converts=False,
-                cache_bits=False),
+                cache_bits=False, cache_order=(0, 2, 1, 3)),
 }
 _PLATFORM_NAMES = {"cpu": CPU, "tpu": TPU, "gpu": GPU, "cuda": GPU, "rocm": GPU}
 

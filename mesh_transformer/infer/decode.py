@@ -1,11 +1,13 @@
 """THE decode stack: prefill prompts into slots of a KV cache, advance busy slots one token at a time, and choose each
 token by its row's own sampling values. The offline sampler and the serving engine both run these programs.
 
-The cache holds N slots of S positions, per layer for keys and for values a list of blocks [N, H, K, S_j] of
-consecutive positions (`block_sizes`; the values' bits, `cache_dtype`), heads split over 'mp' and slots over 'dp'.
-A decode step reads only the first blocks, as many as the furthest busy slot needs, in place: slicing a span out of
-one array per layer costs a strided copy per layer per step. Within a block positions come last, the layout XLA's
-CPU dot wants for one-token attention; handing a block to the layers as [B, S_j, H, K] is then free. Both programs
+The cache holds N slots of S positions, per layer for keys and for values a list of blocks of consecutive positions
+(`block_sizes`; the values' bits, `cache_dtype`), heads split over 'mp' and slots over 'dp'. A decode step reads
+only the first blocks, as many as the furthest busy slot needs, in place: slicing a span out of one array per layer
+costs a strided copy per layer per step. A block is [N, S_j, H, K] with its axes in the order the platform policy
+names (`block_shape`): positions last on the CPU, the layout XLA's CPU dot wants for one-token attention; positions
+second for XLA:TPU, which copied every [N, H, K, S] block into that layout around the sampler's decode loop (6.77 GiB
+of GPT-J-6B's 8 slots on a v5e chip); heads before positions for XLA:GPU (the least it copies). Both programs
 run per device (the Layout's shard_map) with the same forward as training, the layers unrolled over unstacked params
 (`params.place_params`): a scan over stacked layers would copy each layer's weights out of the stack at every token.
 Each row's token is chosen by `choose.choose`.
@@ -41,9 +43,36 @@ class Steps(NamedTuple):
 
 
 class KVCache(NamedTuple):
-    """Per layer, a list of blocks [N, H, K, S_j] of keys and of values."""
+    """Per layer, a list of blocks (`block_shape`) of keys and of values."""
     k: list
     v: list
+
+
+SEQUENCE_AXES = ("batch", "length", "heads", "head_dim")  # [N, S, H, K], which the policy's cache_order permutes
+
+
+def block_shape(n_slots: int, length: int, cfg: Config, policy: Policy) -> tuple[int, ...]:
+    """A cache block's shape: [N, S_j, H, K] in the policy's order (`cache_order`)."""
+    sizes = (n_slots, length, cfg.n_heads, cfg.head_dim)
+    return tuple(sizes[i] for i in policy.cache_order)
+
+
+def block_axes(policy: Policy) -> tuple[str, ...]:
+    """A cache block's logical axes (its placement: slots over dp, heads over mp)."""
+    return tuple(SEQUENCE_AXES[i] for i in policy.cache_order)
+
+
+def _at(order: tuple, rows, positions) -> tuple:
+    """The index of these rows' positions in a block of this order. Heads come before the head dim in every order,
+    so the values it takes are [rows..., H, K]."""
+    index = [slice(None)] * 4
+    index[0], index[order.index(1)] = rows, positions
+    return tuple(index)
+
+
+def _as_sequence(block: jax.Array, order: tuple) -> jax.Array:
+    """A block as [N, S_j, H, K]."""
+    return block.transpose(tuple(int(i) for i in np.argsort(order)))
 
 
 MIN_BLOCK = 32  # the shortest stretch of the cache a decode step reads: one block of it
@@ -60,11 +89,11 @@ def block_sizes(seq: int, block: int) -> list[int]:
     return [min(block, seq - start) for start in range(0, seq, block)]
 
 
-def _starts(blocks: list) -> list[int]:
+def _starts(blocks: list, axis: int) -> list[int]:
     """The first position of each block."""
     starts = [0]
     for b in blocks[:-1]:
-        starts.append(starts[-1] + b.shape[-1])
+        starts.append(starts[-1] + b.shape[axis])
     return starts
 
 
@@ -94,6 +123,7 @@ class _PrefillKV(NamedTuple):
     position 0 of its slot (a target past the end, a padding row's, is dropped). A layer's state: (k, v) blocks."""
     target_R: jax.Array
     dtype: Any
+    order: tuple  # the blocks' (`Policy.cache_order`)
 
     def read(self, state, h_RxTxD):
         return None
@@ -102,15 +132,15 @@ class _PrefillKV(NamedTuple):
         return tuple(self._written(blocks, new) for blocks, new in zip(state, (k_RxTxHxK, v_RxTxHxK)))
 
     def _written(self, blocks: list, new_RxTxHxK: jax.Array) -> list:
-        width = new_RxTxHxK.shape[1]
-        new_RxHxKxT = new_RxTxHxK.transpose(0, 2, 3, 1).astype(self.dtype)
+        width, new_RxTxHxK = new_RxTxHxK.shape[1], new_RxTxHxK.astype(self.dtype)
         written = []
-        for start, block_NxHxKxS in zip(_starts(blocks), blocks):
-            n = min(block_NxHxKxS.shape[-1], width - start)
-            if n > 0:
-                block_NxHxKxS = scatter(block_NxHxKxS, (self.target_R, slice(None), slice(None), slice(None, n)),
-                                        new_RxHxKxT[..., start:start + n])
-            written.append(block_NxHxKxS)
+        axis = self.order.index(1)
+        for start, block in zip(_starts(blocks, axis), blocks):
+            n = min(block.shape[axis], width - start)
+            if n > 0:  # a slice of positions keeps its place in the block: the values in the block's order
+                block = scatter(block, _at(self.order, self.target_R, slice(None, n)),
+                                new_RxTxHxK[:, start:start + n].transpose(self.order))
+            written.append(block)
         return written
 
 
@@ -123,13 +153,14 @@ class _DecodeKV(NamedTuple):
     policy: Policy
 
     def read(self, state, h_Rx1xD):
-        rows, blocks = self.position_R.shape[0], state[0][:self.n_blocks]
-        starts = _starts(blocks)
-        span = starts[-1] + blocks[-1].shape[-1]
+        rows, blocks, order = self.position_R.shape[0], state[0][:self.n_blocks], self.policy.cache_order
+        axis = order.index(1)
+        starts = _starts(blocks, axis)
+        span = starts[-1] + blocks[-1].shape[axis]
         # From a slot's own position on it holds stale keys, if any.
         past_mask_Rx1xS = (jnp.arange(span)[None, :] < self.position_R[:, None])[:, None, :]
         # The first `rows` slots of each block read: a copy unless that is every slot, but only of them.
-        past = [[cached(b[:rows], self.dtype).transpose(0, 3, 1, 2) for b in kind[:self.n_blocks]] for kind in state]
+        past = [[_as_sequence(cached(b[:rows], self.dtype), order) for b in kind[:self.n_blocks]] for kind in state]
         past_k, past_v = layers.in_turn(h_Rx1xD, past, self.policy)
         return past_k, past_v, past_mask_Rx1xS
 
@@ -142,11 +173,12 @@ class _DecodeKV(NamedTuple):
                      for blocks, new in zip(state, (k_Rx1xHxK, v_Rx1xHxK)))
 
     def _written(self, blocks: list, new_RxHxK: jax.Array) -> list:
-        written, row_R = list(blocks), jnp.arange(new_RxHxK.shape[0])
-        for j, start in enumerate(_starts(blocks)[:self.n_blocks]):  # a slot's position lies in one block read
-            local_R = self.position_R - start
-            local_R = jnp.where((local_R >= 0) & (local_R < blocks[j].shape[-1]), local_R, blocks[j].shape[-1])
-            written[j] = scatter(blocks[j], (row_R, slice(None), slice(None), local_R), new_RxHxK)
+        written, row_R, order = list(blocks), jnp.arange(new_RxHxK.shape[0]), self.policy.cache_order
+        axis = order.index(1)
+        for j, start in enumerate(_starts(blocks, axis)[:self.n_blocks]):  # a slot's position lies in one block read
+            local_R, length = self.position_R - start, blocks[j].shape[axis]
+            local_R = jnp.where((local_R >= 0) & (local_R < length), local_R, length)
+            written[j] = scatter(blocks[j], _at(order, row_R, local_R), new_RxHxK)
         return written
 
 
@@ -161,11 +193,12 @@ class _ExtendKV(NamedTuple):
     copy_R: jax.Array
     start_R: jax.Array
     dtype: Any
+    order: tuple  # the blocks' (`Policy.cache_order`)
 
     def read(self, state, h_RxTxD):
-        span = sum(block.shape[-1] for block in state[0])
+        span = sum(block.shape[self.order.index(1)] for block in state[0])
         past_mask_Rx1xS = (jnp.arange(span)[None, :] < self.start_R[:, None])[:, None, :]
-        past = [[cached(jnp.take(b, self.source_R, 0, mode="clip"), self.dtype).transpose(0, 3, 1, 2)
+        past = [[_as_sequence(cached(jnp.take(b, self.source_R, 0, mode="clip"), self.dtype), self.order)
                  for b in kind] for kind in state]
         return past[0], past[1], past_mask_Rx1xS
 
@@ -176,12 +209,12 @@ class _ExtendKV(NamedTuple):
         written, new_RxTxHxK = list(blocks), new_RxTxHxK.astype(self.dtype)
         copy_to_R = jnp.where(self.copy_R, self.target_R, blocks[0].shape[0])
         position_RxT = self.start_R[:, None] + jnp.arange(new_RxTxHxK.shape[1])[None]
-        for j, start in enumerate(_starts(blocks)):
+        axis = self.order.index(1)
+        for j, start in enumerate(_starts(blocks, axis)):
             block = written[j].at[copy_to_R].set(jnp.take(written[j], self.source_R, 0, mode="clip"), mode="drop")
-            local_RxT = position_RxT - start
-            local_RxT = jnp.where((local_RxT >= 0) & (local_RxT < block.shape[-1]), local_RxT, block.shape[-1])
-            written[j] = scatter(block, (self.target_R[:, None], slice(None), slice(None), local_RxT),
-                                 new_RxTxHxK)
+            local_RxT, length = position_RxT - start, block.shape[axis]
+            local_RxT = jnp.where((local_RxT >= 0) & (local_RxT < length), local_RxT, length)
+            written[j] = scatter(block, _at(self.order, self.target_R[:, None], local_RxT), new_RxTxHxK)
         return written
 
 
@@ -203,7 +236,7 @@ def prefill_logits(params: dict, cache: KVCache, ids_RxT: jax.Array, length_R: j
     """Run R prompts (right-padded to T) together, write each one's keys and values from position 0 of its slot
     (a slot of -1 is a padding row, written nowhere), and return the logits after each prompt's last token [R, V]."""
     target_R = jnp.where(slot_R >= 0, slot_R, cache.k[0][0].shape[0])  # past the end: the scatter drops it
-    kv = _PrefillKV(target_R, gptj.compute_dtype(cfg))
+    kv = _PrefillKV(target_R, gptj.compute_dtype(cfg), policy.cache_order)
     return _run_cached(params, cache, ids_RxT, gptj.positions(ids_RxT), kv, cfg, tp_axis, policy,
                        columns_BxC=(length_R - 1)[:, None])
 
@@ -216,7 +249,8 @@ def extend_logits(params: dict, cache: KVCache, ids_RxT: jax.Array, start_R: jax
     copied in); return the logits after each tail's last token [R, V]."""
     n_slots = cache.k[0][0].shape[0]
     target_R = jnp.where(slot_R >= 0, slot_R, n_slots)
-    kv = _ExtendKV(target_R, source_R, (slot_R >= 0) & (source_R != slot_R), start_R, gptj.compute_dtype(cfg))
+    kv = _ExtendKV(target_R, source_R, (slot_R >= 0) & (source_R != slot_R), start_R, gptj.compute_dtype(cfg),
+                   policy.cache_order)
     positions_RxT = start_R[:, None] + gptj.positions(ids_RxT)
     return _run_cached(params, cache, ids_RxT, positions_RxT, kv, cfg, tp_axis, policy,
                        columns_BxC=(length_R - 1)[:, None])

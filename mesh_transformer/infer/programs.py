@@ -16,10 +16,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from mesh_transformer.infer.choose import Logprobs
-from mesh_transformer.infer.decode import (KVCache, Slots, cache_dtype, decode_local, extend_local, generate_local,
-                                           new_slots, prefill_local)
+from mesh_transformer.infer.decode import (KVCache, Slots, block_axes, block_shape, cache_dtype, decode_local,
+                                           extend_local, generate_local, new_slots, prefill_local)
 from mesh_transformer.model import gptj
-from mesh_transformer.parallel.layout import ACTIVATION_AXES, Layout
+from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.platforms import Policy
 
 
@@ -45,7 +45,7 @@ class Programs:
         self.layout = layout
         self.traces = 0  # programs compiled so far
         self.row_sharding = layout.sharding(("batch",))
-        self.cache_sharding = layout.sharding(ACTIVATION_AXES["kv_cache"])
+        self.cache_sharding = layout.sharding(block_axes(layout.policy))
         self.jitted = {"prefill": jax.jit(self._prefill, static_argnames=("top",), donate_argnums=(1, 2)),
                        "extend": jax.jit(self._extend, static_argnames=("top",), donate_argnums=(1, 2)),
                        "decode": jax.jit(self._decode, static_argnames=("rows", "n_blocks", "top", "penalized"),
@@ -125,7 +125,7 @@ class Programs:
         dtype = cache_dtype(cfg, self.layout.policy)
 
         def zeros():
-            return [[jnp.zeros((n_slots, cfg.n_heads, cfg.head_dim, size), dtype) for size in sizes]
+            return [[jnp.zeros(block_shape(n_slots, size, cfg, self.layout.policy), dtype) for size in sizes]
                     for _ in range(cfg.layers)]
 
         return zeros(), zeros()

@@ -70,7 +70,6 @@ ACTIVATION_AXES = {
     "heads": ("batch", "length", "heads", "head_dim"),
     "mlp": ("batch", "length", "mlp"),
     "logits": ("batch", "length", "vocab"),
-    "kv_cache": ("batch", "heads", "head_dim", "length"),  # one block of one layer's
 }
 
 

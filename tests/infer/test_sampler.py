@@ -10,7 +10,7 @@ import torch
 
 from mesh_transformer.model import table
 from mesh_transformer.store import checkpoint, hf
-from mesh_transformer import config
+from mesh_transformer import config, platforms
 from mesh_transformer.model import gptj as model
 from mesh_transformer.infer import choose, decode, programs as infer_programs, sampler as sampling
 from mesh_transformer.infer import params as infer_params
@@ -25,6 +25,11 @@ MIXED = {"temperature": [0.0, 0.8, 1.0], "top_k": [0, 0, 20], "top_p": [1.0, 0.9
 # GPT-2's vocabulary (padded to divide 8 shards), so that text round-trips through the real tokenizer.
 BIG = config.from_dict({"layers": 1, "d_model": 32, "n_heads": 4, "n_vocab": 50304, "pe_rotary_dims": 4, "seq": 64,
                         "cores_per_replica": 1})
+
+
+def cache_order(platform: str):
+    """The CPU policy with its cache blocks' axes in the order of this platform's policy."""
+    return dataclasses.replace(CPU_POLICY, cache_order=platforms.for_platform(platform).cache_order)
 
 
 @pytest.fixture(scope="module")
@@ -73,23 +78,24 @@ def test_greedy_equals_hf_generate_with_left_padding(hf_model, greedy):
 
 
 @pytest.mark.parametrize("dtype, atol", [("float32", 1e-5), ("bfloat16", 2e-2)])
-def test_kv_cache_logits_equal_full_forward_at_every_step(params, dtype, atol):
-    cfg = dataclasses.replace(CFG, compute_dtype=dtype)
+@pytest.mark.parametrize("cache_platform", ["cpu", "tpu", "gpu"])
+def test_kv_cache_logits_equal_full_forward_at_every_step(params, dtype, atol, cache_platform):
+    cfg, policy = dataclasses.replace(CFG, compute_dtype=dtype), cache_order(cache_platform)
     prompts, fed = [[7, 8, 9], [1, 2, 3, 4, 5, 6]], np.array([[11, 12, 13], [21, 22, 23]])
     width = 8  # the prompt bucket; the cache holds 8 + 4 positions in two blocks
     ids = right_pad(prompts + [[0] * width])[:2]
     length = np.array([len(p) for p in prompts], np.int32)
     decode_params = infer_params.place_params(params, make_inference_layout(cfg, mesh=make_dp_mp(1, 1)))
-    cache = decode.KVCache(*([[jnp.zeros((2, cfg.n_heads, cfg.head_dim, size), decode.cache_dtype(cfg, CPU_POLICY))
+    cache = decode.KVCache(*([[jnp.zeros(decode.block_shape(2, size, cfg, policy), decode.cache_dtype(cfg, policy))
                                for size in (8, 4)]
                               for _ in range(cfg.layers)] for _ in range(2)))
     prefill = jax.jit(lambda p, c: decode.prefill_logits(p, c, ids, length, np.arange(2, dtype=np.int32), cfg,
-                                                              policy=CPU_POLICY))
+                                                              policy=policy))
     step = jax.jit(lambda p, c, token, position: decode.decode_logits(p, c, token, position, cfg, n_blocks=2,
-                                                                                   policy=CPU_POLICY))
+                                                                                   policy=policy))
     # Right-padded rows in one causal forward: padding after a position does not change its logits.
     rows = [p + f.tolist() for p, f in zip(prompts, fed)]
-    full = np.asarray(jax.jit(lambda p, x: model.forward(p, x, cfg, policy=CPU_POLICY))(params, right_pad(rows)))
+    full = np.asarray(jax.jit(lambda p, x: model.forward(p, x, cfg, policy=policy))(params, right_pad(rows)))
     expected = [full[row, len(p) - 1:] for row, p in enumerate(prompts)]
 
     logits, cache = prefill(decode_params, cache)
@@ -101,28 +107,30 @@ def test_kv_cache_logits_equal_full_forward_at_every_step(params, dtype, atol):
 
 
 @pytest.mark.parametrize("dtype, atol", [("float32", 1e-5), ("bfloat16", 2e-2)])
-def test_prefill_after_a_cached_prefix_equals_the_full_forward_in_its_own_slot_and_copied(params, dtype, atol):
-    cfg = dataclasses.replace(CFG, compute_dtype=dtype)
+@pytest.mark.parametrize("cache_platform", ["cpu", "tpu", "gpu"])
+def test_prefill_after_a_cached_prefix_equals_the_full_forward_in_its_own_slot_and_copied(params, dtype, atol,
+                                                                                         cache_platform):
+    cfg, policy = dataclasses.replace(CFG, compute_dtype=dtype), cache_order(cache_platform)
     cached = list(range(40, 50))  # prefilled into slot 0; its first 8 tokens are the prefix both rows reuse
     own, copied = cached[:8] + [3, 4, 5], cached[:8] + [7, 9, 11, 13]  # row 0: in slot 0 itself; row 1: into slot 2
     decode_params = infer_params.place_params(params, make_inference_layout(cfg, mesh=make_dp_mp(1, 1)))
-    cache = decode.KVCache(*([[jnp.zeros((3, cfg.n_heads, cfg.head_dim, size), decode.cache_dtype(cfg, CPU_POLICY))
+    cache = decode.KVCache(*([[jnp.zeros(decode.block_shape(3, size, cfg, policy), decode.cache_dtype(cfg, policy))
                                for size in (8, 8, 16)]
                               for _ in range(cfg.layers)] for _ in range(2)))
     _, cache = jax.jit(lambda p, c: decode.prefill_logits(p, c, right_pad([cached]), np.array([10], np.int32),
-                                                          np.array([0], np.int32), cfg, policy=CPU_POLICY))(
+                                                          np.array([0], np.int32), cfg, policy=policy))(
         decode_params, cache)
     tails = right_pad([own[8:], copied[8:]]).astype(np.int32)
     extend = jax.jit(lambda p, c: decode.extend_logits(
         p, c, tails, np.array([8, 8], np.int32), np.array([3, 4], np.int32), np.array([0, 2], np.int32),
-        np.array([0, 0], np.int32), cfg, policy=CPU_POLICY))
+        np.array([0, 0], np.int32), cfg, policy=policy))
     logits, cache = extend(decode_params, cache)
     step = jax.jit(lambda p, c: decode.decode_logits(p, c, np.array([21, 22, 23], np.int32),
                                                      np.array([11, 0, 12], np.int32), cfg, n_blocks=3,
-                                                     policy=CPU_POLICY))
+                                                     policy=policy))
     next_logits, _ = step(decode_params, cache)  # slot 2's copied prefix and written tail are what it reads
     rows = [own + [21], copied + [23]]
-    full = np.asarray(jax.jit(lambda p, x: model.forward(p, x, cfg, policy=CPU_POLICY))(params, right_pad(rows)))
+    full = np.asarray(jax.jit(lambda p, x: model.forward(p, x, cfg, policy=policy))(params, right_pad(rows)))
     for row, tokens in enumerate(rows):
         np.testing.assert_allclose(logits[row], full[row, len(tokens) - 2], atol=atol)
     np.testing.assert_allclose(next_logits[0], full[0, len(own)], atol=atol)

@@ -59,7 +59,7 @@ def test_int8_params_are_placed_as_int8_with_scales(params):
 def prefill_logits(params, cfg, ids):
     """The logits after each row's last token [R, V] of the decode programs' prefill, with params placed for cfg."""
     placed = infer_params.place_params(params, make_inference_layout(cfg, mesh=make_dp_mp(1, 1)))
-    cache = decode.KVCache(*([[jnp.zeros((len(ids), cfg.n_heads, cfg.head_dim, cfg.seq), jnp.float32)]
+    cache = decode.KVCache(*([[jnp.zeros(decode.block_shape(len(ids), cfg.seq, cfg, CPU_POLICY), jnp.float32)]
                               for _ in range(cfg.layers)] for _ in range(2)))
     length, slots = np.full(len(ids), ids.shape[1], np.int32), np.arange(len(ids), dtype=np.int32)
     return np.asarray(jax.jit(lambda p, c: decode.prefill_logits(p, c, ids, length, slots, cfg, policy=CPU_POLICY))(
