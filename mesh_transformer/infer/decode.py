@@ -203,15 +203,21 @@ class _ExtendKV(NamedTuple):
         return past[0], past[1], past_mask_Rx1xS
 
     def write(self, state, k_RxTxHxK, v_RxTxHxK, h_RxTxD):
-        return tuple(self._written(blocks, new) for blocks, new in zip(state, (k_RxTxHxK, v_RxTxHxK)))
+        # As in a decode step (`_DecodeKV.write`): the writes made to depend on attention's reads of the slot (through
+        # h), else XLA copied every block of the cache to keep them apart (192 MiB of the bench config's 32 slots).
+        after_Rx1x1x1 = 0 * h_RxTxD[:, :1, :1, None].astype(k_RxTxHxK.dtype)
+        return tuple(self._written(blocks, new + after_Rx1x1x1, after_Rx1x1x1)
+                     for blocks, new in zip(state, (k_RxTxHxK, v_RxTxHxK)))
 
-    def _written(self, blocks: list, new_RxTxHxK: jax.Array) -> list:
+    def _written(self, blocks: list, new_RxTxHxK: jax.Array, after_Rx1x1x1: jax.Array) -> list:
         written, new_RxTxHxK = list(blocks), new_RxTxHxK.astype(self.dtype)
         copy_to_R = jnp.where(self.copy_R, self.target_R, blocks[0].shape[0])
         position_RxT = self.start_R[:, None] + jnp.arange(new_RxTxHxK.shape[1])[None]
         axis = self.order.index(1)
         for j, start in enumerate(_starts(blocks, axis)):
-            block = written[j].at[copy_to_R].set(jnp.take(written[j], self.source_R, 0, mode="clip"), mode="drop")
+            source = jnp.take(written[j], self.source_R, 0, mode="clip")
+            source = lax.bitcast_convert_type(cached(source, after_Rx1x1x1.dtype) + after_Rx1x1x1, source.dtype)
+            block = written[j].at[copy_to_R].set(source, mode="drop")
             local_RxT, length = position_RxT - start, block.shape[axis]
             local_RxT = jnp.where((local_RxT >= 0) & (local_RxT < length), local_RxT, length)
             written[j] = scatter(block, _at(self.order, self.target_R[:, None], local_RxT), new_RxTxHxK)
