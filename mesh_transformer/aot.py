@@ -1,7 +1,7 @@
 """Ahead-of-time fit check: compile the train step (full, or LoRA when cfg.lora_rank > 0) and the inference programs
-(serving decode and prefill, the sampler's decode, the scorer) for faked CPU devices or for a real accelerator's
-compile-only devices (`targets`: a TPU slice through libtpu, NVIDIA GPUs through the CUDA plugin), report
-per-device memory and, on an accelerator, the train step's estimated time (`estimate`).
+(serving decode, prefill and prefix-cache extend, the sampler's decode, the scorer) for faked CPU devices or for a
+real accelerator's compile-only devices (`targets`: a TPU slice through libtpu, NVIDIA GPUs through the CUDA
+plugin), report per-device memory and, on an accelerator, the train step's estimated time (`estimate`).
 
 Nothing is allocated: params, optimizer state, batch and KV cache are ShapeDtypeStructs with shardings. Reports
 params and optimizer bytes from the arrays' shard sizes; arguments, outputs and temporaries from the compiler's
@@ -159,7 +159,8 @@ def _abstract_sampling(sharding: NamedSharding, n: int, bias: bool = False) -> S
 
 def _measure_inference(train_layout: Layout, n_slots: int, common: dict) -> list[dict]:
     """The programs inference really runs, every slot busy and the whole context used: the serving engine's decode
-    step (block cache) and prefill (one full-length prompt per dp group), the offline sampler's decode loop (one
+    step (block cache), prefill (one full-length prompt per dp group) and extend (half a context after a cached
+    prefix per dp group), the offline sampler's decode loop (one
     block of seq) and the scorer (lm-eval, echo + logprobs: one full-length row per dp group, every position
     scored). The engine's decode is compiled at two slot counts too, which gives the slots that fit."""
     cfg, layout = train_layout.cfg, _inference_layout(train_layout)
@@ -193,14 +194,21 @@ def _measure_inference(train_layout: Layout, n_slots: int, common: dict) -> list
     cache, last, _ = _abstract_slots(programs, n_slots, serve_blocks)
     ids = jax.ShapeDtypeStruct((dp, cfg.seq), jnp.int32, sharding=layout.sharding(("batch", "length")))
     rows = jax.ShapeDtypeStruct((dp,), jnp.int32, sharding=programs.row_sharding)
-    prefill, prefill_s = _compile(programs.jitted["prefill"], params, cache, last, ids, rows, rows,
-                                  _abstract_sampling(programs.row_sharding, dp, bias=True), policy=policy)
+    sampling = _abstract_sampling(programs.row_sharding, dp, bias=True)
+    prefill, prefill_s = _compile(programs.jitted["prefill"], params, cache, last, ids, rows, rows, sampling,
+                                  policy=policy)
+    # A prompt's rest after a cached prefix (the prefix cache): half the context each, reading the whole slot.
+    tail = jax.ShapeDtypeStruct((dp, cfg.seq // 2), jnp.int32, sharding=layout.sharding(("batch", "length")))
+    extend, extend_s = _compile(programs.jitted["extend"], params, cache, last, tail, rows, rows, rows, rows,
+                                sampling, policy=policy)
     score_rows = Rows(*[ids] * 6)
     scorer, scorer_s = _compile(Scorer(layout, None)._program, params, score_rows, policy=policy, top_k=MAX_TOP)
     return [{"check": "serve_decode_step", **serve, **serve_memory, "per_slot_bytes": round(per_slot),
              "slots_that_fit": fit},
             {"check": "serve_prefill", **base, "slots": n_slots, "prompt_tokens": cfg.seq,
              "compile_s": round(prefill_s, 1), "kv_cache_bytes": shard_bytes(cache), **_memory(prefill)},
+            {"check": "serve_extend", **base, "slots": n_slots, "prompt_tokens": cfg.seq // 2,
+             "compile_s": round(extend_s, 1), "kv_cache_bytes": shard_bytes(cache), **_memory(extend)},
             {"check": "sample_decode_step", **sample, **_memory(generate)},
             {"check": "scorer", **base, "rows": dp, "row_tokens": cfg.seq, "top_k": MAX_TOP,
              "compile_s": round(scorer_s, 1), **_memory(scorer)}]

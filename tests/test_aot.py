@@ -1,12 +1,17 @@
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from mesh_transformer import aot, config
 from mesh_transformer.config import ConfigError
+from mesh_transformer.infer.decode import block_sizes, default_block
+from mesh_transformer.infer.programs import Programs
 
 CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "remat=false", "warmup_steps=0"])
 
@@ -15,9 +20,10 @@ def test_aot_check_reports_memory_and_whether_it_fits():
     # Inference on the same devices at the width the sampling and serving tools choose (cores_per_replica), not
     # the training mesh's tensor width.
     records = aot.run(dataclasses.replace(CFG, cores_per_replica=4), "fsdp_tp", "fsdp=4,tensor=2", 8, "1KiB")
-    train, decode, prefill, sample, scorer, fit = json.loads(json.dumps(records))  # what the CLI prints
-    assert [r["check"] for r in (decode, prefill, sample, scorer)] == ["serve_decode_step", "serve_prefill",
-                                                                       "sample_decode_step", "scorer"]
+    train, decode, prefill, extend, sample, scorer, fit = json.loads(json.dumps(records))  # what the CLI prints
+    assert [r["check"] for r in (decode, prefill, extend, sample, scorer)] == [
+        "serve_decode_step", "serve_prefill", "serve_extend", "sample_decode_step", "scorer"]
+    assert extend["prompt_tokens"] == CFG.seq // 2 and extend["total_bytes"] >= extend["kv_cache_bytes"]
     assert train["compiler"] == scorer["compiler"] == "XLA:CPU (faked devices)" and train["target"] == "cpu-8"
     assert decode["decode_mesh"] == {"dp": 2, "mp": 4} and decode["slots"] == 8
     # The decode step holds the params and the cache, little else, and more slots fit more memory.
@@ -50,7 +56,7 @@ def test_bf16_inference_programs_hold_one_layer_in_f32_at_a_time_not_the_model()
                             "seq": 64, "cores_per_replica": 1, "per_replica_batch": 1,
                             "compute_dtype": "bfloat16"})
     records = aot.measure(cfg, "shard_map", aot.start_devices(1), {})
-    for record in records[1:4]:  # the decode stack's programs (the scorer does not order its converts)
+    for record in records[1:5]:  # the decode stack's programs (the scorer does not order its converts)
         assert record["temp_bytes"] < 0.7 * record["params_bytes"], record  # untied: 2.8x
 
 
@@ -61,3 +67,16 @@ def test_aot_check_reports_the_lora_train_step():
     assert train["params_bytes"] == pytest.approx(2 * train["params"] / 2, rel=0.1)  # the base in bf16, mp 2
     assert train["adapters_bytes"] < train["params_bytes"] / 4 and train["opt_state_bytes"] < train["params_bytes"]
     assert "LoRA rank 4 train step" in aot.human_line([train, *_])
+
+
+def test_a_prompts_rest_after_a_cached_prefix_updates_the_cache_in_place():
+    # Its writes (the prefix copied in, the new keys) come after attention's reads of the slot; unordered, XLA kept
+    # them apart by copying every block of the cache (192 MiB of the bench config's 32 slots).
+    layout = aot._inference_layout(aot.training_programs(CFG, "shard_map", aot.start_devices(1), None)["layout"])
+    programs = Programs(layout)
+    cache, last, _ = aot._abstract_slots(programs, 8, block_sizes(CFG.seq, default_block(CFG.seq)))
+    ids, rows = jax.ShapeDtypeStruct((1, 16), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)
+    hlo = programs.jitted["extend"].lower(aot._abstract_decode_params(layout), cache, last, ids, rows, rows, rows,
+                                          rows, aot._abstract_sampling(programs.row_sharding, 1, bias=True)).compile()
+    block = ",".join(map(str, cache.k[0][0].shape))
+    assert not re.findall(rf"= \w+\[{block}\]\S* copy\(", hlo.as_text())

@@ -99,8 +99,8 @@ def test_fit_check_compiles_every_program_for_a_target(topology):
     cfg = dataclasses.replace(CFG, cores_per_replica=1 if topology == "h100-1" else 4)
     target = targets.target(topology)
     records = aot.run(cfg, None, "", 0, None, topology=topology)
-    train, serve, prefill, sample, scorer, fit = records
-    assert [r["check"] for r in records] == ["train_step", "serve_decode_step", "serve_prefill",
+    train, serve, prefill, extend, sample, scorer, fit = records
+    assert [r["check"] for r in records] == ["train_step", "serve_decode_step", "serve_prefill", "serve_extend",
                                              "sample_decode_step", "scorer", "fit"]
     assert all(r["compiler"] == target.compiler and r["target"] == topology for r in records[:-1])
     assert fit["device_memory_bytes"] == target.chip.memory_bytes and fit["fits"]
@@ -113,6 +113,7 @@ def test_fit_check_compiles_every_program_for_a_target(topology):
     assert serve["params_bytes"] == pytest.approx(2 * train["params"] / serve["decode_mesh"]["mp"], rel=0.05)
     assert 0 < train["estimated_step_s"] and 0 < train["estimated_mfu"] < 1
     assert scorer["total_bytes"] > 0 and prefill["total_bytes"] > 0 and sample["total_bytes"] > 0
+    assert extend["total_bytes"] >= extend["params_bytes"] + extend["kv_cache_bytes"]
     assert f"on {topology} ({target.compiler})" in aot.human_line(records) and "estimated" in aot.human_line(records)
 
 
