@@ -89,12 +89,24 @@ def block_sizes(seq: int, block: int) -> list[int]:
     return [min(block, seq - start) for start in range(0, seq, block)]
 
 
-def _starts(blocks: list, axis: int) -> list[int]:
+def _length(block: jax.Array, order: tuple) -> int:
+    """How many positions a block of this order holds."""
+    return block.shape[order.index(1)]
+
+
+def _starts(blocks: list, order: tuple) -> list[int]:
     """The first position of each block."""
     starts = [0]
     for b in blocks[:-1]:
-        starts.append(starts[-1] + b.shape[axis])
+        starts.append(starts[-1] + _length(b, order))
     return starts
+
+
+def _after_reads(h_RxTxD: jax.Array, dtype) -> jax.Array:
+    """Zeros [R, 1, 1, 1] computed from a layer's output h: added to what a layer writes into the cache, they order
+    the write after attention's reads of it (which h comes from). Unordered, XLA keeps the two apart by copying the
+    whole cache. (Not zero only where h is NaN, which the row's output would be anyway.)"""
+    return 0 * h_RxTxD[:, :1, :1, None].astype(dtype)
 
 
 # ------------------------------------------------------------------------------------------------------- programs
@@ -134,9 +146,8 @@ class _PrefillKV(NamedTuple):
     def _written(self, blocks: list, new_RxTxHxK: jax.Array) -> list:
         width, new_RxTxHxK = new_RxTxHxK.shape[1], new_RxTxHxK.astype(self.dtype)
         written = []
-        axis = self.order.index(1)
-        for start, block in zip(_starts(blocks, axis), blocks):
-            n = min(block.shape[axis], width - start)
+        for start, block in zip(_starts(blocks, self.order), blocks):
+            n = min(_length(block, self.order), width - start)
             if n > 0:  # a slice of positions keeps its place in the block: the values in the block's order
                 block = scatter(block, _at(self.order, self.target_R, slice(None, n)),
                                 new_RxTxHxK[:, start:start + n].transpose(self.order))
@@ -154,9 +165,7 @@ class _DecodeKV(NamedTuple):
 
     def read(self, state, h_Rx1xD):
         rows, blocks, order = self.position_R.shape[0], state[0][:self.n_blocks], self.policy.cache_order
-        axis = order.index(1)
-        starts = _starts(blocks, axis)
-        span = starts[-1] + blocks[-1].shape[axis]
+        span = _starts(blocks, order)[-1] + _length(blocks[-1], order)
         # From a slot's own position on it holds stale keys, if any.
         past_mask_Rx1xS = (jnp.arange(span)[None, :] < self.position_R[:, None])[:, None, :]
         # The first `rows` slots of each block read: a copy unless that is every slot, but only of them.
@@ -165,18 +174,15 @@ class _DecodeKV(NamedTuple):
         return past_k, past_v, past_mask_Rx1xS
 
     def write(self, state, k_Rx1xHxK, v_Rx1xHxK, h_Rx1xD):
-        # Only the one new key and value per slot go back, so the cache is updated in place. The write must come
-        # after attention's reads of the cache, else XLA copies the whole cache to keep them apart: adding 0 * h
-        # (which attention produced) makes it depend on them.
-        after_Rx1x1 = 0 * h_Rx1xD[:, :, :1, None].astype(k_Rx1xHxK.dtype)
-        return tuple(self._written(blocks, (new + after_Rx1x1)[:, 0].astype(self.dtype))
+        # Only the one new key and value per slot go back, so the cache is updated in place, after attention's reads.
+        after_Rx1x1x1 = _after_reads(h_Rx1xD, k_Rx1xHxK.dtype)
+        return tuple(self._written(blocks, (new + after_Rx1x1x1)[:, 0].astype(self.dtype))
                      for blocks, new in zip(state, (k_Rx1xHxK, v_Rx1xHxK)))
 
     def _written(self, blocks: list, new_RxHxK: jax.Array) -> list:
         written, row_R, order = list(blocks), jnp.arange(new_RxHxK.shape[0]), self.policy.cache_order
-        axis = order.index(1)
-        for j, start in enumerate(_starts(blocks, axis)[:self.n_blocks]):  # a slot's position lies in one block read
-            local_R, length = self.position_R - start, blocks[j].shape[axis]
+        for j, start in enumerate(_starts(blocks, order)[:self.n_blocks]):  # a slot's position lies in one block read
+            local_R, length = self.position_R - start, _length(blocks[j], order)
             local_R = jnp.where((local_R >= 0) & (local_R < length), local_R, length)
             written[j] = scatter(blocks[j], _at(order, row_R, local_R), new_RxHxK)
         return written
@@ -196,16 +202,16 @@ class _ExtendKV(NamedTuple):
     order: tuple  # the blocks' (`Policy.cache_order`)
 
     def read(self, state, h_RxTxD):
-        span = sum(block.shape[self.order.index(1)] for block in state[0])
+        span = sum(_length(block, self.order) for block in state[0])
         past_mask_Rx1xS = (jnp.arange(span)[None, :] < self.start_R[:, None])[:, None, :]
         past = [[_as_sequence(cached(jnp.take(b, self.source_R, 0, mode="clip"), self.dtype), self.order)
                  for b in kind] for kind in state]
         return past[0], past[1], past_mask_Rx1xS
 
     def write(self, state, k_RxTxHxK, v_RxTxHxK, h_RxTxD):
-        # As in a decode step (`_DecodeKV.write`): the writes made to depend on attention's reads of the slot (through
-        # h), else XLA copied every block of the cache to keep them apart (192 MiB of the bench config's 32 slots).
-        after_Rx1x1x1 = 0 * h_RxTxD[:, :1, :1, None].astype(k_RxTxHxK.dtype)
+        # The prefix copied in and the new keys, both after attention's reads of the slot (unordered: a copy of every
+        # block of the cache, 192 MiB of the bench config's 32 slots).
+        after_Rx1x1x1 = _after_reads(h_RxTxD, k_RxTxHxK.dtype)
         return tuple(self._written(blocks, new + after_Rx1x1x1, after_Rx1x1x1)
                      for blocks, new in zip(state, (k_RxTxHxK, v_RxTxHxK)))
 
@@ -213,12 +219,11 @@ class _ExtendKV(NamedTuple):
         written, new_RxTxHxK = list(blocks), new_RxTxHxK.astype(self.dtype)
         copy_to_R = jnp.where(self.copy_R, self.target_R, blocks[0].shape[0])
         position_RxT = self.start_R[:, None] + jnp.arange(new_RxTxHxK.shape[1])[None]
-        axis = self.order.index(1)
-        for j, start in enumerate(_starts(blocks, axis)):
+        for j, start in enumerate(_starts(blocks, self.order)):
             source = jnp.take(written[j], self.source_R, 0, mode="clip")
             source = lax.bitcast_convert_type(cached(source, after_Rx1x1x1.dtype) + after_Rx1x1x1, source.dtype)
             block = written[j].at[copy_to_R].set(source, mode="drop")
-            local_RxT, length = position_RxT - start, block.shape[axis]
+            local_RxT, length = position_RxT - start, _length(block, self.order)
             local_RxT = jnp.where((local_RxT >= 0) & (local_RxT < length), local_RxT, length)
             written[j] = scatter(block, _at(self.order, self.target_R[:, None], local_RxT), new_RxTxHxK)
         return written
