@@ -21,7 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cores-per-replica", type=int, help="model-parallel layout of the output (default: the "
                                                               "config's cores_per_replica)")
     parser.add_argument("--slim", action="store_true", help="params only: leave the optimizer state out")
-    parser.add_argument("--dtype", choices=flags.CONVERT_DTYPES, help="cast the params (default: keep their dtype)")
+    parser.add_argument("--dtype", choices=flags.CONVERT_DTYPES,
+                        help="cast the params (default: keep their dtype; int8, with --slim: the layers' matrices in "
+                             "int8, as slim_model.py writes them)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

@@ -1,5 +1,6 @@
 """The released-weights flow at full GPT-J-6B size, with random weights: original slim layout -> 1 shard -> sample ->
-HF export -> transformers, each stage a child process whose wall time and peak resident memory are reported.
+HF export -> transformers, and int8 (slim_model.py --dtype int8, sampled), each stage a child process whose wall time
+and peak resident memory are reported.
 
 The script writes a random checkpoint in the original slim layout itself (8 shards, bf16 stored as numpy 'V2', as
 the released step_383500 is), then runs the user's commands on it. Needs about 40 GB of disk under --work and
@@ -165,6 +166,14 @@ def main() -> None:
         ours_text = stage("sample_bf16", sample)
         # The CLIs restart with glibc malloc keeping freed memory; opted out, a transient load peak is returned.
         stage("sample_bf16_malloc_default", sample, env={"GLIBC_TUNABLES": ""})
+        int8 = f"{work}/int8"  # the layers' matrices in int8 (slim_model.py --dtype int8), read back as int8
+        if not (args.reuse and os.path.isdir(int8)):
+            stage("slim_int8", [py, "slim_model.py", "--input-ckpt", one, "--config", f"{one}/config.json",
+                                "--output-ckpt", int8, "--dtype", "int8"])
+        int8_sample = [py, "device_sample.py", "--ckpt", int8, "--dtype", "int8", *sample[6:]]
+        stage("sample_int8", int8_sample)
+        stage("sample_int8_quantize_head", [*int8_sample, "--quantize-head"])
+        stage("sample_int8_quantized_while_loading", [*sample[:4], "--dtype", "int8", *sample[6:]])
         serve_warm_up([py, "device_serve.py", "--ckpt", one, "--dtype", "bf16", "--warm-up", "--port", "0"],
                       args.warm_up_limit_s)
         shutil.rmtree(f"{work}/original", ignore_errors=True)

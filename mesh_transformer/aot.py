@@ -26,9 +26,9 @@ from mesh_transformer.infer.choose import Sampling, fill_sampling
 from mesh_transformer.infer.decode import (KVCache, Steps, block_shape, block_sizes, cache_dtype, default_block,
                                            new_slots)
 from mesh_transformer.infer.programs import Programs
-from mesh_transformer.infer.params import make_inference_layout
+from mesh_transformer.infer.params import join_layer, make_inference_layout
 from mesh_transformer.infer.score import MAX_TOP, Rows, Scorer
-from mesh_transformer.model import gptj, layers, quant, table
+from mesh_transformer.model import gptj, quant, table
 from mesh_transformer.parallel.layout import MODES, SHARD_MAP, Layout, make_layout
 from mesh_transformer.parallel.mesh import DP, MP
 from mesh_transformer.train import optim, state
@@ -126,9 +126,10 @@ def _abstract_decode_params(layout: Layout) -> dict:
     cfg = layout.cfg
     shapes = table.param_shapes(cfg, gptj.compute_dtype(cfg))
     layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes["layers"])
-    fused = jax.eval_shape(partial(layers.fuse_layer, tp_size=layout.mesh.shape[MP]), layer)
-    if cfg.weight_dtype == quant.INT8:
-        fused = jax.eval_shape(quant.quantize_fused, fused)
+    fused = jax.eval_shape(partial(join_layer, tp_size=layout.mesh.shape[MP], int8=cfg.weight_dtype == quant.INT8),
+                           layer)
+    if cfg.quantize_head:
+        shapes = {**shapes, "lm_head": jax.eval_shape(partial(quant.quantize_head, xp=jnp), shapes["lm_head"])}
     shardings = jax.tree.map(partial(NamedSharding, layout.mesh), layout.placed_specs(),
                              is_leaf=lambda x: isinstance(x, P))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),

@@ -72,6 +72,7 @@ class Config:
     base_dtype: str = "float32"
     # Inference: what the layers' matrices are held in, "compute" (the compute dtype) or "int8" (model/quant.py).
     weight_dtype: str = "compute"
+    quantize_head: bool = False  # with int8 weights, the LM head in int8 too (the embedding stays in compute dtype)
 
     @property
     def head_dim(self) -> int:
@@ -148,6 +149,9 @@ def _check_values(cfg: Config) -> None:
             raise ConfigError(f"config key '{key}' ({getattr(cfg, key)}) must be divisible by "
                               f"cores_per_replica ({cfg.cores_per_replica})")
     _check_lora(cfg)
+    if cfg.quantize_head and cfg.weight_dtype != "int8":
+        raise ConfigError("config key 'quantize_head' (--quantize-head) needs int8 weights: weight_dtype \"int8\" "
+                          "(--dtype int8)")
     rot = cfg.pe_rotary_dims
     if rot < 0 or rot % 2 or rot > cfg.head_dim:
         raise ConfigError(f"config key 'pe_rotary_dims' ({rot}) must be even, at least 0 and at most the head "
@@ -234,7 +238,8 @@ def model_parallel_widths(cfg: Config, n_devices: int) -> list[int]:
 
 DTYPE_FLAGS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # the tools' --dtype names
 # The sampling, serving and eval tools' --dtype: the config keys each sets (int8: int8 weights, bf16 compute).
-INFERENCE_DTYPES = {**{flag: {"compute_dtype": name} for flag, name in DTYPE_FLAGS.items()},
+INFERENCE_DTYPES = {**{flag: {"compute_dtype": name, "weight_dtype": "compute", "quantize_head": False}
+                       for flag, name in DTYPE_FLAGS.items()},
                     "int8": {"compute_dtype": "bfloat16", "weight_dtype": "int8"}}
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12, "kib": 2 ** 10,
                "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}

@@ -38,9 +38,11 @@ def add_inference_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=tuple(config.INFERENCE_DTYPES),
                         help="compute dtype the weights are held in, or int8: the layers' weights in int8 with a "
                              "scale per output, computed in bf16 (default: the config's compute_dtype)")
+    parser.add_argument("--quantize-head", action="store_true",
+                        help="with --dtype int8, the LM head in int8 too (a scale per vocab entry)")
 
 
-CONVERT_DTYPES = tuple(config.DTYPE_FLAGS)  # --dtype of the checkpoint converters
+CONVERT_DTYPES = (*config.DTYPE_FLAGS, "int8")  # --dtype of the checkpoint converters (int8: slim only)
 
 
 def add_convert_args(parser: argparse.ArgumentParser) -> None:

@@ -234,8 +234,8 @@ def _run_cached(params: dict, cache: KVCache, ids_RxT: jax.Array, positions_RxT:
     """`gptj.run` over the cache's layers with the KV hook `kv`; the logits of its one column per row, over the whole
     vocab [R, V], and the cache written."""
     def head(params, h_Rx1xD):
-        lm_head = layers.in_turn(h_Rx1xD, params["lm_head"], policy)
-        return layers.gather_shards(layers.head(h_Rx1xD, params["ln_f"], lm_head)[:, 0], tp_axis)
+        lm_head = layers.weights_in_turn(h_Rx1xD, params["lm_head"], policy)
+        return layers.gather_shards(layers.head(h_Rx1xD, params["ln_f"], lm_head, policy)[:, 0], tp_axis)
 
     logits_RxV, states = gptj.run(params, ids_RxT, positions_RxT, cfg, policy=policy, tp_axis=tp_axis, kv=kv,
                                   kv_states=list(zip(cache.k, cache.v)), head=head, **kw)

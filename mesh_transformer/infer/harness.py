@@ -74,13 +74,17 @@ class MeshTransformerLM(TemplateLM):
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> MeshTransformerLM:
-        """lm-eval's way in: `--model mesh-transformer --model_args ckpt=P[,config=C,mp=N,dtype=bf16,lora=A]`: any
+        """lm-eval's way in: `--model mesh-transformer --model_args ckpt=P[,config=C,mp=N,dtype=int8,lora=A]`: any
         flag of the sampling tools' model flags (`flags.add_inference_args`) by its name, the rest for the adapter."""
         args = lm_utils.simple_parse_args_string(arg_string)
         parser = flags.Parser(prog="mesh-transformer model_args")
         flags.add_inference_args(parser)
-        names = set(vars(parser.parse_args([]))) - {"overrides"}
-        argv = [item for key in names & set(args) for item in (f"--{key}", str(args.pop(key)))]
+        argv = []
+        for action in parser._actions:  # the model flags by their names; a switch as quantize_head=True
+            if action.dest not in args or not action.option_strings or action.dest == "overrides":
+                continue
+            value, flag = str(args.pop(action.dest)), action.option_strings[0]
+            argv += ([flag] if value.lower() in ("true", "1") else []) if action.nargs == 0 else [flag, value]
         layout, tokenizer, params = load_for_inference(parser.parse_args(argv))
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
         return cls(layout, params, tokenizer, **{**args, **extra})

@@ -22,6 +22,8 @@ def inference_config(args: argparse.Namespace) -> tuple[config.Config, str]:
     overrides = config.parse_overrides(args.overrides)
     if args.dtype:
         overrides.update(config.INFERENCE_DTYPES[args.dtype])
+    if getattr(args, "quantize_head", False):
+        overrides["quantize_head"] = True
 
     def file_config(path: str) -> config.Config:
         return config.from_dict({**config.load(path).to_dict(), **overrides})

@@ -14,6 +14,7 @@ from functools import partial
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -86,17 +87,24 @@ def _splitter(n_layers: int, one: NamedSharding):
 
 @functools.cache
 def _fuser(mesh: Mesh, spec_leaves: tuple, spec_tree: Any, lora_scale: float, int8: bool):
-    """(one layer, its adapters' slices or None) -> `layers.fuse_layer` of the merged layer on `mesh` (with `int8`,
-    quantized after: `quant.quantize_fused`), placed by the decode specs (given flattened, to be hashable)."""
+    """(one layer, its adapters' slices or None[, its groups' scales where the layer is int8 already]) ->
+    `join_layer` of the merged layer on `mesh`, placed by the decode specs (given flattened, to be hashable)."""
     specs = jax.tree.unflatten(spec_tree, spec_leaves)
 
-    def fuse(layer, adapters):
+    def fuse(layer, adapters, scales=None):
         layer = lora.merge_layers(layer, adapters, lora_scale) if adapters else layer
-        fused = layers.fuse_layer(layer, tp_size=mesh.shape[MP])
-        return quant.quantize_fused(fused) if int8 else fused
+        return join_layer(layer, mesh.shape[MP], int8, jnp, scales)
 
     return jax.jit(fuse, out_shardings=jax.tree.map(partial(NamedSharding, mesh), specs,
                                                     is_leaf=lambda x: isinstance(x, P)))
+
+
+def join_layer(layer: dict, tp_size: int, int8: bool, xp=jnp, scales: dict | None = None) -> dict:
+    """One layer of the param tree in the decode programs' form: its projections joined (`layers.fuse_layer`), with
+    `int8` quantized first (`quant.quantize_layer`; an int8 layer read from a checkpoint comes with its `scales`)."""
+    if int8 and scales is None:
+        layer, scales = quant.quantize_layer(layer, xp)
+    return layers.fuse_layer(layer, tp_size, xp, scales if int8 else None)
 
 
 def place_params(params: dict, layout: Layout, adapters: dict | None = None) -> dict:
@@ -115,6 +123,10 @@ def place_params(params: dict, layout: Layout, adapters: dict | None = None) -> 
     shardings = layout.param_shardings()
     placed = jax.tree.map(partial(_placed, dtype=dtype), {k: v for k, v in params.items() if k != "layers"},
                           {k: v for k, v in shardings.items() if k != "layers"})
+    if cfg.quantize_head:
+        head_specs = layout.placed_specs()["lm_head"]
+        placed["lm_head"] = jax.jit(partial(quant.quantize_head, xp=jnp), out_shardings=jax.tree.map(
+            partial(NamedSharding, mesh), head_specs, is_leaf=lambda x: isinstance(x, P)))(placed["lm_head"])
     layer_shardings = iter(jax.tree.leaves(shardings["layers"]))
     adapters = jax.device_get(adapters)  # small: on the host, off the training mesh
     if adapters and not cfg.lora_rank:
@@ -136,29 +148,45 @@ def place_params(params: dict, layout: Layout, adapters: dict | None = None) -> 
 def read_params(layout: Layout, source: str, lora: str | None = None) -> dict:
     """A checkpoint of any format read straight into the decode programs' form, one layer at a time: each param
     slice is read on the host in the compute dtype, a layer's projections are joined there, and each device receives
-    only its shard. The device ends up holding one copy of the model; the host, about one layer besides the
-    embedding and head. LoRA adapters (a LoRA run as `source`, or `lora`: a LoRA run or a PEFT directory) are
-    merged into each weight on the host before its layer is joined; with int8 weights (the config's weight_dtype),
-    each joined layer is quantized there too."""
+    only its shard. The device ends up holding one copy of the model; the host, about one layer besides it. LoRA
+    adapters (a LoRA run as `source`, or `lora`: a LoRA run or a PEFT directory) are merged into each weight on the
+    host before its layer is joined; with int8 weights (the config's weight_dtype), each layer is quantized there
+    too, or read as int8 from an int8 checkpoint (`slim_model.py --dtype int8`), which holds the same numbers."""
     cfg = layout.cfg
     dtype = np.dtype(gptj.compute_dtype(cfg))
-    shardings = layout.param_shardings()
-    layer_shardings = jax.tree.map(partial(NamedSharding, layout.mesh), layout.placed_specs()["layers"][0],
-                                   is_leaf=lambda x: isinstance(x, P))
+    int8 = cfg.weight_dtype == quant.INT8
+    shardings = jax.tree.map(partial(NamedSharding, layout.mesh), layout.placed_specs(),
+                             is_leaf=lambda x: isinstance(x, P))
     stacked = [path for path, _ in table.param_paths(cfg) if path[0] == "layers"]
     params: dict = {}
     with convert.open_params(source, cfg, lora=lora) as reader:
-        for path, _ in table.param_paths(cfg):
-            if path[0] != "layers":
-                table.set_path(params, path, jax.device_put(reader.read(path).astype(dtype, copy=False),
-                                                           table.get_path(shardings, path)))
+        for key in dict.fromkeys(path[0] for path, _ in table.param_paths(cfg) if path[0] != "layers"):
+            part: dict = {}  # one module at a time: the host holds one embedding-sized array at most
+            for path, _ in table.param_paths(cfg):
+                if path[0] == key:
+                    table.set_path(part, path, reader.read(path).astype(dtype, copy=False))
+            if key == "lm_head" and cfg.quantize_head:
+                part[key] = quant.quantize_head(part[key])
+            params[key] = jax.block_until_ready(jax.device_put(part[key], shardings[key]))
+        read_int8 = getattr(reader, "read_int8", None) if int8 else None
         params["layers"] = []
         for i in tqdm(range(cfg.layers), desc="loading layers", unit="layer", leave=False):
-            layer: dict = {}
-            for path in stacked:
-                table.set_path(layer, path[1:], reader.read(path, i).astype(dtype, copy=False))
-            fused = layers.fuse_layer(layer, layout.mesh.shape[MP], xp=np)
-            if cfg.weight_dtype == quant.INT8:
-                fused = quant.quantize_fused(fused, xp=np)
-            params["layers"].append(jax.block_until_ready(jax.device_put(fused, layer_shardings)))
+            layer, scales = _read_layer(reader, read_int8, stacked, i, dtype)
+            fused = join_layer(layer, layout.mesh.shape[MP], int8, np, scales)
+            del layer  # its parts, before the devices take the joined layer
+            params["layers"].append(jax.block_until_ready(jax.device_put(fused, shardings["layers"][i])))
     return params
+
+
+def _read_layer(reader: Any, read_int8: Any, stacked: list, i: int, dtype: np.dtype) -> tuple[dict, dict | None]:
+    """(layer i of the param tree on the host, the scales of its groups where the checkpoint holds it as int8)."""
+    layer: dict = {}
+    scales: dict = {}
+    for path in stacked:
+        held = None if read_int8 is None else read_int8(path, i)
+        if held is None:
+            table.set_path(layer, path[1:], reader.read(path, i).astype(dtype, copy=False))
+        else:
+            table.set_path(layer, path[1:], held[0])
+            scales[quant.MATRICES[path[1:]]] = held[1]
+    return layer, scales or None

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mesh_transformer.config import Config
-from mesh_transformer.model import layers, lora
+from mesh_transformer.model import layers, lora, quant
 from mesh_transformer.model.table import DTYPES
 from mesh_transformer.platforms import Policy
 
@@ -42,8 +42,7 @@ def compute_dtype(cfg: Config, policy: Policy | None = None) -> jnp.dtype:
 def cast_for_compute(params: dict, cfg: Config) -> dict:
     """The params in the compute dtype, except the stacked layers: `run` casts one layer at a time inside its
     scan, so a base held in another dtype is never copied whole."""
-    return {k: v if k == "layers" else jax.tree.map(lambda x: x.astype(compute_dtype(cfg)), v)
-            for k, v in params.items()}
+    return {k: v if k == "layers" else quant.cast({k: v}, compute_dtype(cfg))[k] for k, v in params.items()}
 
 
 class KV(Protocol):
@@ -73,10 +72,10 @@ def scanned(step: Callable, h_BxTxD: jax.Array, layers_: tuple, states: Any, *, 
 
 def unrolled(step: Callable, h_BxTxD: jax.Array, layers_: list, states: list | None, *, policy: Policy):
     """A list of per-layer trees, one after another in the program (inference: a scan would copy each layer's
-    weights out of the stack at every token), each layer's weights tied to its input (`layers.in_turn`)."""
+    weights out of the stack at every token), each layer's weights tied to its input (`layers.weights_in_turn`)."""
     states = [None] * len(layers_) if states is None else list(states)
     for i, layer in enumerate(layers_):
-        h_BxTxD, states[i] = step(h_BxTxD, layers.in_turn(h_BxTxD, layer, policy), states[i])
+        h_BxTxD, states[i] = step(h_BxTxD, layers.weights_in_turn(h_BxTxD, layer, policy), states[i])
     return h_BxTxD, states
 
 
@@ -106,7 +105,7 @@ def run(params: dict, ids_BxT: jax.Array, positions_BxT: jax.Array, cfg: Config,
     dtype = compute_dtype(cfg)
 
     def step(h_BxTxD, layer_and_adapters, state):
-        layer = lora.adapt_layer(*jax.tree.map(lambda x: x.astype(dtype), layer_and_adapters), lora.scale(cfg))
+        layer = lora.adapt_layer(*quant.cast(layer_and_adapters, dtype), lora.scale(cfg))
         past = None if kv is None else kv.read(state, h_BxTxD)
         h_BxTxD, (k, v) = layers.block(h_BxTxD, layer, cfg.head_dim, sincos, mask_BxTxS, tp_axis, past,
                                        join=cfg.join_projections, policy=policy)

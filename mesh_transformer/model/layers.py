@@ -160,7 +160,7 @@ FUSED_AXES = {"ln_1": {"scale": ("embed",), "bias": ("embed",)},
                         "out": ("shards", "embed", "joined"), "out_bias": ("embed",)}}
 
 
-def fuse_layer(layer: dict, tp_size: int, xp=jnp) -> dict:
+def fuse_layer(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None) -> dict:
     """One layer's projections joined for inference (global arrays; run it under jit): q, k, v and fc_in, which all
     read LN(h), become one matrix, and attn out and fc_out, whose outputs are summed, another. A one-token step
     then reads each layer's weights in two matrix products instead of six.
@@ -168,7 +168,9 @@ def fuse_layer(layer: dict, tp_size: int, xp=jnp) -> dict:
     The joined matrices are stored one row per output ([N, K]): XLA's CPU matrix-vector products over such rows
     use both cores of a 2-core machine where [K, N] mostly used one. Under tensor parallelism each device must hold
     its own heads and MLP columns side by side, so the matrices carry a device axis: "in" [tp, 3*D/tp + F/tp, D]
-    and "out" [tp, D, D/tp + F/tp], split on it. `xp` is jax.numpy, or numpy to join a layer on the host.
+    and "out" [tp, D, D/tp + F/tp], split on it. `xp` is jax.numpy, or numpy to join a layer on the host. An int8 layer
+    (`quant.quantize_layer`) comes with its groups' `scales`, joined alongside as "in_scale" [tp, 3*D/tp + F/tp]
+    and "out_scale" [tp, D].
     """
     attn, mlp_p = layer["attn"], layer["mlp"]
     d = attn["q"].shape[0]
@@ -176,28 +178,38 @@ def fuse_layer(layer: dict, tp_size: int, xp=jnp) -> dict:
     def rows(w):  # [D, C] -> [tp, C/tp, D]: each device's output columns, as rows
         return w.reshape(d, tp_size, -1).transpose(1, 2, 0)
 
-    in_w = xp.concatenate([rows(attn["q"]), rows(attn["k"]), rows(attn["v"]), rows(mlp_p["fc_in"]["kernel"])], 1)
-    in_b = xp.concatenate([xp.zeros((tp_size, 3 * d // tp_size), mlp_p["fc_in"]["bias"].dtype),
-                           mlp_p["fc_in"]["bias"].reshape(tp_size, -1)], -1)
-    out_w = xp.concatenate([attn["out"].reshape(tp_size, -1, d), mlp_p["fc_out"]["kernel"].reshape(tp_size, -1, d)],
-                            1).transpose(0, 2, 1)
-    return {"ln_1": layer["ln_1"],
-            "fused": {"in": in_w, "in_bias": in_b, "out": out_w, "out_bias": mlp_p["fc_out"]["bias"]}}
+    fused = {"in": xp.concatenate([rows(attn["q"]), rows(attn["k"]), rows(attn["v"]),
+                                   rows(mlp_p["fc_in"]["kernel"])], 1),
+             "in_bias": xp.concatenate([xp.zeros((tp_size, 3 * d // tp_size), mlp_p["fc_in"]["bias"].dtype),
+                                        mlp_p["fc_in"]["bias"].reshape(tp_size, -1)], -1),
+             "out": xp.concatenate([attn["out"].reshape(tp_size, -1, d),
+                                    mlp_p["fc_out"]["kernel"].reshape(tp_size, -1, d)], 1).transpose(0, 2, 1),
+             "out_bias": mlp_p["fc_out"]["bias"]}
+    if scales is not None:
+        fused["in_scale"] = xp.concatenate([scales[g].reshape(tp_size, -1) for g in ("q", "k", "v", "fc_in")], -1)
+        fused["out_scale"] = xp.broadcast_to(scales["out"], (tp_size, d))
+    return {"ln_1": layer["ln_1"], "fused": fused}
 
 
 def _fused_block(h_BxTxD, n_BxTxD, p: dict, head_dim: int, sincos, mask_BxTxT, tp_axis, past, policy: Policy):
-    """`block` over `fuse_layer`'s matrices (this device's slice: the device axis is 1 here), or their int8 form
-    with scales (`quant.quantize_fused`)."""
+    """`block` over `fuse_layer`'s matrices (this device's slice: the device axis is 1 here), int8 ones with their
+    scales (model/quant.py)."""
     d = p["in"].shape[-1]
     d_local = (p["in"].shape[1] - p["out"].shape[-1]) // 2  # in: 3 * D/tp + F/tp rows, out: D/tp + F/tp columns
     scales = [p[name].reshape(-1) if name in p else None for name in ("in_scale", "out_scale")]  # int8: quant.py
-    y = quant.by_rows(n_BxTxD, p["in"].reshape(-1, d), scales[0])
+    dot_dtype = None if policy.int8_dot == "compute" else jnp.dtype(policy.int8_dot)
+
+    def product(x, w_NxK, scale_N):
+        return in_pieces(lambda w, s: quant.by_rows(x, w, s, dot_dtype), w_NxK, scale_N, 0, policy, x)
+
+    y = product(n_BxTxD, p["in"].reshape(-1, d), scales[0])
     y = y + lead(p["in_bias"].reshape(-1), y.ndim)
     # Inference only, so forward only: on CPU prefill keeps XLA's attention, whose programs compile faster: the
     # blocked one took 1.2-2.2 s more per 6B prefill program (the serving warm-up compiles 17 of them).
     causal = partial(self_attention, kernel="xla" if policy.attention == "blocked" else policy.attention)
     joined, kv = _attention_and_mlp(y, d_local, None, head_dim, sincos, mask_BxTxT, past, causal)
-    return _residual(h_BxTxD, quant.by_rows(joined, p["out"].reshape(d, -1), scales[1]), p["out_bias"], tp_axis), kv
+    out_BxTxD = product(joined, p["out"].reshape(d, -1), scales[1])
+    return _residual(h_BxTxD, out_BxTxD, p["out_bias"], tp_axis), kv
 
 
 def _joined_block(h_BxTxD, n_BxTxD, p: dict, head_dim: int, sincos, mask_BxTxT, tp_axis, past, policy: Policy):
@@ -239,10 +251,43 @@ def in_turn(h: jax.Array, weights: Any, policy: Policy) -> Any:
     first = h.reshape(-1)[0]
     keep = first == first  # false only where h is NaN, which the layer's output would be anyway
 
-    def tied(w):
-        return jnp.where(keep, w, jnp.zeros((), w.dtype)) if w.ndim >= 2 and w.dtype.itemsize < 4 else w
+    return jax.tree.map(lambda w: _tied(keep, w) if w.ndim >= 2 else w, weights)
 
-    return jax.tree.map(tied, weights)
+
+def _tied(keep: jax.Array, w: jax.Array) -> jax.Array:
+    """w made to depend on `keep` (true), where it is converted before its products (narrower than f32)."""
+    return jnp.where(keep, w, jnp.zeros((), w.dtype)) if w.dtype.itemsize < 4 else w
+
+
+def weights_in_turn(h: jax.Array, weights: Any, policy: Policy) -> Any:
+    """`in_turn` for inference weights, unless the policy computes their products in pieces, each waiting for what
+    comes before it (`in_pieces`): a whole-matrix select there is written out as a copy of the matrix."""
+    return weights if policy.dot_piece_bytes else in_turn(h, weights, policy)
+
+
+def in_pieces(product, w: jax.Array, scale: jax.Array | None, axis: int, policy: Policy, x: jax.Array) -> jax.Array:
+    """product(w, scale), its outputs on the last axis, computed in pieces of w along `axis` (its outputs) one after
+    the other where the policy says (`dot_piece_bytes`, CPU): XLA's CPU dot converts a bf16 or int8 matrix to f32
+    whole before its product, and each piece waits for the one before (the first for the product's input x), so
+    one piece's f32 copy is alive at a time instead of the matrix's (GPT-J-6B: 0.47 GB for a layer's joined input
+    matrix, 0.83 GB for the head)."""
+    n = w.shape[axis]
+    count = _piece_count(n, w.size // n * 4, policy.dot_piece_bytes) if w.dtype.itemsize < 4 else 1
+    size, outs = n // count, []
+    for i in range(count):
+        piece = lax.slice_in_dim(w, i * size, (i + 1) * size, axis=axis)
+        if policy.dot_piece_bytes and policy.ordered_converts:
+            first = (outs[-1] if outs else x).reshape(-1)[0]
+            piece = _tied(first == first, piece)
+        outs.append(product(piece, None if scale is None else scale[i * size:(i + 1) * size]))
+    return outs[0] if count == 1 else jnp.concatenate(outs, -1)
+
+
+def _piece_count(n: int, f32_bytes_per_output: int, limit: int) -> int:
+    """The fewest pieces, a divisor of n, whose f32 weights are each at most `limit` bytes (0: one piece)."""
+    if not limit:
+        return 1
+    return next(c for c in range(1, n + 1) if n % c == 0 and (n // c) * f32_bytes_per_output <= limit or c == n)
 
 
 def vocab_offset(vocab_local: int, tp_axis: str | None) -> jax.Array | int:
@@ -273,10 +318,21 @@ def embed(ids_BxT: jax.Array, wte_VxD: jax.Array, tp_axis: str | None = None) ->
     return lax.psum(h_BxTxD, tp_axis)
 
 
-def head(h_BxTxD: jax.Array, ln_f: dict, lm_head: dict) -> jax.Array:
-    """Final LayerNorm and the (untied) LM head; logits in f32, this device's vocab columns."""
+def head(h_BxTxD: jax.Array, ln_f: dict, lm_head: dict, policy: Policy | None = None) -> jax.Array:
+    """Final LayerNorm and the (untied) LM head; logits in f32, this device's vocab columns. An int8 head (with a
+    "scale" per vocab entry, `quant.quantize_head`) is converted to the activations' dtype and its logits scaled.
+    With a policy (inference), the product runs in its pieces (`in_pieces`)."""
     n_BxTxD = layer_norm(h_BxTxD, ln_f)
-    logits_BxTxV = jnp.einsum("btd,dv->btv", n_BxTxD, lm_head["kernel"], preferred_element_type=F32)
+
+    def product(kernel_DxV, scale_V):
+        kernel_DxV = kernel_DxV if scale_V is None else kernel_DxV.astype(n_BxTxD.dtype)
+        logits_BxTxV = jnp.einsum("btd,dv->btv", n_BxTxD, kernel_DxV, preferred_element_type=F32)
+        return logits_BxTxV if scale_V is None else logits_BxTxV * lead(scale_V, logits_BxTxV.ndim)
+
+    if policy is None:
+        logits_BxTxV = product(lm_head["kernel"], lm_head.get("scale"))
+    else:
+        logits_BxTxV = in_pieces(product, lm_head["kernel"], lm_head.get("scale"), 1, policy, n_BxTxD)
     return logits_BxTxV + lead(lm_head["bias"].astype(F32), logits_BxTxV.ndim)
 
 

@@ -1,12 +1,13 @@
-"""Weight-only int8 for inference: each matrix of a layer held as symmetric int8 with one f32 scale per output
-(row of the joined matrices of `layers.fuse_layer`), and dequantized inside the matrix product: the int8 values,
-converted to the compute dtype, multiply the activations with f32 accumulation, and each output is scaled after.
-The embedding and the LM head stay in the compute dtype.
+"""Weight-only int8 for inference: each matrix of a layer (and the LM head with `quantize_head`) held as symmetric
+int8 with one f32 scale per output channel, and dequantized inside the matrix product: the int8 values, converted
+to the compute dtype, multiply the activations with f32 accumulation, and each output is scaled after.
 
-Per output channel, the scale is the row's largest magnitude over 127 (an all-zero row gets 1), and a weight w is
-held as round(w / scale) in [-127, 127]: its error is at most half a scale step. The joined "out" matrix is split
-over tensor-parallel devices along its inputs; its scales are those of whole rows (all devices' slices), so the int8
-values are the same whatever the split and a sharded model computes what one device does.
+Per output channel, the scale is the channel's largest magnitude over 127 (an all-zero channel gets 1), and a
+weight w is held as round(w / scale) in [-127, 127]: its error is at most half a scale step. attn out and fc_out,
+whose outputs are summed (`layers.fuse_layer` joins them into one matrix), share their scales: one per model width
+channel, the larger of the two. The scales do not depend on how the model is split over devices, so a sharded model
+computes what one device does, and an int8 checkpoint (`slim_model.py --dtype int8`) holds the same numbers as a
+quantization while loading.
 """
 from __future__ import annotations
 
@@ -17,41 +18,108 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from mesh_transformer.model.table import get_path
+
 INT8 = "int8"
 WEIGHT_DTYPES = (None, INT8)  # None: the weights in the compute dtype
 SCALE_AXES = {"in_scale": ("shards", "joined"), "out_scale": ("shards", "embed")}  # logical axes of their scales
+HEAD_SCALE_AXES = {"scale": ("vocab",)}  # the LM head's, with quantize_head
+# A layer's matrices (paths in a layer of the param tree) by scale group: the members of a group share one scale
+# per output channel.
+GROUPS = {"q": (("attn", "q"),), "k": (("attn", "k"),), "v": (("attn", "v"),),
+          "fc_in": (("mlp", "fc_in", "kernel"),), "out": (("attn", "out"), ("mlp", "fc_out", "kernel"))}
+MATRICES = {path: group for group, paths in GROUPS.items() for path in paths}
 
 
-def quantize_rows(w_NxK: Any, xp=jnp, whole_rows_over: int | None = None) -> tuple[Any, Any]:
-    """Symmetric int8 of a matrix [..., N, K] with one f32 scale per row [..., N]; `xp` is jax.numpy or numpy. With
-    `whole_rows_over`, an axis of slices of the same rows: the scale is the whole row's, the same in every slice."""
-    w = w_NxK.astype(xp.float32)
-    amax_N = xp.max(xp.abs(w), axis=-1)
-    if whole_rows_over is not None:
-        amax_N = xp.broadcast_to(xp.max(amax_N, axis=whole_rows_over, keepdims=True), amax_N.shape)
-    scale_N = xp.where(amax_N > 0, amax_N / 127, xp.float32(1)).astype(xp.float32)
-    q = xp.clip(xp.round(w / scale_N[..., None]), -127, 127).astype(xp.int8)
-    return q, scale_N
+CHUNK_BYTES = 64 << 20  # numpy works through a matrix in row blocks of about this many f32 bytes
 
 
-def dequantize_rows(q_NxK: Any, scale_N: Any) -> Any:
+def _row_blocks(w: np.ndarray):
+    """Slices of w's first axis, each about CHUNK_BYTES as f32 (numpy's temporaries stay that small)."""
+    rows = max(1, CHUNK_BYTES // max(1, 4 * w[0].size)) if w.ndim > 1 else len(w)
+    return [slice(start, start + rows) for start in range(0, len(w), rows)]
+
+
+def amax(w_KxN: Any, xp=np) -> Any:
+    """Each output channel's (last axis') largest magnitude, in f32."""
+    if xp is np and w_KxN.ndim == 2:
+        return np.max([np.abs(w_KxN[rows]).max(0) for rows in _row_blocks(w_KxN)], 0).astype(np.float32)
+    return xp.max(xp.abs(w_KxN), axis=tuple(range(w_KxN.ndim - 1))).astype(xp.float32)
+
+
+def scale_of(amax_N: Any, xp=np) -> Any:
+    return xp.where(amax_N > 0, amax_N / 127, xp.float32(1)).astype(xp.float32)
+
+
+def quantize(w_KxN: Any, scale_N: Any, xp=np) -> Any:
+    """w's int8 values for these per-output scales."""
+    scale = scale_N.reshape((1,) * (w_KxN.ndim - 1) + scale_N.shape)
+    if xp is np and w_KxN.ndim == 2:
+        out = np.empty(w_KxN.shape, np.int8)
+        for rows in _row_blocks(w_KxN):
+            out[rows] = _rounded(w_KxN[rows], scale, np)
+        return out
+    return _rounded(w_KxN, scale, xp)
+
+
+def _rounded(w: Any, scale: Any, xp) -> Any:
+    return xp.clip(xp.round(w.astype(xp.float32) / scale), -127, 127).astype(xp.int8)
+
+
+def cast(tree: Any, dtype: Any) -> Any:
+    """The tree's arrays in `dtype`, except int8 weights and their f32 scales, which their products take as they
+    are (`by_rows`, `layers.head`)."""
+    def leaf(path, x):
+        names = [getattr(key, "key", None) for key in path]
+        held = x.dtype == jnp.int8 or names[-1] in SCALE_AXES or (names[-1] == "scale" and "lm_head" in names)
+        return x if held else x.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+def dequantize(q_KxN: Any, scale_N: Any) -> np.ndarray:
     """The matrix an int8 one stands for, in f32."""
-    return q_NxK.astype(np.float32) * scale_N[..., None]
+    return np.asarray(q_KxN).astype(np.float32) * np.asarray(scale_N)
 
 
-def quantize_fused(layer: dict, xp=jnp) -> dict:
-    """A layer joined by `layers.fuse_layer`, its joined matrices as int8 with their scales (`SCALE_AXES`)."""
-    fused = dict(layer["fused"])
-    fused["in"], fused["in_scale"] = quantize_rows(fused["in"], xp)  # [tp, rows, D]: each device's own rows
-    fused["out"], fused["out_scale"] = quantize_rows(fused["out"], xp, whole_rows_over=0)  # [tp, D, inputs/tp]
-    return {**layer, "fused": fused}
+def _set(tree: dict, path: tuple, value: Any) -> dict:
+    """A copy of the nested dicts along `path` with the leaf there replaced."""
+    if not path:
+        return value
+    return {**tree, path[0]: _set(tree[path[0]], path[1:], value)}
 
 
-def by_rows(x: jax.Array, w_NxK: jax.Array, scale_N: jax.Array | None = None) -> jax.Array:
-    """x @ w_NxK.T, contracting the last axis of both; an int8 w is converted to x's dtype, the product accumulated
-    in f32 and scaled per output (`scale_N`), then returned in x's dtype."""
+def group_scales(layer: dict, xp=np) -> dict:
+    """The scales [N] of each scale group of one layer of the param tree (`GROUPS`)."""
+    scales = {}
+    for group, paths in GROUPS.items():
+        peaks = [amax(get_path(layer, path), xp) for path in paths]
+        scales[group] = scale_of(peaks[0] if len(peaks) == 1 else xp.maximum(*peaks), xp)
+    return scales
+
+
+def quantize_layer(layer: dict, xp=np, scales: dict | None = None) -> tuple[dict, dict]:
+    """(the layer with its matrices as int8, the scales of its groups) for one layer of the param tree; `xp` is numpy
+    (on the host) or jax.numpy (under jit)."""
+    scales = group_scales(layer, xp) if scales is None else scales
+    for path, group in MATRICES.items():
+        layer = _set(layer, path, quantize(get_path(layer, path), scales[group], xp))
+    return layer, scales
+
+
+def quantize_head(lm_head: dict, xp=np) -> dict:
+    """The LM head with its kernel [D, V] as int8 and a scale per vocab entry ("scale", `HEAD_SCALE_AXES`)."""
+    scale_V = scale_of(amax(lm_head["kernel"], xp), xp)
+    return {**lm_head, "kernel": quantize(lm_head["kernel"], scale_V, xp), "scale": scale_V}
+
+
+def by_rows(x: jax.Array, w_NxK: jax.Array, scale_N: jax.Array | None = None, dot_dtype: Any = None) -> jax.Array:
+    """x @ w_NxK.T, contracting the last axis of both; an int8 w is converted to `dot_dtype` (default x's dtype; the
+    platform policy's `int8_dot`), the product accumulated in f32 and scaled per output (`scale_N`), then returned in
+    x's dtype."""
     dims = (((x.ndim - 1,), (1,)), ((), ()))
     if scale_N is None:
         return lax.dot_general(x, w_NxK, dims)
-    y = lax.dot_general(x, w_NxK.astype(x.dtype), dims, preferred_element_type=jnp.float32)
+    dot_dtype = x.dtype if dot_dtype is None else dot_dtype
+    y = lax.dot_general(x.astype(dot_dtype), w_NxK.astype(dot_dtype), dims, preferred_element_type=jnp.float32)
     return (y * scale_N.reshape((1,) * (y.ndim - 1) + scale_N.shape)).astype(x.dtype)

@@ -165,11 +165,13 @@ class Layout:
 
     def placed_specs(self) -> dict:
         """Specs of the params placed for inference (infer/params.py): layers unstacked into a list, each joined by
-        `layers.fuse_layer` (shard_map kind), with int8 weights' scales."""
-        fused = layers.FUSED_AXES
+        `layers.fuse_layer` (shard_map kind), with int8 weights' scales (and the head's, with quantize_head)."""
+        fused, specs = layers.FUSED_AXES, self.param_specs()
         if self.cfg.weight_dtype == quant.INT8:
             fused = {**fused, "fused": {**fused["fused"], **quant.SCALE_AXES}}
-        return {**self.param_specs(), "layers": [self.specs(fused)] * self.cfg.layers}
+        if self.cfg.quantize_head:
+            specs = {**specs, "lm_head": {**specs["lm_head"], **self.specs(quant.HEAD_SCALE_AXES)}}
+        return {**specs, "layers": [self.specs(fused)] * self.cfg.layers}
 
     def param_shardings(self) -> dict:
         return self.shardings(table.PARAM_AXES)

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from mesh_transformer.model import table
+from mesh_transformer.model import quant, table
 from mesh_transformer import storage
 from mesh_transformer.store import adapters, checkpoint, hf, mtj_v1, safetensors_io
 from mesh_transformer import config
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 CHECKPOINT, MTJ_V1, HF = "checkpoint", "mtj_v1", "hf"
 _SHAPE_KEYS = ("layers", "d_model", "n_heads", "n_vocab", "pe_rotary_dims")
 _PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+SCALES = "scales/"  # an int8 checkpoint's leaf of per-output scales [L, N] beside each int8 matrix (model/quant.py)
 
 
 def _check_config(saved: Mapping, cfg: Config, where: str) -> None:
@@ -110,11 +111,21 @@ class CheckpointReader:
         return self._leaves.metadata
 
     def read(self, path: Path, layer: int | None = None) -> np.ndarray:
-        return self.read_leaf("params/" + "/".join(path), layer)
+        """One param (or one layer of it) as stored; an int8 one dequantized, in f32."""
+        held = self.read_int8(path, layer)
+        return self.read_leaf("params/" + "/".join(path), layer) if held is None else quant.dequantize(*held)
+
+    def read_int8(self, path: Path, layer: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+        """(int8 values, f32 scale per output) of a param an int8 checkpoint holds so; None for any other."""
+        key = "/".join(path)
+        if SCALES + key not in self._leaves.leaves:
+            return None
+        return self.read_leaf("params/" + key, layer), self.read_leaf(SCALES + key, layer)
 
     def other_leaves(self) -> list[str]:
-        """Every saved leaf besides the params and the step (the optimizer state, for one)."""
-        return [leaf for leaf in self._leaves.leaves if not leaf.startswith("params/") and leaf != "step"]
+        """Every saved leaf besides the params, their scales and the step (the optimizer state, for one)."""
+        return [leaf for leaf in self._leaves.leaves
+                if not leaf.startswith(("params/", SCALES)) and leaf != "step"]
 
     def leaf_shape(self, leaf: str) -> tuple[int, ...] | None:
         entry = self._leaves.leaves[leaf]
@@ -223,7 +234,7 @@ def load_params(layout: Layout, source: str, dtype: Any = None) -> dict:
     cfg = layout.cfg
     dtype = table.dtype_named(dtype if dtype is not None else model.compute_dtype(cfg))
     fmt = detect_format(source)
-    if fmt == CHECKPOINT:
+    if fmt == CHECKPOINT and not _holds_int8(source):
         root, step = checkpoint.find_step(source)
         _check_config(checkpoint.read_metadata(root, step).get("config") or {}, cfg,
                       f"checkpoint {checkpoint.step_dir(root, step)}")
@@ -243,6 +254,12 @@ def load_params(layout: Layout, source: str, dtype: Any = None) -> dict:
     return params
 
 
+def _holds_int8(path: str) -> bool:
+    """Whether one of our checkpoints holds int8 params (with their scales)."""
+    root, step = checkpoint.find_step(path)
+    return any(leaf.startswith(SCALES) for leaf in LeafReader(root, step).leaves)
+
+
 # ----------------------------------------------------------------------------------------------------------- writers
 def _copy_leaf(writer: StreamingWriter, leaf: str, read: Any, key: Any, shape: tuple[int, ...], layered: bool,
                dtype: np.dtype | None, spec: Any) -> None:
@@ -252,16 +269,39 @@ def _copy_leaf(writer: StreamingWriter, leaf: str, read: Any, key: Any, shape: t
     writer.add_chunks(leaf, shape, first.dtype, itertools.chain([first], chunks), spec)
 
 
-def _write_leaves(reader: Any, writer: StreamingWriter, cfg: Config, extra: list[str], dtype: np.dtype | None) -> None:
-    """The params (cast to `dtype`) and then the `extra` leaves, split as the Megatron layout places them."""
+def _int8_scales(reader: Any, cfg: Config, dtype: np.dtype) -> dict[str, np.ndarray]:
+    """The scales [L, N] of each scale group of the layers' matrices (`quant.GROUPS`), of their values in `dtype`."""
+    per_layer = []
+    for i in tqdm(range(cfg.layers), desc="int8 scales", unit="layer", leave=False):
+        layer: dict = {}
+        for path in quant.MATRICES:
+            set_path(layer, path, reader.read(("layers", *path), i).astype(dtype, copy=False))
+        per_layer.append(quant.group_scales(layer))
+    return {group: np.stack([scales[group] for scales in per_layer]) for group in quant.GROUPS}
+
+
+def _write_leaves(reader: Any, writer: StreamingWriter, cfg: Config, extra: list[str], dtype: np.dtype | None,
+                  int8: bool = False) -> None:
+    """The params (cast to `dtype`; with `int8`, the layers' matrices quantized from their values in `dtype`, their
+    scales after) and then the `extra` leaves, split as the Megatron layout places them."""
     specs = param_specs(MEGATRON)
     params = param_paths(cfg)
     shapes = {path: like.shape for path, like in params}
+    scales = _int8_scales(reader, cfg, dtype) if int8 else {}
+
+    def read(path: Path, layer: int | None = None) -> np.ndarray:
+        group = quant.MATRICES.get(path[1:]) if int8 and path[0] == "layers" else None
+        array = reader.read(path, layer)
+        array = array if dtype is None else array.astype(dtype, copy=False)
+        return array if group is None else quant.quantize(array, scales[group][layer])
+
     with tqdm(total=len(params) + len(extra), desc=f"writing {writer.directory}", unit="array") as bar:
         for path, like in params:
-            _copy_leaf(writer, "params/" + "/".join(path), reader.read, path, like.shape, path[0] == "layers", dtype,
+            _copy_leaf(writer, "params/" + "/".join(path), read, path, like.shape, path[0] == "layers", None,
                        get_path(specs, path))
             bar.update()
+        for path, group in quant.MATRICES.items() if int8 else ():
+            writer.add(SCALES + "/".join(("layers", *path)), scales[group])
         for leaf in extra:
             shape = reader.leaf_shape(leaf)
             if shape is None:
@@ -278,11 +318,17 @@ def write_checkpoint(source: str, cfg: Config, output: str, *, cores_per_replica
                      dtype: Any = None, slim: bool = False) -> str:
     """Rewrites a checkpoint of any format as ours under root `output`, laid out for `cores_per_replica`.
 
-    Params are cast to `dtype` when given. Unless `slim`, the other leaves of one of our checkpoints (optimizer
-    state) and its metadata come along; other formats give params only. Returns the written step directory.
+    Params are cast to `dtype` when given; "int8" (slim only) holds the layers' matrices as int8 with a scale per
+    output (model/quant.py) and the rest in bf16, and its config says weight_dtype int8. Unless `slim`, the other
+    leaves of one of our checkpoints (optimizer state) and its metadata come along; other formats give params only.
+    Returns the written step directory.
     """
-    out_cfg = config.from_dict({**cfg.to_dict(), "cores_per_replica": cores_per_replica or cfg.cores_per_replica})
-    dtype = None if dtype is None else table.dtype_named(dtype)
+    int8 = dtype == quant.INT8
+    if int8 and not slim:
+        raise ConfigError("--dtype int8 writes an inference checkpoint, params only: add --slim")
+    out_cfg = config.from_dict({**cfg.to_dict(), "cores_per_replica": cores_per_replica or cfg.cores_per_replica,
+                                **(config.INFERENCE_DTYPES[quant.INT8] if int8 else {})})
+    dtype = table.dtype_named("bf16" if int8 else dtype) if dtype is not None else None
     fmt = detect_format(source)
     with open_params(source, cfg, fmt) as reader:
         metadata = {"config": out_cfg.to_dict(),
@@ -294,7 +340,7 @@ def write_checkpoint(source: str, cfg: Config, output: str, *, cores_per_replica
         elif not slim:
             log.warning("%s is a %s checkpoint: only its params are converted, no optimizer state", source, fmt)
         writer = StreamingWriter(output, reader.step, metadata, {DP: 1, MP: out_cfg.cores_per_replica})
-        _write_leaves(reader, writer, cfg, extra, dtype)
+        _write_leaves(reader, writer, cfg, extra, dtype, int8)
         writer.add("step", np.asarray(reader.step, np.int32))
         writer.commit()
     log.info("wrote checkpoint %s for cores_per_replica %d", writer.directory, out_cfg.cores_per_replica)

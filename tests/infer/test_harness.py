@@ -71,6 +71,9 @@ def test_dataset_not_available_offline_is_one_line_config_error(eval_hf_dir, tmp
 def test_model_args_take_the_sampling_tools_model_flags(eval_hf_dir):
     lm = get_model(harness.MODEL_NAME).create_from_arg_string(f"hf={eval_hf_dir},mp=1,dtype=bf16", {"batch_size": 2})
     assert lm.layout.mesh.shape == {"dp": 8, "mp": 1} and lm.cfg.compute_dtype == "bfloat16"
+    lm = get_model(harness.MODEL_NAME).create_from_arg_string(f"hf={eval_hf_dir},dtype=int8,quantize_head=True", {})
+    assert (lm.cfg.weight_dtype, lm.cfg.quantize_head) == ("int8", True)
+    assert lm.params["lm_head"]["kernel"].dtype == np.int8
     with pytest.raises(ConfigError, match="--mp 3 must"):
         get_model(harness.MODEL_NAME).create_from_arg_string(f"ckpt={eval_hf_dir},mp=3", {})
 
