@@ -40,6 +40,7 @@ class Policy:
     loop_hoisting: bool = True  # XLA's loop-invariant code motion (the CPU fit check can turn it off)
     int8_dot: str = "compute"  # int8 weights enter their products as "compute" (the activations' dtype) or "float32"
     dot_piece_bytes: int = 0  # inference products over bf16/int8 weights in pieces of this many f32 bytes (0: whole)
+    dot_piece_tokens: int = 0  # ... where they are over at most this many tokens (`layers.in_pieces`)
 
     def compiler_options(self) -> dict:
         """XLA options of this policy's programs."""
@@ -49,7 +50,7 @@ class Policy:
 _POLICIES = {
     CPU: Policy(CPU, "cpu", "float32", attention="blocked", dense_backward="ordered", ordered_converts=True,
                 cache_bits=True, cache_order=(0, 2, 3, 1), int8_dot="float32",
-                dot_piece_bytes=64 << 20),
+                dot_piece_bytes=64 << 20, dot_piece_tokens=256),
     TPU: Policy(TPU, "", "bfloat16", attention="xla", dense_backward="autodiff", ordered_converts=False,
                 cache_bits=False, cache_order=(0, 1, 2, 3)),
     GPU: Policy(GPU, "", "bfloat16", attention="cudnn", dense_backward="autodiff", ordered_converts=False,

@@ -270,9 +270,12 @@ def in_pieces(product, w: jax.Array, scale: jax.Array | None, axis: int, policy:
     the other where the policy says (`dot_piece_bytes`, CPU): XLA's CPU dot converts a bf16 or int8 matrix to f32
     whole before its product, and each piece waits for the one before (the first for the product's input x), so
     one piece's f32 copy is alive at a time instead of the matrix's (GPT-J-6B: 0.47 GB for a layer's joined input
-    matrix, 0.83 GB for the head)."""
-    n = w.shape[axis]
-    count = _piece_count(n, w.size // n * 4, policy.dot_piece_bytes) if w.dtype.itemsize < 4 else 1
+    matrix, 0.83 GB for the head). Only for products over at most `dot_piece_tokens` tokens (decode steps, short
+    prompts), where the weights outweigh the activations: a long prefill's are larger than one matrix anyway, and
+    pieces made each 6B program compile 1.4-1.9x longer."""
+    n, tokens = w.shape[axis], x.size // x.shape[-1]
+    narrow, short = w.dtype.itemsize < 4, tokens <= policy.dot_piece_tokens
+    count = _piece_count(n, w.size // n * 4, policy.dot_piece_bytes) if narrow and short else 1
     size, outs = n // count, []
     for i in range(count):
         piece = lax.slice_in_dim(w, i * size, (i + 1) * size, axis=axis)
