@@ -40,7 +40,7 @@ class Policy:
     loop_hoisting: bool = True  # XLA's loop-invariant code motion (the CPU fit check can turn it off)
     int8_dot: str = "compute"  # int8 weights enter their products as "compute" (the activations' dtype) or "float32"
     dot_piece_bytes: int = 0  # inference products over bf16/int8 weights in pieces of this many f32 bytes (0: whole)
-    dot_piece_tokens: int = 0  # ... where they are over at most this many tokens (`layers.in_pieces`)
+    dot_piece_tokens: int = 0  # ... where they are over at most this many tokens (`model.order.in_pieces`)
 
     def compiler_options(self) -> dict:
         """XLA options of this policy's programs."""

@@ -32,6 +32,7 @@ from jax import lax
 from mesh_transformer.config import Config
 from mesh_transformer.infer.choose import Sampling, choose, dense_bias
 from mesh_transformer.model import gptj, layers
+from mesh_transformer.model.order import in_turn, weights_in_turn
 from mesh_transformer.platforms import Policy
 
 class Steps(NamedTuple):
@@ -170,7 +171,7 @@ class _DecodeKV(NamedTuple):
         past_mask_Rx1xS = (jnp.arange(span)[None, :] < self.position_R[:, None])[:, None, :]
         # The first `rows` slots of each block read: a copy unless that is every slot, but only of them.
         past = [[_as_sequence(cached(b[:rows], self.dtype), order) for b in kind[:self.n_blocks]] for kind in state]
-        past_k, past_v = layers.in_turn(h_Rx1xD, past, self.policy)
+        past_k, past_v = in_turn(h_Rx1xD, past, self.policy)
         return past_k, past_v, past_mask_Rx1xS
 
     def write(self, state, k_Rx1xHxK, v_Rx1xHxK, h_Rx1xD):
@@ -234,7 +235,7 @@ def _run_cached(params: dict, cache: KVCache, ids_RxT: jax.Array, positions_RxT:
     """`gptj.run` over the cache's layers with the KV hook `kv`; the logits of its one column per row, over the whole
     vocab [R, V], and the cache written."""
     def head(params, h_Rx1xD):
-        lm_head = layers.weights_in_turn(h_Rx1xD, params["lm_head"], policy)
+        lm_head = weights_in_turn(h_Rx1xD, params["lm_head"], policy)
         return layers.gather_shards(layers.head(h_Rx1xD, params["ln_f"], lm_head, policy)[:, 0], tp_axis)
 
     logits_RxV, states = gptj.run(params, ids_RxT, positions_RxT, cfg, policy=policy, tp_axis=tp_axis, kv=kv,

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from mesh_transformer.config import Config
-from mesh_transformer.model import layers, lora, quant
+from mesh_transformer.model import layers, lora, order, quant
 from mesh_transformer.model.table import DTYPES
 from mesh_transformer.platforms import Policy
 
@@ -48,7 +48,7 @@ def cast_for_compute(params: dict, cfg: Config) -> dict:
 class KV(Protocol):
     """How a cached forward treats each layer's keys and values (infer/decode.py): `read` gives the cached ones its
     queries also see, as `attention.attend`'s past (None: none), `write` puts the layer's new ones into its state.
-    Both get the layer's input h (`read`, to order its reads after the layer before: `layers.in_turn`) or output
+    Both get the layer's input h (`read`, to order its reads after the layer before: `order.in_turn`) or output
     (`write`, to order the write after attention's reads of the cache)."""
 
     def read(self, state: Any, h_BxTxD: jax.Array) -> tuple | None: ...
@@ -72,10 +72,10 @@ def scanned(step: Callable, h_BxTxD: jax.Array, layers_: tuple, states: Any, *, 
 
 def unrolled(step: Callable, h_BxTxD: jax.Array, layers_: list, states: list | None, *, policy: Policy):
     """A list of per-layer trees, one after another in the program (inference: a scan would copy each layer's
-    weights out of the stack at every token), each layer's weights tied to its input (`layers.weights_in_turn`)."""
+    weights out of the stack at every token), each layer's weights tied to its input (`order.weights_in_turn`)."""
     states = [None] * len(layers_) if states is None else list(states)
     for i, layer in enumerate(layers_):
-        h_BxTxD, states[i] = step(h_BxTxD, layers.weights_in_turn(h_BxTxD, layer, policy), states[i])
+        h_BxTxD, states[i] = step(h_BxTxD, order.weights_in_turn(h_BxTxD, layer, policy), states[i])
     return h_BxTxD, states
 
 

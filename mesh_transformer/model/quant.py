@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from mesh_transformer.model.table import get_path
+from mesh_transformer.model.table import get_path, set_path
 
 INT8 = "int8"
 WEIGHT_DTYPES = (None, INT8)  # None: the weights in the compute dtype
@@ -36,7 +36,7 @@ CHUNK_BYTES = 64 << 20  # numpy works through a matrix in row blocks of about th
 
 def _row_blocks(w: np.ndarray):
     """Slices of w's first axis, each about CHUNK_BYTES as f32 (numpy's temporaries stay that small)."""
-    rows = max(1, CHUNK_BYTES // max(1, 4 * w[0].size)) if w.ndim > 1 else len(w)
+    rows = max(1, CHUNK_BYTES // max(1, 4 * w[0].size))
     return [slice(start, start + rows) for start in range(0, len(w), rows)]
 
 
@@ -96,6 +96,17 @@ def group_scales(layer: dict, xp=np) -> dict:
         peaks = [amax(get_path(layer, path), xp) for path in paths]
         scales[group] = scale_of(peaks[0] if len(peaks) == 1 else xp.maximum(*peaks), xp)
     return scales
+
+
+def stacked_scales(read, n_layers: int) -> dict[str, np.ndarray]:
+    """The scales [L, N] of each scale group of n_layers layers, `read(path in a layer, i)` giving a matrix."""
+    per_layer = []
+    for i in range(n_layers):
+        layer: dict = {}
+        for path in MATRICES:
+            set_path(layer, path, read(path, i))
+        per_layer.append(group_scales(layer))
+    return {group: np.stack([scales[group] for scales in per_layer]) for group in GROUPS}
 
 
 def quantize_layer(layer: dict, xp=np, scales: dict | None = None) -> tuple[dict, dict]:

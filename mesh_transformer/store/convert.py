@@ -203,12 +203,6 @@ def open_params(path: str, cfg: Config, fmt: str | None = None, lora: str | None
         reader.close()
 
 
-def _layer_chunks(read: Any, path: Any, shape: tuple[int, ...], layered: bool, dtype: np.dtype | None):
-    """A leaf as consecutive slices along its first axis: one per layer for stacked leaves, else the whole leaf."""
-    parts = (read(path, i)[None] for i in range(shape[0])) if layered else iter([read(path)])
-    return (part if dtype is None else part.astype(dtype, copy=False) for part in parts)
-
-
 def read_array(reader: Any, path: Path, shape: tuple[int, ...], dtype: np.dtype | None = None) -> np.ndarray:
     """One whole param as a global numpy array, stacked leaves assembled layer by layer in `dtype`."""
     if path[0] == "layers":
@@ -262,22 +256,11 @@ def _holds_int8(path: str) -> bool:
 
 # ----------------------------------------------------------------------------------------------------------- writers
 def _copy_leaf(writer: StreamingWriter, leaf: str, read: Any, key: Any, shape: tuple[int, ...], layered: bool,
-               dtype: np.dtype | None, spec: Any) -> None:
+               spec: Any) -> None:
     """Streams one array from `read(key[, layer])` into `writer` as `leaf`, layer by layer when `layered`."""
-    chunks = _layer_chunks(read, key, shape, layered, dtype)
-    first = next(chunks)  # its dtype is the one written: the stored one unless `dtype` casts
+    chunks = (read(key, i)[None] for i in range(shape[0])) if layered else iter([read(key)])
+    first = next(chunks)  # its dtype is the one written
     writer.add_chunks(leaf, shape, first.dtype, itertools.chain([first], chunks), spec)
-
-
-def _int8_scales(reader: Any, cfg: Config, dtype: np.dtype) -> dict[str, np.ndarray]:
-    """The scales [L, N] of each scale group of the layers' matrices (`quant.GROUPS`), of their values in `dtype`."""
-    per_layer = []
-    for i in tqdm(range(cfg.layers), desc="int8 scales", unit="layer", leave=False):
-        layer: dict = {}
-        for path in quant.MATRICES:
-            set_path(layer, path, reader.read(("layers", *path), i).astype(dtype, copy=False))
-        per_layer.append(quant.group_scales(layer))
-    return {group: np.stack([scales[group] for scales in per_layer]) for group in quant.GROUPS}
 
 
 def _write_leaves(reader: Any, writer: StreamingWriter, cfg: Config, extra: list[str], dtype: np.dtype | None,
@@ -287,7 +270,8 @@ def _write_leaves(reader: Any, writer: StreamingWriter, cfg: Config, extra: list
     specs = param_specs(MEGATRON)
     params = param_paths(cfg)
     shapes = {path: like.shape for path, like in params}
-    scales = _int8_scales(reader, cfg, dtype) if int8 else {}
+    scales = quant.stacked_scales(lambda path, i: reader.read(("layers", *path), i).astype(dtype, copy=False),
+                                  cfg.layers) if int8 else {}
 
     def read(path: Path, layer: int | None = None) -> np.ndarray:
         group = quant.MATRICES.get(path[1:]) if int8 and path[0] == "layers" else None
@@ -297,7 +281,7 @@ def _write_leaves(reader: Any, writer: StreamingWriter, cfg: Config, extra: list
 
     with tqdm(total=len(params) + len(extra), desc=f"writing {writer.directory}", unit="array") as bar:
         for path, like in params:
-            _copy_leaf(writer, "params/" + "/".join(path), read, path, like.shape, path[0] == "layers", None,
+            _copy_leaf(writer, "params/" + "/".join(path), read, path, like.shape, path[0] == "layers",
                        get_path(specs, path))
             bar.update()
         for path, group in quant.MATRICES.items() if int8 else ():
@@ -309,7 +293,7 @@ def _write_leaves(reader: Any, writer: StreamingWriter, cfg: Config, extra: list
             else:  # optimizer state: split like the param it follows, as training places it; the rest whole
                 param = followed_param(leaf.split("/"), shape, shapes)
                 layered = bool(shape) and "layers" in leaf.split("/")
-                _copy_leaf(writer, leaf, reader.read_leaf, leaf, shape, layered, None,
+                _copy_leaf(writer, leaf, reader.read_leaf, leaf, shape, layered,
                            None if param is None else get_path(specs, param))
             bar.update()
 
