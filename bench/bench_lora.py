@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 
 from bench.common import best_time_s, emit
-from mesh_transformer.model import table
+from mesh_transformer.model import gptj
 from mesh_transformer import config
 from mesh_transformer.platforms import keep_host_memory
 from mesh_transformer.parallel.layout import make_layout
@@ -32,7 +32,7 @@ def measure(cfg: config.Config, repeats: int) -> dict:
     base = {}
     if cfg.lora_rank:
         params = layout.init_params(jax.random.PRNGKey(1))
-        base = jax.tree.map(lambda x: x.astype(table.DTYPES[cfg.base_dtype]), params)
+        base = jax.tree.map(lambda x: x.astype(gptj.precision(cfg).frozen), params)
         del params
     tokens = jax.random.randint(jax.random.PRNGKey(2), (1, layout.global_batch, cfg.seq + 1), 0, cfg.n_vocab)
     tokens = jax.device_put(tokens, layout.batch_sharding())

@@ -113,7 +113,7 @@ def main() -> None:
     hf_model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in hf.params_to_hf(params, cfg.layers).items()},
                              strict=False)
     hf_model.generation_config.eos_token_id = None  # random weights: decode all tokens on both sides
-    itemsize = model.compute_dtype(cfg).itemsize
+    itemsize = model.precision(cfg).compute.itemsize
     bytes_per_token = weight_bytes_per_token(cfg, itemsize)
     rng = np.random.default_rng(0)
     decode_steps = args.new_tokens - 1

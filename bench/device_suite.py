@@ -139,7 +139,7 @@ def train_record(name: str, cfg: config.Config, batch: int, repeats: int, peaks:
     state = state_lib.init_train_state(layout, opt, jax.random.PRNGKey(0))
     base = {}
     if cfg.lora_rank:
-        dtype = table.DTYPES[cfg.base_dtype]
+        dtype = gptj.precision(cfg).frozen
         base = jax.jit(lambda key: jax.tree.map(lambda x: x.astype(dtype), table.init_params(cfg, key)),
                        out_shardings=layout.param_shardings())(jax.random.PRNGKey(1))
     tokens = np.random.default_rng(0).integers(0, cfg.n_vocab, (1, batch, cfg.seq + 1)).astype(np.int32)
@@ -154,7 +154,7 @@ def train_record(name: str, cfg: config.Config, batch: int, repeats: int, peaks:
     step_s, _ = time_steps_s(step, state, tokens, repeats, base)
     tokens_per_s = batch * cfg.seq / step_s
     record = {"bench": name, "layers": cfg.layers, "d_model": cfg.d_model, "seq": cfg.seq, "batch": batch,
-              "compute_dtype": gptj.compute_dtype(cfg).name, "remat": cfg.remat,
+              "compute_dtype": gptj.precision(cfg).compute.name, "remat": cfg.remat,
               "join_projections": cfg.join_projections, "compile_s": figure(compile_s),
               "step_s": figure(step_s), "tokens_per_s": figure(tokens_per_s),
               "model_tflop_per_s": figure(tokens_per_s * flops_per_token / 1e12),

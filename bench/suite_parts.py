@@ -63,7 +63,7 @@ class CompileLog:
 def random_decode_params(layout: Layout) -> dict:
     """Random weights in the compute dtype, made on the devices and put in the decode programs' form."""
     cfg = layout.cfg
-    shapes = table.param_shapes(cfg, gptj.compute_dtype(cfg))
+    shapes = table.param_shapes(cfg, gptj.precision(cfg).compute)
 
     def make(key):
         leaves, treedef = jax.tree.flatten(shapes)
@@ -89,7 +89,7 @@ def decode_records(layout: Layout, params: dict, sizes, peaks: Peaks) -> list[di
     span = sum(blocks[:n_blocks])
     n_slots = max(sizes.decode_batches)
     cache, last_N = programs.new_cache(n_slots, blocks), programs.new_slots(n_slots)
-    itemsize = gptj.compute_dtype(cfg).itemsize
+    itemsize = gptj.precision(cfg).compute.itemsize
     # Every weight is read once a step, but of the embedding only a row per token; each row reads its keys and
     # values of the span in every layer.
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) - params["embed"]["wte"].nbytes
@@ -111,7 +111,7 @@ def decode_records(layout: Layout, params: dict, sizes, peaks: Peaks) -> list[di
         bytes_per_step = weight_bytes + batch * kv_bytes_per_row
         roofline = batch * peaks.bytes_per_s / bytes_per_step
         records.append({"bench": "decode", "layers": cfg.layers, "d_model": cfg.d_model, "batch": batch,
-                        "dtype": gptj.compute_dtype(cfg).name, "weight_dtype": cfg.weight_dtype,
+                        "dtype": gptj.precision(cfg).compute.name, "weight_dtype": cfg.weight_dtype,
                         "cached_positions_read": span,
                         "compile_s": figure(compile_s), "step_s": figure(step_s),
                         "tokens_per_s": figure(batch / step_s), "gb_read_per_step": figure(bytes_per_step / 1e9),

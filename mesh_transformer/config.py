@@ -252,3 +252,13 @@ def parse_size(text: str, what: str = "size") -> int:
     if not match or match.group(2).lower() not in _SIZE_UNITS:
         raise ConfigError(f"{what} must look like 5GB, 500MB or 16GiB (or a number of bytes), got {text!r}")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def check_sampling(temperature: Sequence[float], top_k: Sequence[int], top_p: Sequence[float]) -> None:
+    """Raises a ValueError naming the first sampling value out of range."""
+    if bad := [t for t in temperature if not t >= 0]:  # NaN fails too
+        raise ValueError(f"temperature must be at least 0 (0 = greedy), got {bad[0]}")
+    if any(k < 0 for k in top_k):
+        raise ValueError(f"top_k must be at least 0 (0 = off), got {min(top_k)}")
+    if any(not 0 < p <= 1 for p in top_p):
+        raise ValueError(f"top_p must be in (0, 1], got {next(p for p in top_p if not 0 < p <= 1)}")

@@ -92,10 +92,8 @@ def check_sampling_args(parser: argparse.ArgumentParser, args: argparse.Namespac
             parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if "" in args.stop:
         parser.error("--stop texts must not be empty")
-    from mesh_transformer.infer.sampler import check_sampling  # loads JAX: only once the flags are read
-
     try:
-        check_sampling([args.temperature], [args.top_k], [args.top_p])
+        config.check_sampling([args.temperature], [args.top_k], [args.top_p])
     except ValueError as e:
         parser.error(str(e))
 

@@ -117,7 +117,7 @@ def cache_dtype(cfg: Config, policy: Policy) -> jnp.dtype:
     block in f32 where only the new positions change; on integers a write touches only its positions. But reading a
     block of bits as values is a copy of the block on that backend, every step: f32 values, which its scatter
     handles, are stored as they are (bits cost the bench config's batch-32 decode a third of its speed)."""
-    dtype = jnp.dtype(gptj.compute_dtype(cfg))
+    dtype = gptj.precision(cfg).compute
     return jnp.dtype(f"uint{8 * dtype.itemsize}") if policy.cache_bits and dtype.itemsize < 4 else dtype
 
 
@@ -248,7 +248,7 @@ def prefill_logits(params: dict, cache: KVCache, ids_RxT: jax.Array, length_R: j
     """Run R prompts (right-padded to T) together, write each one's keys and values from position 0 of its slot
     (a slot of -1 is a padding row, written nowhere), and return the logits after each prompt's last token [R, V]."""
     target_R = jnp.where(slot_R >= 0, slot_R, cache.k[0][0].shape[0])  # past the end: the scatter drops it
-    kv = _PrefillKV(target_R, gptj.compute_dtype(cfg), policy.cache_order)
+    kv = _PrefillKV(target_R, gptj.precision(cfg).compute, policy.cache_order)
     return _run_cached(params, cache, ids_RxT, gptj.positions(ids_RxT), kv, cfg, tp_axis, policy,
                        columns_BxC=(length_R - 1)[:, None])
 
@@ -261,7 +261,7 @@ def extend_logits(params: dict, cache: KVCache, ids_RxT: jax.Array, start_R: jax
     copied in); return the logits after each tail's last token [R, V]."""
     n_slots = cache.k[0][0].shape[0]
     target_R = jnp.where(slot_R >= 0, slot_R, n_slots)
-    kv = _ExtendKV(target_R, source_R, (slot_R >= 0) & (source_R != slot_R), start_R, gptj.compute_dtype(cfg),
+    kv = _ExtendKV(target_R, source_R, (slot_R >= 0) & (source_R != slot_R), start_R, gptj.precision(cfg).compute,
                    policy.cache_order)
     positions_RxT = start_R[:, None] + gptj.positions(ids_RxT)
     return _run_cached(params, cache, ids_RxT, positions_RxT, kv, cfg, tp_axis, policy,
@@ -272,7 +272,7 @@ def decode_logits(params: dict, cache: KVCache, token_R: jax.Array, position_R: 
                   n_blocks: int, tp_axis: str | None = None, *, policy: Policy) -> tuple[jax.Array, KVCache]:
     """Feed one token to each of the first R slots: write its key at the slot's own position, attend to the cache
     positions in the first `n_blocks` blocks (keys after a slot's own position are masked), return logits [R, V]."""
-    kv = _DecodeKV(position_R, n_blocks, gptj.compute_dtype(cfg), policy)
+    kv = _DecodeKV(position_R, n_blocks, gptj.precision(cfg).compute, policy)
     return _run_cached(params, cache, token_R[:, None], position_R[:, None], kv, cfg, tp_axis, policy,
                        mask_BxTxS=jnp.ones((token_R.shape[0], 1, 1), bool))
 

@@ -104,7 +104,7 @@ class Programs:
         where converts are ordered (CPU) has no loop-invariant code motion, which hoisted an f32 copy of every
         layer's weights out of the loop (GPT-J-6B bf16, one device: 35.5 GiB where a step takes 13.0)."""
         policy = self.layout.policy
-        if name == "generate" and policy.ordered_converts and gptj.compute_dtype(self.layout.cfg).itemsize < 4:
+        if name == "generate" and policy.ordered_converts and gptj.precision(self.layout.cfg).compute.itemsize < 4:
             return dataclasses.replace(policy, loop_hoisting=False)
         return policy
 

@@ -23,6 +23,7 @@ from mesh_transformer.infer.sizes import bucket, prompt_problem
 from mesh_transformer.infer.params import place_params
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import DP
+from mesh_transformer import config
 from mesh_transformer.tokenizer import EOS_ID
 
 
@@ -51,16 +52,6 @@ def _per_row(name: str, value: Any, n: int, kind: type) -> list:
         if isinstance(v, bool) or not isinstance(v, numbers.Real if kind is float else numbers.Integral):
             raise ValueError(f"{name} must be {'a number' if kind is float else 'an integer'}, got {v!r}")
     return [kind(v) for v in values]
-
-
-def check_sampling(temperature: Sequence[float], top_k: Sequence[int], top_p: Sequence[float]) -> None:
-    """Raises a ValueError naming the first sampling value out of range."""
-    if bad := [t for t in temperature if not t >= 0]:  # NaN fails too
-        raise ValueError(f"temperature must be at least 0 (0 = greedy), got {bad[0]}")
-    if any(k < 0 for k in top_k):
-        raise ValueError(f"top_k must be at least 0 (0 = off), got {min(top_k)}")
-    if any(not 0 < p <= 1 for p in top_p):
-        raise ValueError(f"top_p must be in (0, 1], got {next(p for p in top_p if not 0 < p <= 1)}")
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
@@ -146,7 +137,7 @@ class Sampler:
         n = len(prompts)
         temperature, top_k = _per_row("temperature", temperature, n, float), _per_row("top_k", top_k, n, int)
         top_p, seed = _per_row("top_p", top_p, n, float), _per_row("seed", seed, n, int)
-        check_sampling(temperature, top_k, top_p)
+        config.check_sampling(temperature, top_k, top_p)
         rows = [_RowSampling(*values, return_logprobs) for values in zip(temperature, top_k, top_p, seed)]
         tokens_NxS, logprobs_NxS = self._decode(prompts, rows, max_new_tokens, {int(t) for t in stop_token_ids})
         return [_result(tokens_NxS[row], logprobs_NxS[row], max_new_tokens, stop_token_ids, return_logprobs)

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from mesh_transformer.config import Config
@@ -29,20 +30,41 @@ def _unconstrained(x: jax.Array, logical_axes: tuple[str, ...]) -> jax.Array:
     return x
 
 
-def compute_dtype(cfg: Config, policy: Policy | None = None) -> jnp.dtype:
-    """The dtype matmuls run in: cfg.compute_dtype, with "auto" what the platform policy says (bf16 where the
-    matrix units are, f32 on CPU, where XLA's bf16 matmul is slower). A Layout's config has "auto" resolved for its
-    devices already; with neither, "auto" is f32."""
+class Precision(NamedTuple):
+    """The model's one mixed-precision policy (`precision`): `params` the trained params' master dtype, `frozen` a
+    LoRA run's frozen base, `compute` the activations' and the matrix products', `weights` an inference model's
+    layer matrices (the compute dtype, or int8 with f32 scales: model/quant.py), `int8_head` the LM head in int8
+    too, `output` the logits' and the loss's."""
+    params: np.dtype
+    frozen: np.dtype
+    compute: np.dtype
+    weights: np.dtype
+    int8_head: bool
+    output: np.dtype
+
+    @property
+    def int8(self) -> bool:
+        return self.weights == quant.INT8
+
+
+def precision(cfg: Config, policy: Policy | None = None) -> Precision:
+    """The config's dtypes, with compute_dtype "auto" what the platform policy says (bf16 where the matrix units
+    are, f32 on CPU, where XLA's bf16 matmul is slower). A Layout's config has "auto" resolved for its devices
+    already; with neither, "auto" is f32."""
     name = cfg.compute_dtype
     if name == "auto":
         name = policy.compute_dtype if policy is not None else "float32"
-    return jnp.dtype(DTYPES[name])
+    compute = np.dtype(DTYPES[name])
+    weights = np.dtype(quant.INT8) if cfg.weight_dtype == "int8" else compute
+    return Precision(np.dtype(np.float32), np.dtype(DTYPES[cfg.base_dtype]), compute, weights, cfg.quantize_head,
+                     np.dtype(np.float32))
 
 
 def cast_for_compute(params: dict, cfg: Config) -> dict:
     """The params in the compute dtype, except the stacked layers: `run` casts one layer at a time inside its
     scan, so a base held in another dtype is never copied whole."""
-    return {k: v if k == "layers" else quant.cast({k: v}, compute_dtype(cfg))[k] for k, v in params.items()}
+    dtype = precision(cfg).compute
+    return {k: v if k == "layers" else quant.cast({k: v}, dtype)[k] for k, v in params.items()}
 
 
 class KV(Protocol):
@@ -102,13 +124,13 @@ def run(params: dict, ids_BxT: jax.Array, positions_BxT: jax.Array, cfg: Config,
     params = cast_for_compute(params, cfg)
     h_BxTxD = constrain(layers.embed(ids_BxT, params["embed"]["wte"], tp_axis), HIDDEN_AXES)
     sincos = layers.rotary_sincos(positions_BxT, cfg.pe_rotary_dims)
-    dtype = compute_dtype(cfg)
+    dtype = precision(cfg).compute
 
     def step(h_BxTxD, layer_and_adapters, state):
         layer = lora.adapt_layer(*quant.cast(layer_and_adapters, dtype), lora.scale(cfg))
         past = None if kv is None else kv.read(state, h_BxTxD)
-        h_BxTxD, (k, v) = layers.block(h_BxTxD, layer, cfg.head_dim, sincos, mask_BxTxS, tp_axis, past,
-                                       join=cfg.join_projections, policy=policy)
+        h_BxTxD, (k, v) = layers.block(h_BxTxD, layer, cfg.head_dim, sincos, mask_BxTxT=mask_BxTxS,
+                                       tp_axis=tp_axis, past=past, join=cfg.join_projections, policy=policy)
         return constrain(h_BxTxD, HIDDEN_AXES), (state if kv is None else kv.write(state, k, v, h_BxTxD))
 
     stacked = not isinstance(params["layers"], list)

@@ -11,11 +11,12 @@ P rotary dims (P2 = P / 2), r LoRA rank.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from functools import partial
-
 from jax import lax
 
 from mesh_transformer.model import order, quant
@@ -97,16 +98,6 @@ def _matmul_bwd(residuals, dy):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def qkv(n_BxTxD: jax.Array, p: dict, head_dim: int, sincos: tuple[jax.Array, jax.Array], policy: Policy):
-    """Project to queries, keys and values [B, T, H, K], rotary applied to q and k."""
-    def heads(w):
-        y = dense(n_BxTxD, w, policy)
-        return y.reshape(*y.shape[:-1], -1, head_dim)
-
-    q, k, v = heads(p["q"]), heads(p["k"]), heads(p["v"])
-    return apply_rotary(q, *sincos), apply_rotary(k, *sincos), v
-
-
 def _attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask_BxTxT, past, causal) -> jax.Array:
     """`causal` attention when the mask is None and there is no cache; else `attend` (the block cache)."""
     if mask_BxTxT is None and past is None:
@@ -115,34 +106,69 @@ def _attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask_BxTxT, past, causal) -> jax
     return attend(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask_BxTxT, past)
 
 
-def mlp(n_BxTxD: jax.Array, p: dict, policy: Policy) -> jax.Array:
-    """This device's part of the MLP, before the reduction and without fc_out's bias (added once, after it)."""
-    pre_BxTxF = dense(n_BxTxD, p["fc_in"]["kernel"], policy)
-    h_BxTxF = jax.nn.gelu(pre_BxTxF + lead(p["fc_in"]["bias"], pre_BxTxF.ndim), approximate=True)
-    return dense(h_BxTxF, p["fc_out"]["kernel"], policy)
+class Projections(NamedTuple):
+    """How one layer's weights are applied (`projections`): `inputs(n_BxTxD)` gives q, k, v [B, T, H*K] and the
+    MLP's pre-activation [B, T, F] (fc_in's bias added); `output(attn_BxTxW, act_BxTxF)` this device's part of attn
+    out + fc_out [B, T, D], before the reduction and without fc_out's bias `out_bias`; `attention` the kernel."""
+    inputs: Callable
+    output: Callable
+    out_bias: jax.Array
+    attention: str
 
 
-def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, mask_BxTxT: jax.Array | None = None,
-          tp_axis: str | None = None, past: tuple | None = None,
-          join: bool = False, *, policy: Policy) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, *, mask_BxTxT: jax.Array | None = None,
+          tp_axis: str | None = None, past: tuple | None = None, join: bool = False,
+          policy: Policy) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """One GPT-J block: h + Attn(LN(h)) + MLP(LN(h)), with one all-reduce of attn + mlp under tensor parallelism.
 
     Returns the new h and this block's keys and values [B, T, H, K], for a caller that keeps a KV cache. A mask of
     None is causal self-attention (`self_attention`: training, prefill). With `past=(k_blocks, v_blocks,
     mask_BxTxS)` attention also sees those cached keys (see `attend`). `p` is a layer of the param tree, or one
-    whose projections `fuse_layer` joined (for inference). With `join`, a param-tree layer's projections are joined
-    inside the computation (`_joined_block`). The policy names the kernels (attention, the dense backward).
+    whose projections `fuse_layer` joined (for inference); how its weights are applied is `projections`' choice,
+    the rest is this one body. The policy names the kernels (attention, the dense backward).
     """
-    n_BxTxD = layer_norm(h_BxTxD, p["ln_1"])
+    proj = projections(p, join, policy)
+    q, k, v, pre_act = proj.inputs(layer_norm(h_BxTxD, p["ln_1"]))
+    q, k, v = (x.reshape(*x.shape[:-1], -1, head_dim) for x in (q, k, v))
+    q, k = apply_rotary(q, *sincos), apply_rotary(k, *sincos)
+    attn = _attention(q, k, v, mask_BxTxT, past, partial(self_attention, kernel=proj.attention))
+    out_BxTxD = proj.output(attn, jax.nn.gelu(pre_act, approximate=True))
+    return _residual(h_BxTxD, out_BxTxD, proj.out_bias, tp_axis), (k, v)
+
+
+def projections(p: dict, join: bool, policy: Policy) -> Projections:
+    """A layer's `Projections`: `fuse_layer`'s joined matrices (inference, int8 ones with their scales), the param
+    tree's matrices joined inside the computation (`join`), or the param tree's six products as they are."""
     if "fused" in p:
-        return _fused_block(h_BxTxD, n_BxTxD, p["fused"], head_dim, sincos, mask_BxTxT, tp_axis, past, policy)
-    if join:
-        return _joined_block(h_BxTxD, n_BxTxD, p, head_dim, sincos, mask_BxTxT, tp_axis, past, policy)
-    q, k, v = qkv(n_BxTxD, p["attn"], head_dim, sincos, policy)
-    causal = partial(self_attention, kernel=policy.attention)
-    out_BxTxD = (dense(_attention(q, k, v, mask_BxTxT, past, causal), p["attn"]["out"], policy)
-                 + mlp(n_BxTxD, p["mlp"], policy))
-    return _residual(h_BxTxD, out_BxTxD, p["mlp"]["fc_out"]["bias"], tp_axis), (k, v)
+        return _fused(p["fused"], policy)
+    attn, mlp_p = p["attn"], p["mlp"]
+    fc_in, fc_out = mlp_p["fc_in"], mlp_p["fc_out"]
+    if join:  # q, k, v and fc_in (which all read LN(h)) in one product, out and fc_out (summed) in another
+        in_DxN = jnp.concatenate([attn["q"], attn["k"], attn["v"], fc_in["kernel"]], -1)
+        out_MxD = jnp.concatenate([attn["out"], fc_out["kernel"]], 0)
+        width = attn["q"].shape[-1]
+
+        def inputs(n_BxTxD):
+            *qkv, pre = _split(dense(n_BxTxD, in_DxN, policy), width)
+            return *qkv, pre + lead(fc_in["bias"], pre.ndim)
+
+        def output(attn_BxTxW, act_BxTxF):
+            return dense(jnp.concatenate([attn_BxTxW, act_BxTxF], -1), out_MxD, policy)
+        return Projections(inputs, output, fc_out["bias"], policy.attention)
+
+    def separate_inputs(n_BxTxD):
+        q, k, v = (dense(n_BxTxD, attn[name], policy) for name in "qkv")
+        pre = dense(n_BxTxD, fc_in["kernel"], policy)
+        return q, k, v, pre + lead(fc_in["bias"], pre.ndim)
+
+    def separate_output(attn_BxTxW, act_BxTxF):
+        return dense(attn_BxTxW, attn["out"], policy) + dense(act_BxTxF, fc_out["kernel"], policy)
+    return Projections(separate_inputs, separate_output, fc_out["bias"], policy.attention)
+
+
+def _split(y, width: int) -> tuple[jax.Array, ...]:
+    """q, k, v and the MLP's part of a joined input product y [B, T, 3 * width + F]."""
+    return tuple(y[..., i * width:(i + 1) * width] for i in range(3)) + (y[..., 3 * width:],)
 
 
 def _residual(h_BxTxD: jax.Array, out_BxTxD: jax.Array, bias_D: jax.Array, tp_axis: str | None) -> jax.Array:
@@ -190,52 +216,26 @@ def fuse_layer(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None) ->
     return {"ln_1": layer["ln_1"], "fused": fused}
 
 
-def _fused_block(h_BxTxD, n_BxTxD, p: dict, head_dim: int, sincos, mask_BxTxT, tp_axis, past, policy: Policy):
-    """`block` over `fuse_layer`'s matrices (this device's slice: the device axis is 1 here), int8 ones with their
-    scales (model/quant.py)."""
+def _fused(p: dict, policy: Policy) -> Projections:
+    """`Projections` of `fuse_layer`'s matrices (this device's slice: the device axis is 1 here), int8 ones with
+    their scales (model/quant.py), computed in pieces where the policy says (`order.in_pieces`)."""
     d = p["in"].shape[-1]
-    d_local = (p["in"].shape[1] - p["out"].shape[-1]) // 2  # in: 3 * D/tp + F/tp rows, out: D/tp + F/tp columns
+    width = (p["in"].shape[1] - p["out"].shape[-1]) // 2  # in: 3 * D/tp + F/tp rows, out: D/tp + F/tp columns
     scales = [p[name].reshape(-1) if name in p else None for name in ("in_scale", "out_scale")]  # int8: quant.py
     dot_dtype = None if policy.int8_dot == "compute" else jnp.dtype(policy.int8_dot)
 
     def product(x, w_NxK, scale_N):
         return order.in_pieces(lambda w, s: quant.by_rows(x, w, s, dot_dtype), w_NxK, scale_N, 0, policy, x)
 
-    y = product(n_BxTxD, p["in"].reshape(-1, d), scales[0])
-    y = y + lead(p["in_bias"].reshape(-1), y.ndim)
+    def inputs(n_BxTxD):
+        y = product(n_BxTxD, p["in"].reshape(-1, d), scales[0])
+        return _split(y + lead(p["in_bias"].reshape(-1), y.ndim), width)
+
+    def output(attn_BxTxW, act_BxTxF):
+        return product(jnp.concatenate([attn_BxTxW, act_BxTxF], -1), p["out"].reshape(d, -1), scales[1])
     # Inference only, so forward only: on CPU prefill keeps XLA's attention, whose programs compile faster: the
     # blocked one took 1.2-2.2 s more per 6B prefill program (the serving warm-up compiles 17 of them).
-    causal = partial(self_attention, kernel="xla" if policy.attention == "blocked" else policy.attention)
-    joined, kv = _attention_and_mlp(y, d_local, None, head_dim, sincos, mask_BxTxT, past, causal)
-    out_BxTxD = product(joined, p["out"].reshape(d, -1), scales[1])
-    return _residual(h_BxTxD, out_BxTxD, p["out_bias"], tp_axis), kv
-
-
-def _joined_block(h_BxTxD, n_BxTxD, p: dict, head_dim: int, sincos, mask_BxTxT, tp_axis, past, policy: Policy):
-    """`block` with q, k, v and fc_in (which all read LN(h)) joined into one matrix product, and out and fc_out
-    (whose outputs are summed) into another: the joined matrices are made from a param-tree layer inside the
-    computation, so training keeps its params as they are and autodiff splits the joined gradients back."""
-    attn, mlp_p = p["attn"], p["mlp"]
-    in_DxN = jnp.concatenate([attn["q"], attn["k"], attn["v"], mlp_p["fc_in"]["kernel"]], -1)
-    causal = partial(self_attention, kernel=policy.attention)
-    joined, kv = _attention_and_mlp(dense(n_BxTxD, in_DxN, policy), attn["q"].shape[-1], mlp_p["fc_in"]["bias"],
-                                    head_dim, sincos, mask_BxTxT, past, causal)
-    out_MxD = jnp.concatenate([attn["out"], mlp_p["fc_out"]["kernel"]], 0)
-    return _residual(h_BxTxD, dense(joined, out_MxD, policy), mlp_p["fc_out"]["bias"], tp_axis), kv
-
-
-def _attention_and_mlp(y, width: int, fc_in_bias, head_dim: int, sincos, mask_BxTxT, past, causal):
-    """From the joined input product y [B, T, 3 * width + F] (q, k, v, fc_in; `width` = this device's H*K, fc_in's
-    bias added here unless None): attention's output and the MLP's activation side by side [B, T, width + F], and
-    the new keys and values."""
-    def heads(i):
-        part = y[..., i * width:(i + 1) * width]
-        return part.reshape(*part.shape[:-1], -1, head_dim)
-
-    q, k, v = apply_rotary(heads(0), *sincos), apply_rotary(heads(1), *sincos), heads(2)
-    pre_act = y[..., 3 * width:] if fc_in_bias is None else y[..., 3 * width:] + lead(fc_in_bias, y.ndim)
-    act = jax.nn.gelu(pre_act, approximate=True)
-    return jnp.concatenate([_attention(q, k, v, mask_BxTxT, past, causal), act], -1), (k, v)
+    return Projections(inputs, output, p["out_bias"], "xla" if policy.attention == "blocked" else policy.attention)
 
 
 def vocab_offset(vocab_local: int, tp_axis: str | None) -> jax.Array | int:

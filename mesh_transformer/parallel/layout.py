@@ -167,9 +167,9 @@ class Layout:
         """Specs of the params placed for inference (infer/params.py): layers unstacked into a list, each joined by
         `layers.fuse_layer` (shard_map kind), with int8 weights' scales (and the head's, with quantize_head)."""
         fused, specs = layers.FUSED_AXES, self.param_specs()
-        if self.cfg.weight_dtype == quant.INT8:
+        if gptj.precision(self.cfg).int8:
             fused = {**fused, "fused": {**fused["fused"], **quant.SCALE_AXES}}
-        if self.cfg.quantize_head:
+        if gptj.precision(self.cfg).int8_head:
             specs = {**specs, "lm_head": {**specs["lm_head"], **self.specs(quant.HEAD_SCALE_AXES)}}
         return {**specs, "layers": [self.specs(fused)] * self.cfg.layers}
 

@@ -26,11 +26,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from mesh_transformer import config
 from mesh_transformer.infer.choose import Logprobs, fill_sampling
 from mesh_transformer.infer.decode import Steps, block_sizes, default_block
 from mesh_transformer.infer.params import place_params
 from mesh_transformer.infer.programs import Programs
-from mesh_transformer.infer.sampler import check_sampling
 from mesh_transformer.infer.sizes import prompt_problem
 from mesh_transformer.infer.score import MAX_TOP
 from mesh_transformer.parallel.layout import Layout
@@ -124,7 +124,7 @@ class Engine:
         if request.max_tokens < 1 or len(request.prompt) + request.max_tokens > seq:
             raise ValueError(f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) must fit "
                              f"the context of {seq} tokens, with max_tokens at least 1")
-        check_sampling([request.temperature], [request.top_k], [request.top_p])
+        config.check_sampling([request.temperature], [request.top_k], [request.top_p])
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run `fn` on the engine thread between two decode steps (other programs on the same devices, such as

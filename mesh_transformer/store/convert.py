@@ -226,7 +226,7 @@ def load_params(layout: Layout, source: str, dtype: Any = None) -> dict:
     formats are read one global array at a time on the host.
     """
     cfg = layout.cfg
-    dtype = table.dtype_named(dtype if dtype is not None else model.compute_dtype(cfg))
+    dtype = table.dtype_named(dtype if dtype is not None else model.precision(cfg).compute)
     fmt = detect_format(source)
     if fmt == CHECKPOINT and not _holds_int8(source):
         root, step = checkpoint.find_step(source)

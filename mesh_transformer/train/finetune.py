@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mesh_transformer.config import ConfigError
+from mesh_transformer.model import gptj
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer import storage
 from mesh_transformer.store import adapters, checkpoint, convert
@@ -54,14 +55,14 @@ def tuned_params(layout: Layout, path: str) -> dict:
     if adapters.run_metadata(path) is not None:
         raise ConfigError(f"--tune-model-path {path} is a LoRA run: export it merged (to_hf_weights.py) and tune that")
     log.info("fine-tuning from %s with a fresh schedule and optimizer state", path)
-    return convert.load_params(layout, path, "float32")
+    return convert.load_params(layout, path, gptj.precision(layout.cfg).params)
 
 
 def load_base(layout: Layout, path: str) -> tuple[dict, dict]:
     """The frozen base of a LoRA run, placed as the Layout places params, in cfg.base_dtype; and its identity."""
     if adapters.run_metadata(path) is not None:
         raise ConfigError(f"the LoRA base {path} is itself a LoRA run: export it merged (to_hf_weights.py) first")
-    params = convert.load_params(layout, path, layout.cfg.base_dtype)
+    params = convert.load_params(layout, path, gptj.precision(layout.cfg).frozen)
     fmt = convert.detect_format(path)
     step = checkpoint.find_step(path)[1] if fmt == convert.CHECKPOINT else None
     if not storage.is_gcs(path):

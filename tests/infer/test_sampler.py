@@ -144,7 +144,8 @@ def test_the_cache_scatter_on_bits_equals_a_plain_scatter(dtype):
     values = jax.random.normal(jax.random.PRNGKey(1), (3, 2, 4)).astype(dtype)
     index = (jnp.array([2, 0, 3]), slice(None), slice(None), jnp.array([5, 7, 1]))  # row 3: out of range, dropped
     bits = jax.lax.bitcast_convert_type(block, decode.cache_dtype(cfg, CPU_POLICY))
-    written = jax.jit(lambda b, v: decode.cached(decode.scatter(b, index, v), model.compute_dtype(cfg)))(bits, values)
+    dtype = model.precision(cfg).compute
+    written = jax.jit(lambda b, v: decode.cached(decode.scatter(b, index, v), dtype))(bits, values)
     np.testing.assert_array_equal(written, block.at[index].set(values, mode="drop"))
 
 

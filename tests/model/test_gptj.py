@@ -167,9 +167,9 @@ def test_auto_compute_dtype_is_bf16_on_accelerators_and_f32_on_cpu():
     auto = dataclasses.replace(CFG, compute_dtype="auto")
     assert config.Config().compute_dtype == "auto"
     gpu, tpu = platforms.for_platform("gpu"), platforms.for_platform("tpu")
-    assert model.compute_dtype(auto, gpu) == jnp.bfloat16 and model.compute_dtype(auto, tpu) == jnp.bfloat16
-    assert model.compute_dtype(auto, CPU_POLICY) == jnp.float32 and model.compute_dtype(auto) == jnp.float32
-    assert model.compute_dtype(dataclasses.replace(CFG, compute_dtype="bfloat16"), CPU_POLICY) == jnp.bfloat16
+    assert model.precision(auto, gpu).compute == jnp.bfloat16 and model.precision(auto, tpu).compute == jnp.bfloat16
+    assert model.precision(auto, CPU_POLICY).compute == jnp.float32 and model.precision(auto).compute == jnp.float32
+    assert model.precision(dataclasses.replace(CFG, compute_dtype="bfloat16"), CPU_POLICY).compute == jnp.bfloat16
     # A Layout resolves "auto" for its devices (the tests': CPU_POLICY).
     assert make_layout(auto, jax.devices()[:1]).cfg.compute_dtype == "float32"
 

@@ -56,20 +56,52 @@ def test_training_attention_equals_attend_with_its_gradients(dtype, padded, impl
         assert float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max()) <= tol * scale
 
 
+def layer_params(keys, D):
+    return {"ln_1": {"scale": jnp.ones(D), "bias": jnp.zeros(D)},
+            "attn": {name: jax.random.normal(key, (D, D)) / D ** 0.5 for name, key in zip("qkv", keys)}
+            | {"out": jax.random.normal(keys[3], (D, D)) / D ** 0.5},
+            "mlp": {"fc_in": {"kernel": jax.random.normal(keys[4], (D, 4 * D)) / D ** 0.5,
+                              "bias": jax.random.normal(keys[7], (4 * D,))},
+                    "fc_out": {"kernel": jax.random.normal(keys[5], (4 * D, D)) / D ** 0.5, "bias": jnp.ones(D)}}}
+
+
 def test_block_without_a_mask_is_causal_attention_as_before():
     """`block` with mask None (the training and prefill path) equals the same block given the causal mask (the
     block-cache path, `attend`)."""
     D = H * K
     keys = jax.random.split(jax.random.PRNGKey(2), 8)
-    p = {"ln_1": {"scale": jnp.ones(D), "bias": jnp.zeros(D)},
-         "attn": {name: jax.random.normal(key, (D, D)) / D ** 0.5 for name, key in zip("qkv", keys)}
-         | {"out": jax.random.normal(keys[3], (D, D)) / D ** 0.5},
-         "mlp": {"fc_in": {"kernel": jax.random.normal(keys[4], (D, 4 * D)) / D ** 0.5, "bias": jnp.zeros(4 * D)},
-                 "fc_out": {"kernel": jax.random.normal(keys[5], (4 * D, D)) / D ** 0.5, "bias": jnp.zeros(D)}}}
+    p = layer_params(keys, D)
     h = jax.random.normal(keys[6], (B, T, D))
     sincos = layers.rotary_sincos(jnp.arange(T)[None], 8)
     got, (k, v) = jax.jit(lambda h: layers.block(h, p, K, sincos, policy=CPU_POLICY))(h)
-    want, (k_ref, v_ref) = jax.jit(lambda h: layers.block(h, p, K, sincos, attention.causal_mask(T),
+    want, (k_ref, v_ref) = jax.jit(lambda h: layers.block(h, p, K, sincos, mask_BxTxT=attention.causal_mask(T),
                                                                policy=CPU_POLICY))(h)
     np.testing.assert_allclose(got, want, atol=1e-5)
     np.testing.assert_array_equal(k, k_ref)
+
+
+def test_block_is_gptj_s_layer_whichever_way_its_weights_are_applied():
+    """The one block body over each `projections` form (the param tree's six products, joined inside the
+    computation, `fuse_layer`'s matrices) equals GPT-J's layer written out: h + out(Attn(LN h)) + fc_out(gelu(fc_in
+    (LN h))), with the keys it returns rotated."""
+    D = H * K
+    keys = jax.random.split(jax.random.PRNGKey(3), 8)
+    p = layer_params(keys, D)
+    h = jax.random.normal(keys[6], (B, T, D))
+    sincos = layers.rotary_sincos(jnp.arange(T)[None], 8)
+
+    def written_out(h):
+        n = layers.layer_norm(h, p["ln_1"])
+        q, k, v = (layers.apply_rotary((n @ p["attn"][x]).reshape(B, T, H, K), *sincos) if x != "v"
+                   else (n @ p["attn"][x]).reshape(B, T, H, K) for x in "qkv")
+        attn = attention.attend(q, k, v, jnp.broadcast_to(attention.causal_mask(T), (B, T, T))) @ p["attn"]["out"]
+        mlp = jax.nn.gelu(n @ p["mlp"]["fc_in"]["kernel"] + layers.lead(p["mlp"]["fc_in"]["bias"], 3),
+                          approximate=True)
+        return h + attn + mlp @ p["mlp"]["fc_out"]["kernel"] + layers.lead(p["mlp"]["fc_out"]["bias"], 3), k
+
+    want, k_want = jax.jit(written_out)(h)
+    forms = {"separate": (p, False), "joined": (p, True), "fused": (layers.fuse_layer(p, 1), False)}
+    for name, (layer, join) in forms.items():
+        got, (k, _) = jax.jit(partial(layers.block, head_dim=K, sincos=sincos, join=join, policy=CPU_POLICY))(h, layer)
+        np.testing.assert_allclose(got, want, atol=1e-4, err_msg=name)
+        np.testing.assert_allclose(k, k_want, atol=1e-5, err_msg=name)

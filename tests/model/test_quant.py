@@ -72,7 +72,7 @@ def test_int8_params_are_placed_as_int8_with_scales(params):
     fused = placed["layers"][0]["fused"]
     assert fused["in"].dtype == jnp.int8 and fused["out"].dtype == jnp.int8
     assert fused["in_scale"].shape == fused["in"].shape[:2] and fused["out_scale"].shape == fused["out"].shape[:2]
-    assert placed["lm_head"]["kernel"].dtype == gptj.compute_dtype(INT8)  # the head stays in the compute dtype
+    assert placed["lm_head"]["kernel"].dtype == gptj.precision(INT8).compute  # the head stays in the compute dtype
     head = infer_params.place_params(params, make_inference_layout(HEAD8, mesh=make_dp_mp(2, 4)))["lm_head"]
     assert head["kernel"].dtype == jnp.int8 and head["scale"].shape == (CFG.n_vocab,)
     assert head["scale"].sharding.spec == head["bias"].sharding.spec  # split over the vocab as the head is
