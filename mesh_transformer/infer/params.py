@@ -168,17 +168,40 @@ def read_params(layout: Layout, source: str, lora: str | None = None) -> dict:
                 part[key] = quant.quantize_head(part[key])
             params[key] = jax.block_until_ready(jax.device_put(part[key], shardings[key]))
         read_int8 = getattr(reader, "read_int8", None) if int8 else None
-        params["layers"] = []
-        for i in tqdm(range(cfg.layers), desc="loading layers", unit="layer", leave=False):
-            layer, scales = _read_layer(reader, read_int8, stacked, i, dtype)
-            fused = join_layer(layer, layout.mesh.shape[MP], int8, np, scales)
-            del layer  # its parts, before the devices take the joined layer
-            params["layers"].append(jax.block_until_ready(jax.device_put(fused, shardings["layers"][i])))
+        params["layers"] = [_place_layer(reader, read_int8, stacked, i, dtype, layout.mesh.shape[MP], int8,
+                                         shardings["layers"][i])
+                            for i in tqdm(range(cfg.layers), desc="loading layers", unit="layer", leave=False)]
     return params
 
 
+def _place_layer(reader: Any, read_int8: Any, stacked: list, i: int, dtype: np.dtype, tp_size: int, int8: bool,
+                 shardings: dict) -> dict:
+    """Layer i read, joined and placed one half at a time (`layers.fuse_inputs`: q, k, v, fc_in and ln_1; then
+    `fuse_outputs`: out and fc_out), each half quantized on the host where `int8` and the checkpoint holds floats.
+    The host holds one half's parts and its joined copy at most (GPT-J-6B in bf16: 2 x 235 MB, where the whole
+    layer's parts and its joined copy were 2 x 402 MB), each freed before the next half is read."""
+    placed: dict = {"fused": {}}
+    for fuse in (layers.fuse_inputs, layers.fuse_outputs):
+        half = [path for path in stacked if (path[1:] in _OUTPUTS) == (fuse is layers.fuse_outputs)]
+        layer, scales = _read_layer(reader, read_int8, half, i, dtype)
+        if int8 and scales is None:
+            layer, scales = quant.quantize_layer(layer, np)
+        if "ln_1" in layer:
+            placed["ln_1"] = jax.device_put(layer["ln_1"], shardings["ln_1"])
+        joined = fuse(layer, tp_size, np, scales if int8 else None)
+        del layer  # its parts, before the devices take the joined half
+        while joined:  # each host array freed once the devices hold it
+            name, x = joined.popitem()
+            placed["fused"][name] = jax.block_until_ready(jax.device_put(x, shardings["fused"][name]))
+    return placed
+
+
+_OUTPUTS = {("attn", "out"), ("mlp", "fc_out", "kernel"), ("mlp", "fc_out", "bias")}  # the rest: the inputs half
+
+
 def _read_layer(reader: Any, read_int8: Any, stacked: list, i: int, dtype: np.dtype) -> tuple[dict, dict | None]:
-    """(layer i of the param tree on the host, the scales of its groups where the checkpoint holds it as int8)."""
+    """(layer i of the param tree on the host, or the params of it at `stacked`; the scales of its groups where
+    the checkpoint holds it as int8)."""
     layer: dict = {}
     scales: dict = {}
     for path in stacked:

@@ -195,25 +195,42 @@ def fuse_layer(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None) ->
     its own heads and MLP columns side by side, so the matrices carry a device axis: "in" [tp, 3*D/tp + F/tp, D]
     and "out" [tp, D, D/tp + F/tp], split on it. `xp` is jax.numpy, or numpy to join a layer on the host. An int8 layer
     (`quant.quantize_layer`) comes with its groups' `scales`, joined alongside as "in_scale" [tp, 3*D/tp + F/tp]
-    and "out_scale" [tp, D].
+    and "out_scale" [tp, D]. Each half (`fuse_inputs`, `fuse_outputs`) reads only its own matrices, so a loader
+    can hold one half's parts at a time.
     """
-    attn, mlp_p = layer["attn"], layer["mlp"]
+    return {"ln_1": layer["ln_1"], "fused": {**fuse_inputs(layer, tp_size, xp, scales),
+                                             **fuse_outputs(layer, tp_size, xp, scales)}}
+
+
+def fuse_inputs(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None) -> dict:
+    """`fuse_layer`'s "in", "in_bias" (and "in_scale"), from q, k, v and fc_in alone."""
+    attn, fc_in = layer["attn"], layer["mlp"]["fc_in"]
     d = attn["q"].shape[0]
 
     def rows(w):  # [D, C] -> [tp, C/tp, D]: each device's output columns, as rows
         return w.reshape(d, tp_size, -1).transpose(1, 2, 0)
 
-    fused = {"in": xp.concatenate([rows(attn["q"]), rows(attn["k"]), rows(attn["v"]),
-                                   rows(mlp_p["fc_in"]["kernel"])], 1),
-             "in_bias": xp.concatenate([xp.zeros((tp_size, 3 * d // tp_size), mlp_p["fc_in"]["bias"].dtype),
-                                        mlp_p["fc_in"]["bias"].reshape(tp_size, -1)], -1),
-             "out": xp.concatenate([attn["out"].reshape(tp_size, -1, d),
-                                    mlp_p["fc_out"]["kernel"].reshape(tp_size, -1, d)], 1).transpose(0, 2, 1),
-             "out_bias": mlp_p["fc_out"]["bias"]}
+    fused = {"in": xp.concatenate([rows(attn["q"]), rows(attn["k"]), rows(attn["v"]), rows(fc_in["kernel"])], 1),
+             "in_bias": xp.concatenate([xp.zeros((tp_size, 3 * d // tp_size), fc_in["bias"].dtype),
+                                        fc_in["bias"].reshape(tp_size, -1)], -1)}
     if scales is not None:
         fused["in_scale"] = xp.concatenate([scales[g].reshape(tp_size, -1) for g in ("q", "k", "v", "fc_in")], -1)
+    return fused
+
+
+def fuse_outputs(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None) -> dict:
+    """`fuse_layer`'s "out", "out_bias" (and "out_scale"), from attn out and fc_out alone; "out" is written in its
+    final order at once (each part's columns transposed as they are joined), so numpy makes one copy of it."""
+    attn_out, fc_out = layer["attn"]["out"], layer["mlp"]["fc_out"]
+    d = attn_out.shape[-1]
+
+    def columns(w):  # [C, D] -> [tp, D, C/tp]: each device's input rows, as columns
+        return w.reshape(tp_size, -1, d).transpose(0, 2, 1)
+
+    fused = {"out": xp.concatenate([columns(attn_out), columns(fc_out["kernel"])], -1), "out_bias": fc_out["bias"]}
+    if scales is not None:
         fused["out_scale"] = xp.broadcast_to(scales["out"], (tp_size, d))
-    return {"ln_1": layer["ln_1"], "fused": fused}
+    return fused
 
 
 def _fused(p: dict, policy: Policy) -> Projections:

@@ -90,12 +90,19 @@ def _set(tree: dict, path: tuple, value: Any) -> dict:
 
 
 def group_scales(layer: dict, xp=np) -> dict:
-    """The scales [N] of each scale group of one layer of the param tree (`GROUPS`)."""
+    """The scales [N] of each scale group (`GROUPS`) whose matrices one layer of the param tree holds (all, or one
+    half that a loader reads on its own: `layers.fuse_inputs`' or `fuse_outputs`')."""
     scales = {}
     for group, paths in GROUPS.items():
+        if not all(_holds(layer, path) for path in paths):
+            continue
         peaks = [amax(get_path(layer, path), xp) for path in paths]
         scales[group] = scale_of(peaks[0] if len(peaks) == 1 else xp.maximum(*peaks), xp)
     return scales
+
+
+def _holds(layer: dict, path: tuple) -> bool:
+    return not path or (path[0] in layer and _holds(layer[path[0]], path[1:]))
 
 
 def stacked_scales(read, n_layers: int) -> dict[str, np.ndarray]:
@@ -110,11 +117,12 @@ def stacked_scales(read, n_layers: int) -> dict[str, np.ndarray]:
 
 
 def quantize_layer(layer: dict, xp=np, scales: dict | None = None) -> tuple[dict, dict]:
-    """(the layer with its matrices as int8, the scales of its groups) for one layer of the param tree; `xp` is numpy
-    (on the host) or jax.numpy (under jit)."""
+    """(the layer with its matrices as int8, the scales of its groups) for one layer of the param tree (or the half
+    of one that `group_scales` takes); `xp` is numpy (on the host) or jax.numpy (under jit)."""
     scales = group_scales(layer, xp) if scales is None else scales
     for path, group in MATRICES.items():
-        layer = _set(layer, path, quantize(get_path(layer, path), scales[group], xp))
+        if group in scales and _holds(layer, path):
+            layer = _set(layer, path, quantize(get_path(layer, path), scales[group], xp))
     return layer, scales
 
 

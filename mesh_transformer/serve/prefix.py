@@ -8,12 +8,14 @@ it has written, in order; a name's holders are the slots that hold it (its refer
 a slot is the number of leading names the two share; at most its prompt minus one token is reused (the last token
 is always computed: its logits choose the first new token).
 
-Where a request goes: the free slot the engine prefers (the lowest row of its dp group: a decode step computes the
-rows up to the highest busy one), of the group that holds the longest match, busy or free; its blocks are reused in
-place when that slot holds them, else copied from the group's slot that does (on the group's devices). The slot
-taken loses its other blocks (eviction follows the engine's order, not recency: a least-recently-used slot in a
-high row would make every decode step compute that many rows); blocks live as long as some slot holds them. A busy
-slot's blocks stay held: it writes only after its prompt. Within one round of admissions a taken slot serves as a
+Where a request goes: a free slot of the dp group that holds the longest match, busy or free, in the rows a decode
+step computes anyway if it has one there (`cheap_rows`: a step computes every row up to the highest busy one,
+padded to its program's row count): the holder itself, else the least recently used; otherwise the one the engine
+prefers (the lowest row). Its blocks are reused in place when that slot holds them, else copied from the
+group's slot that does (on the group's devices). The slot taken loses its other blocks: eviction is
+least-recently-used among the rows that cost nothing more, and never takes a higher row for recency alone (that
+would make every decode step compute that many rows). Blocks live as long as some slot holds them. A busy slot's
+blocks stay held: it writes only after its prompt. Within one round of admissions a taken slot serves as a
 source only up to what its new request reuses, and a slot copied from is not taken, so no program of the round
 reads a block another one overwrites.
 """
@@ -54,12 +56,16 @@ class PrefixIndex:
         self.n_local, self.page = n_local, page
         self.held: list[list[bytes]] = [[] for _ in range(n_slots)]
         self.holders: dict[bytes, set[int]] = {}
+        self.used = [0] * n_slots  # when each slot's blocks were last written or read (a counter)
+        self._clock = 0
         self.queried_tokens = self.hit_tokens = 0
 
-    def place(self, prompt: Sequence[int], free: Sequence[int], pinned: set[int]) -> Placement | None:
+    def place(self, prompt: Sequence[int], free: Sequence[int], pinned: set[int],
+              cheap_rows: int = 1) -> Placement | None:
         """Where a request with this prompt goes among the `free` slots (in the engine's order of preference),
         skipping `pinned` ones (copied from this round), and its reuse; records the slot as taken (its blocks past
-        the reused ones dropped, the new prompt's added by `hold`). None when every free slot is pinned."""
+        the reused ones dropped, the new prompt's added by `hold`). Among the slots of each group's first
+        `cheap_rows` rows, the least recently used is preferred. None when every free slot is pinned."""
         free = [s for s in free if s not in pinned]
         if not free:
             return None
@@ -67,12 +73,17 @@ class PrefixIndex:
         best: dict[int, tuple[int, int]] = {}  # per dp group: (blocks, the slot holding them), its own slot first
         for slot, depth in sorted(matches.items(), key=lambda item: (-item[1], item[0] not in free)):
             best.setdefault(slot // self.n_local, (depth, slot))
-        # The first free slot of the group that shares the most; among groups that share nothing, the first.
-        slot = max(free, key=lambda s: (best.get(s // self.n_local, (0, s))[0], -free.index(s)))
+        def preference(s):  # of the group that shares the most: a cheap row (the holder, else the LRU), else the first
+            depth, holder = best.get(s // self.n_local, (0, None))
+            cheap = s % self.n_local < cheap_rows
+            return depth, cheap, cheap and s == holder, -self.used[s] if cheap else 0, -free.index(s)
+
+        slot = max(free, key=preference)
         depth, source = best.get(slot // self.n_local, (0, slot))
         if matches.get(slot, 0) == depth:  # the slot holds as much as any of its group: nothing to copy
             source = slot
         self._take(slot, depth if source == slot else 0)
+        self._touch(slot, source)
         self.queried_tokens += len(prompt)
         self.hit_tokens += depth * self.page
         return Placement(slot, source, depth * self.page)
@@ -87,6 +98,12 @@ class PrefixIndex:
         for name in names[len(self.held[slot]):]:
             self.holders.setdefault(name, set()).add(slot)
             self.held[slot].append(name)
+        self._touch(slot)
+
+    def _touch(self, *slots: int) -> None:
+        self._clock += 1
+        for slot in slots:
+            self.used[slot] = self._clock
 
     def _matches(self, names: list[bytes]) -> dict[int, int]:
         """{slot: how many of these leading names it holds} for the slots holding at least the first."""

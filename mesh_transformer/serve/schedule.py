@@ -56,6 +56,11 @@ class Schedule:
         """Free slots in the order requests take them: lowest row of a group first, so steps compute fewer rows."""
         return sorted(free, key=lambda i: (i % self.n_local, i // self.n_local))
 
+    def cheap_rows(self, busy: Sequence[int]) -> int:
+        """The rows per group a decode step computes for these busy slots (1 when none): a request admitted into
+        one of them makes no step compute more."""
+        return fit(max(i % self.n_local for i in busy) + 1, self.decode_rows) if busy else 1
+
     def prefill_batches(self, prompt_lengths: dict[int, int]) -> list[tuple[int, int, list[tuple[int, int]]]]:
         """Admitted requests ({slot: prompt length}) as prefill programs: (rows per group, prompt bucket,
         [(slot, row)]), at most MAX_PREFILL_ROWS slots per group each, group g's requests at rows g x rows + j."""

@@ -68,3 +68,19 @@ def test_hold_adds_the_tokens_written_after_the_prompt():
     assert len(index.held[0]) == 1
     index.hold(0, SHARED)  # the request ended with the rest of SHARED written after its prompt
     assert index.place(SHARED + [5], [1], set()) == Placement(1, 0, 3 * PAGE)
+
+
+def test_eviction_is_least_recently_used_among_the_rows_a_step_computes_anyway():
+    index = PrefixIndex(n_slots=8, n_local=8)
+    for slot, first in enumerate([1, 2, 3, 4, 5]):  # slots 0-4 written in this order
+        assert index.place([first] * 2 * PAGE, list(range(slot, 8)), set(), cheap_rows=1).slot == slot
+        index.hold(slot, [first] * 2 * PAGE)
+    index.hold(0, [1] * 3 * PAGE)  # slot 0's request ended last: its blocks are the most recently used
+    # Rows 0-3 cost nothing more (a step computes 4 rows): the least recently used of them, slot 1, is evicted; slot
+    # 4, older still, is not taken, as it would make steps compute more rows.
+    assert index.place([9] * 2 * PAGE, [0, 1, 2, 3, 4, 5], set(), cheap_rows=4) == Placement(1, 1, 0)
+    assert not index.holders.get(block_names([2] * 2 * PAGE)[0])
+    # A prefix held by a free slot in those rows is reused in place, even where an older slot is free beside it.
+    assert index.place([3] * 2 * PAGE + [7], [0, 2, 3, 4], set(), cheap_rows=4) == Placement(2, 2, 2 * PAGE)
+    # With none of those rows free, the engine's first free slot is taken as before (here slot 4, holding it).
+    assert index.place([5] * 2 * PAGE + [7], [4, 5, 6, 7], set(), cheap_rows=4) == Placement(4, 4, 2 * PAGE)

@@ -30,3 +30,9 @@ def test_a_decode_step_computes_rows_up_to_the_highest_busy_one_and_blocks_up_to
     assert (rows, n_blocks) == (4, 2)  # row 1 of each group padded to 4; position 70 lies in the second block
     assert out_rows == {1: 1, 5: 4 + 1}
     assert TWO_GROUPS.decode({0: 200})[:2] == (1, 4)
+
+
+def test_the_rows_a_step_computes_anyway_are_the_cheap_ones_for_an_admission():
+    assert TWO_GROUPS.cheap_rows([]) == 1  # nothing busy: row 0 alone
+    assert TWO_GROUPS.cheap_rows([5]) == TWO_GROUPS.decode({5: 0})[0] == 4  # row 1 of group 1: steps compute 4 rows
+    assert TWO_GROUPS.cheap_rows([0, 4]) == 1
