@@ -123,17 +123,16 @@ def _inference_layout(train_layout: Layout) -> Layout:
 
 def _abstract_decode_params(layout: Layout) -> dict:
     """The decode programs' params (fused per layer, in the compute dtype) as sharded ShapeDtypeStructs."""
-    cfg = layout.cfg
-    shapes = table.param_shapes(cfg, gptj.precision(cfg).compute)
+    precision = gptj.precision(layout.cfg)
+    shapes = table.param_shapes(layout.cfg, precision.compute)
     layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes["layers"])
-    fused = jax.eval_shape(partial(join_layer, tp_size=layout.mesh.shape[MP], int8=gptj.precision(cfg).int8),
-                           layer)
-    if gptj.precision(cfg).int8_head:
+    fused = jax.eval_shape(partial(join_layer, tp_size=layout.mesh.shape[MP], int8=precision.int8), layer)
+    if precision.int8_head:
         shapes = {**shapes, "lm_head": jax.eval_shape(partial(quant.quantize_head, xp=jnp), shapes["lm_head"])}
     shardings = jax.tree.map(partial(NamedSharding, layout.mesh), layout.placed_specs(),
                              is_leaf=lambda x: isinstance(x, P))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        {**shapes, "layers": [fused] * cfg.layers}, shardings)
+                        {**shapes, "layers": [fused] * layout.cfg.layers}, shardings)
 
 
 def _abstract_slots(programs: Programs, n_slots: int, sizes: list[int]) -> tuple:

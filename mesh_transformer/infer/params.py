@@ -119,11 +119,11 @@ def place_params(params: dict, layout: Layout, adapters: dict | None = None) -> 
     if is_placed(params):
         return params
     cfg, mesh = layout.cfg, layout.mesh
-    dtype = gptj.precision(cfg).compute
+    precision = gptj.precision(cfg)
     shardings = layout.param_shardings()
-    placed = jax.tree.map(partial(_placed, dtype=dtype), {k: v for k, v in params.items() if k != "layers"},
+    placed = jax.tree.map(partial(_placed, dtype=precision.compute), {k: v for k, v in params.items() if k != "layers"},
                           {k: v for k, v in shardings.items() if k != "layers"})
-    if gptj.precision(cfg).int8_head:
+    if precision.int8_head:
         head_specs = layout.placed_specs()["lm_head"]
         placed["lm_head"] = jax.jit(partial(quant.quantize_head, xp=jnp), out_shardings=jax.tree.map(
             partial(NamedSharding, mesh), head_specs, is_leaf=lambda x: isinstance(x, P)))(placed["lm_head"])
@@ -134,12 +134,13 @@ def place_params(params: dict, layout: Layout, adapters: dict | None = None) -> 
 
     def split(x):
         sharding = next(layer_shardings)
-        return _splitter(cfg.layers, NamedSharding(mesh, P(*sharding.spec[1:])))(_placed(x, sharding, dtype))
+        return _splitter(cfg.layers, NamedSharding(mesh, P(*sharding.spec[1:])))(_placed(x, sharding,
+                                                                                          precision.compute))
 
     unstacked_params = table.unstack_layers({**placed, "layers": params["layers"]}, split)
     spec_leaves, spec_tree = jax.tree.flatten(layout.placed_specs()["layers"][0], is_leaf=lambda x: isinstance(x, P))
     fuse = _fuser(mesh, tuple(spec_leaves), spec_tree, lora.scale(cfg) if adapters else 0.0,
-                  gptj.precision(cfg).int8)
+                  precision.int8)
     layer_list = unstacked_params.pop("layers")
     layer_adapters = table.unstack_layers({"layers": adapters})["layers"] if adapters else [None] * cfg.layers
     return {**unstacked_params, "layers": [fuse(layer_list.pop(0), ab) for ab in layer_adapters]}
@@ -153,7 +154,8 @@ def read_params(layout: Layout, source: str, lora: str | None = None) -> dict:
     host before its layer is joined; with int8 weights (the config's weight_dtype), each layer is quantized there
     too, or read as int8 from an int8 checkpoint (`slim_model.py --dtype int8`), which holds the same numbers."""
     cfg = layout.cfg
-    dtype, int8 = gptj.precision(cfg).compute, gptj.precision(cfg).int8
+    precision = gptj.precision(cfg)
+    dtype, int8 = precision.compute, precision.int8
     shardings = jax.tree.map(partial(NamedSharding, layout.mesh), layout.placed_specs(),
                              is_leaf=lambda x: isinstance(x, P))
     stacked = [path for path, _ in table.param_paths(cfg) if path[0] == "layers"]
@@ -164,7 +166,7 @@ def read_params(layout: Layout, source: str, lora: str | None = None) -> dict:
             for path, _ in table.param_paths(cfg):
                 if path[0] == key:
                     table.set_path(part, path, reader.read(path).astype(dtype, copy=False))
-            if key == "lm_head" and gptj.precision(cfg).int8_head:
+            if key == "lm_head" and precision.int8_head:
                 part[key] = quant.quantize_head(part[key])
             params[key] = jax.block_until_ready(jax.device_put(part[key], shardings[key]))
         read_int8 = getattr(reader, "read_int8", None) if int8 else None

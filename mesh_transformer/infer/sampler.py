@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from mesh_transformer import config
 from mesh_transformer.infer.choose import fill_sampling
 from mesh_transformer.infer.decode import Steps
 from mesh_transformer.infer.programs import Programs
@@ -23,7 +24,6 @@ from mesh_transformer.infer.sizes import bucket, prompt_problem
 from mesh_transformer.infer.params import place_params
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import DP
-from mesh_transformer import config
 from mesh_transformer.tokenizer import EOS_ID
 
 

@@ -201,9 +201,11 @@ class Engine:
         admitted, pinned = {}, set()
         while free and self._waiting:
             prompt = self._waiting[0].prompt
-            cheap = self.schedule.cheap_rows([i for i, slot in enumerate(self._slots) if slot is not None])
-            placement = (self._prefix.place(prompt, free, pinned, cheap) if self._prefix
-                         else Placement(free[0], free[0], 0))
+            if self._prefix:
+                busy = [i for i, slot in enumerate(self._slots) if slot is not None]  # admissions so far included
+                placement = self._prefix.place(prompt, free, pinned, self.schedule.cheap_rows(busy))
+            else:
+                placement = Placement(free[0], free[0], 0)
             if placement is None:  # the free slots left are copied from in this round
                 break
             free.remove(placement.slot)
