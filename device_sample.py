@@ -46,11 +46,15 @@ def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("mesh_transformer.infer.params").setLevel(logging.INFO)  # the mesh chosen
-    from mesh_transformer.infer.load import load_for_inference
-    from mesh_transformer.infer.sampler import Sampler
+    from mesh_transformer.infer.load import open_for_inference, read_for_inference
+    from mesh_transformer.infer.programs import Programs
+    from mesh_transformer.infer.sampler import Sampler, compile_ahead
 
-    layout, tokenizer, params = load_for_inference(args)
-    sampler = Sampler(layout, params)
+    layout, tokenizer, source = open_for_inference(args)
+    programs = Programs(layout)
+    if args.prompt is not None:  # compiled before the weights are read: the compiler's memory is not added to theirs
+        compile_ahead(programs, args.num_samples, len(tokenizer.encode(args.prompt)), args.max_new_tokens)
+    sampler = Sampler(layout, read_for_inference(layout, source, args), programs)
     if args.prompt is not None:
         try:
             _complete(sampler, tokenizer, args.prompt, args)

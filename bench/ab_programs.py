@@ -66,6 +66,7 @@ def _inference(config_path: str):
     from mesh_transformer import aot, config
     from mesh_transformer.infer.choose import fill_sampling
     from mesh_transformer.infer.decode import Steps
+    from mesh_transformer.infer import params as params_module
     from mesh_transformer.infer.params import make_inference_layout
     try:  # trees before the programs had a module of their own
         from mesh_transformer.infer.programs import Programs
@@ -75,7 +76,9 @@ def _inference(config_path: str):
 
     cfg = config.load(config_path, ["cores_per_replica=1"])
     layout = make_inference_layout(cfg, mesh=make_dp_mp(1, 1))
-    programs, params, n = Programs(layout), aot._abstract_decode_params(layout), 32
+    # Trees before abstract_params had it in aot.py.
+    abstract = getattr(params_module, "abstract_params", None) or aot._abstract_decode_params
+    programs, params, n = Programs(layout), abstract(layout), 32
     # Trees before the slots carried penalties: a last token each, no logit bias at a prefill.
     slots = getattr(programs, "new_slots", None) or programs.new_last_tokens
     cache, last = programs.new_cache(n, [64, 64, 128]), slots(n)

@@ -13,12 +13,10 @@ import dataclasses
 import math
 import re
 import time
-from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from mesh_transformer import estimate, platforms, targets
 from mesh_transformer.config import Config, ConfigError, parse_size
@@ -26,11 +24,10 @@ from mesh_transformer.infer.choose import Sampling, fill_sampling
 from mesh_transformer.infer.decode import (KVCache, Steps, block_shape, block_sizes, cache_dtype, default_block,
                                            new_slots)
 from mesh_transformer.infer.programs import Programs
-from mesh_transformer.infer.params import join_layer, make_inference_layout
+from mesh_transformer.infer.params import abstract_params, make_inference_layout
 from mesh_transformer.infer.score import MAX_TOP, Rows, Scorer
-from mesh_transformer.model import gptj, quant, table
 from mesh_transformer.parallel.layout import MODES, SHARD_MAP, Layout, make_layout
-from mesh_transformer.parallel.mesh import DP, MP
+from mesh_transformer.parallel.mesh import DP
 from mesh_transformer.train import optim, state
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -121,20 +118,6 @@ def _inference_layout(train_layout: Layout) -> Layout:
     return make_inference_layout(train_layout.cfg, list(train_layout.mesh.devices.flat))
 
 
-def _abstract_decode_params(layout: Layout) -> dict:
-    """The decode programs' params (fused per layer, in the compute dtype) as sharded ShapeDtypeStructs."""
-    precision = gptj.precision(layout.cfg)
-    shapes = table.param_shapes(layout.cfg, precision.compute)
-    layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes["layers"])
-    fused = jax.eval_shape(partial(join_layer, tp_size=layout.mesh.shape[MP], int8=precision.int8), layer)
-    if precision.int8_head:
-        shapes = {**shapes, "lm_head": jax.eval_shape(partial(quant.quantize_head, xp=jnp), shapes["lm_head"])}
-    shardings = jax.tree.map(partial(NamedSharding, layout.mesh), layout.placed_specs(),
-                             is_leaf=lambda x: isinstance(x, P))
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        {**shapes, "layers": [fused] * layout.cfg.layers}, shardings)
-
-
 def _abstract_slots(programs: Programs, n_slots: int, sizes: list[int]) -> tuple:
     """(cache, `decode.Slots`, Steps) of n_slots slots whose cache blocks have these lengths, abstract."""
     cfg = programs.layout.cfg
@@ -165,7 +148,7 @@ def _measure_inference(train_layout: Layout, n_slots: int, common: dict) -> list
     scored). The engine's decode is compiled at two slot counts too, which gives the slots that fit."""
     cfg, layout = train_layout.cfg, _inference_layout(train_layout)
     programs, dp, policy = Programs(layout), layout.mesh.shape[DP], layout.policy
-    params = _abstract_decode_params(layout)
+    params = abstract_params(layout)
     n_slots = -(-n_slots // dp) * dp
     serve_blocks = block_sizes(cfg.seq, default_block(cfg.seq))
     base = {**common, "decode_mesh": dict(layout.mesh.shape), "params_bytes": shard_bytes(params),

@@ -199,6 +199,7 @@ def host_memory_returned(threshold: int = 1 << 20) -> Iterator[None]:
         yield
         return
     libc = ctypes.CDLL(None)
+    libc.malloc_trim(0)  # what was freed before (a compile's working memory) goes back first
     libc.mallopt(M_MMAP_THRESHOLD, threshold)
     libc.mallopt(M_MMAP_MAX, 1 << 20)
     try:

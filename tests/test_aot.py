@@ -11,6 +11,7 @@ import pytest
 from mesh_transformer import aot, config
 from mesh_transformer.config import ConfigError
 from mesh_transformer.infer.decode import block_sizes, default_block
+from mesh_transformer.infer.params import abstract_params
 from mesh_transformer.infer.programs import Programs
 
 CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "remat=false", "warmup_steps=0"])
@@ -76,7 +77,7 @@ def test_a_prompts_rest_after_a_cached_prefix_updates_the_cache_in_place():
     programs = Programs(layout)
     cache, last, _ = aot._abstract_slots(programs, 8, block_sizes(CFG.seq, default_block(CFG.seq)))
     ids, rows = jax.ShapeDtypeStruct((1, 16), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)
-    hlo = programs.jitted["extend"].lower(aot._abstract_decode_params(layout), cache, last, ids, rows, rows, rows,
+    hlo = programs.jitted["extend"].lower(abstract_params(layout), cache, last, ids, rows, rows, rows,
                                           rows, aot._abstract_sampling(programs.row_sharding, 1, bias=True)).compile()
     block = ",".join(map(str, cache.k[0][0].shape))
     assert not re.findall(rf"= \w+\[{block}\]\S* copy\(", hlo.as_text())

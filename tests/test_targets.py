@@ -13,6 +13,7 @@ import pytest
 from mesh_transformer import aot, config, estimate, platforms, targets
 from mesh_transformer.config import ConfigError
 from mesh_transformer.infer.decode import block_sizes, default_block
+from mesh_transformer.infer.params import abstract_params
 from mesh_transformer.infer.programs import Programs
 from mesh_transformer.train import optim, state
 
@@ -65,7 +66,7 @@ def _programs(cfg, devices):
     layout = aot._inference_layout(train["layout"])
     programs = Programs(layout)
     cache, last, steps = aot._abstract_slots(programs, 8, block_sizes(cfg.seq, default_block(cfg.seq)))
-    decode = programs.jitted["decode"].lower(aot._abstract_decode_params(layout), cache, last, steps, rows=4,
+    decode = programs.jitted["decode"].lower(abstract_params(layout), cache, last, steps, rows=4,
                                              n_blocks=1)
     return train, train["train"].lower(train["state"], train["tokens"], train["frozen"]), decode
 
@@ -157,7 +158,7 @@ def test_the_sampler_loop_keeps_the_tpu_cache_where_it_lies():
         cache, last, steps = aot._abstract_slots(programs, 8, [cfg.seq])
         live = jax.ShapeDtypeStruct((8,), jnp.bool_, sharding=programs.row_sharding)
         ints = [jax.ShapeDtypeStruct((4,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32)]
-        compiled = programs.jitted["generate"].lower(aot._abstract_decode_params(layout), cache, last, steps, live,
+        compiled = programs.jitted["generate"].lower(abstract_params(layout), cache, last, steps, live,
                                                      *ints, rows=8, n_blocks=1, out_len=cfg.seq).compile()
         copies.append(len(re.findall(r"copy\(%cache", compiled.as_text())))
     assert copies[0] == 0 and copies[1] > 0

@@ -21,3 +21,15 @@ def test_unknown_name_is_a_clear_error_and_downloads_nothing(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="neither 'gpt2', a local directory"):
         load_tokenizer("no-such-org/no-such-tokenizer")
+
+
+def test_gpt2_s_tokenizer_does_not_import_torch():
+    """transformers' AutoTokenizer imports torch where it is installed (0.2 GB resident in every sampling and serving
+    process); GPT-2's tokenizer needs none of it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from mesh_transformer.tokenizer import load_tokenizer; load_tokenizer('gpt2'); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -43,14 +43,27 @@ def inference_config(args: argparse.Namespace) -> tuple[config.Config, str]:
     raise config.ConfigError(f"{source} carries no config (no config.json beside or above it): give --config")
 
 
-def load_for_inference(args: argparse.Namespace) -> tuple[Layout, PreTrainedTokenizerBase, dict]:
-    """(layout, tokenizer, params) for the sampling and serving tools, the params read straight into the decode
-    programs' form on a mesh fitted to the devices."""
+def open_for_inference(args: argparse.Namespace) -> tuple[Layout, PreTrainedTokenizerBase, str]:
+    """(layout, tokenizer, checkpoint path) for the sampling and serving tools: all but the weights, which
+    `read_for_inference` reads (a tool may compile in between, while the host holds no weights)."""
     cfg, source = inference_config(args)
     layout = make_inference_layout(cfg, mp=args.mp)
     try:
         tokenizer = load_tokenizer(cfg.tokenizer)
     except ValueError as e:
         raise config.ConfigError(str(e)) from None
+    return layout, tokenizer, source
+
+
+def read_for_inference(layout: Layout, source: str, args: argparse.Namespace) -> dict:
+    """The params of `source` read straight into the decode programs' form on the layout's mesh (`read_params`),
+    with the --lora adapters merged, host memory returned as each layer is placed."""
     with host_memory_returned():
-        return layout, tokenizer, read_params(layout, source, lora=args.lora)
+        return read_params(layout, source, lora=args.lora)
+
+
+def load_for_inference(args: argparse.Namespace) -> tuple[Layout, PreTrainedTokenizerBase, dict]:
+    """(layout, tokenizer, params) for the sampling and serving tools, the params read straight into the decode
+    programs' form on a mesh fitted to the devices."""
+    layout, tokenizer, source = open_for_inference(args)
+    return layout, tokenizer, read_for_inference(layout, source, args)

@@ -12,7 +12,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from mesh_transformer.infer.choose import Logprobs
@@ -120,6 +119,11 @@ class Programs:
         """An empty cache of n_slots slots in blocks of these lengths, made in its shards."""
         return KVCache(*self._zeros(n_slots, tuple(sizes)))
 
+    def abstract_cache(self, n_slots: int, sizes: list[int]) -> KVCache:
+        """`new_cache`'s result as ShapeDtypeStructs in its shards (for compiling; nothing is allocated)."""
+        return KVCache(*jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.cache_sharding),
+                                     jax.eval_shape(partial(self._zero_cache, n_slots, tuple(sizes)))))
+
     def _zero_cache(self, n_slots: int, sizes: tuple[int, ...]):
         cfg = self.layout.cfg
         dtype = cache_dtype(cfg, self.layout.policy)
@@ -181,5 +185,5 @@ def _signature(name: str, args: tuple, static: dict) -> tuple:
     """What picks a program's executable: its name, static values, the cache's block shapes (the params' shapes are
     the layout's) and the shapes and dtypes of the other arguments."""
     cache = args[1]
-    rest = tuple((np.shape(x), np.dtype(x.dtype)) for x in jax.tree.leaves(args[2:]))
+    rest = tuple((x.shape, x.dtype) for x in jax.tree.leaves(args[2:]))  # arrays and numpy scalars
     return name, tuple(sorted(static.items())), tuple(b.shape for b in cache.k[0]), rest

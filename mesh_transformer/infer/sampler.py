@@ -21,7 +21,7 @@ from mesh_transformer.infer.choose import fill_sampling
 from mesh_transformer.infer.decode import Steps
 from mesh_transformer.infer.programs import Programs
 from mesh_transformer.infer.sizes import bucket, prompt_problem
-from mesh_transformer.infer.params import place_params
+from mesh_transformer.infer.params import abstract_params, place_params
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import DP
 from mesh_transformer.tokenizer import EOS_ID
@@ -82,6 +82,59 @@ class _RowSampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """A generate call's programs' arguments but the params, the cache and the slots: slots per dp group, the
+    cache's block length, prefill's (ids, lengths, slot, sampling), generate's (steps, live, stop ids, steps to
+    take) and its static arguments."""
+    n_local: int
+    n_slots: int
+    cache_sizes: list[int]
+    prefill: tuple
+    generate: tuple
+    static: dict
+
+
+def _plan(programs: Programs, prompts: list[list[int]], rows: list[_RowSampling], max_new_tokens: int,
+          stop_token_ids: set[int]) -> _Plan:
+    cfg, dp = programs.layout.cfg, programs.layout.mesh.shape[DP]
+    seq = cfg.seq
+    n_local = bucket(-(-len(prompts) // dp), minimum=1)
+    n_slots = n_local * dp
+    width = bucket(max(map(len, prompts)), maximum=seq)
+    ids_NxT, length_N = np.zeros((n_slots, width), np.int32), np.ones(n_slots, np.int32)
+    slot_N = np.full(n_slots, -1, np.int32)  # padding rows: written nowhere
+    for row, prompt in enumerate(prompts):
+        ids_NxT[row, :len(prompt)], length_N[row], slot_N[row] = prompt, len(prompt), row % n_local
+    sampling = jax.device_put(fill_sampling(n_slots, enumerate(rows)), programs.row_sharding)
+    steps = jax.device_put(Steps(length_N, np.ones(n_slots, np.int32), sampling), programs.row_sharding)
+    stops = sorted(t for t in stop_token_ids if 0 <= t < cfg.n_vocab)  # others are never drawn
+    stop_S = np.full(bucket(len(stops), minimum=4), -1, np.int32)  # -1: no token
+    stop_S[:len(stops)] = stops
+    live_N = jax.device_put(np.arange(n_slots) < len(prompts), programs.row_sharding)
+    return _Plan(n_local, n_slots, [min(width + bucket(max_new_tokens, maximum=seq), seq)],
+                 (ids_NxT, length_N, slot_N, sampling), (steps, live_N, stop_S, np.int32(max_new_tokens - 1)),
+                 {"rows": n_local, "n_blocks": 1, "out_len": bucket(max_new_tokens, maximum=seq)})
+
+
+def compile_ahead(programs: Programs, n_prompts: int, longest: int, max_new_tokens: int,
+                  stop_token_ids: Sequence[int] = (EOS_ID,)) -> None:
+    """Compile the programs a `Sampler.generate` of n_prompts prompts (the longest `longest` tokens) runs, from
+    shapes alone, before any weights exist: a tool that knows its prompt compiles first, so the compiler's working
+    memory (GPT-J-6B on the CPU: 0.45 GB for the prefill and the decode loop) comes and goes before the weights
+    arrive instead of on top of them. Prompts the sampler would refuse are left to it."""
+    seq = programs.layout.cfg.seq
+    if not 1 <= longest <= seq - max_new_tokens or n_prompts < 1 or max_new_tokens < 1:
+        return
+    plan = _plan(programs, [[0] * longest] * n_prompts, [_RowSampling(0.0, 0, 1.0, 0, False)] * n_prompts,
+                 max_new_tokens, set(stop_token_ids))
+    params, cache = abstract_params(programs.layout), programs.abstract_cache(plan.n_slots, plan.cache_sizes)
+    slots = programs.new_slots(plan.n_slots)
+    programs.compile("prefill", (params, cache, slots, *plan.prefill), {"top": 0})
+    if max_new_tokens > 1:
+        programs.compile("generate", (params, cache, slots, *plan.generate), plan.static)
 
 
 class Sampler:
@@ -147,29 +200,15 @@ class Sampler:
                 stop_token_ids: set[int]) -> tuple[np.ndarray, np.ndarray]:
         """Prefill the prompts into slots, then decode until every row has stopped or has max_new_tokens tokens;
         returns tokens and log-probs [slots, at least max_new_tokens] (after a row's stop token, anything)."""
-        programs, seq = self.programs, self.cfg.seq
-        n_local = bucket(-(-len(prompts) // self.dp), minimum=1)
-        n_slots = n_local * self.dp
-        width = bucket(max(map(len, prompts)), maximum=seq)
-        ids_NxT, length_N = np.zeros((n_slots, width), np.int32), np.ones(n_slots, np.int32)
-        slot_N = np.full(n_slots, -1, np.int32)  # padding rows: written nowhere
-        for row, prompt in enumerate(prompts):
-            ids_NxT[row, :len(prompt)], length_N[row], slot_N[row] = prompt, len(prompt), row % n_local
-        sampling = jax.device_put(fill_sampling(n_slots, enumerate(rows)), programs.row_sharding)
-        cache = programs.new_cache(n_slots, [min(width + bucket(max_new_tokens, maximum=seq), seq)])
-        token, logprob, last, cache = programs.prefill(self.params, cache, programs.new_slots(n_slots), ids_NxT,
-                                                       length_N, slot_N, sampling)
+        programs = self.programs
+        plan = _plan(programs, prompts, rows, max_new_tokens, stop_token_ids)
+        cache = programs.new_cache(plan.n_slots, plan.cache_sizes)
+        token, logprob, last, cache = programs.prefill(self.params, cache, programs.new_slots(plan.n_slots),
+                                                       *plan.prefill)
         logprob = logprob.chosen
         if max_new_tokens == 1:
             return np.asarray(token)[:, None], np.asarray(logprob)[:, None]
-        steps = jax.device_put(Steps(length_N, np.ones(n_slots, np.int32), sampling), programs.row_sharding)
-        stops = sorted(t for t in stop_token_ids if 0 <= t < self.cfg.n_vocab)  # others are never drawn
-        stop_S = np.full(bucket(len(stops), minimum=4), -1, np.int32)  # -1: no token
-        stop_S[:len(stops)] = stops
-        live_N = jax.device_put(np.arange(n_slots) < len(prompts), programs.row_sharding)
-        tokens_NxS, logprobs_NxS, _ = programs.generate(self.params, cache, last, steps, live_N, stop_S,
-                                                        np.int32(max_new_tokens - 1), rows=n_local, n_blocks=1,
-                                                        out_len=bucket(max_new_tokens, maximum=seq))
+        tokens_NxS, logprobs_NxS, _ = programs.generate(self.params, cache, last, *plan.generate, **plan.static)
         return (np.concatenate([np.asarray(token)[:, None], np.asarray(tokens_NxS)], 1),
                 np.concatenate([np.asarray(logprob)[:, None], np.asarray(logprobs_NxS)], 1))
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -202,15 +202,17 @@ def fuse_layer(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None) ->
                                              **fuse_outputs(layer, tp_size, xp, scales)}}
 
 
-def fuse_inputs(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None) -> dict:
-    """`fuse_layer`'s "in", "in_bias" (and "in_scale"), from q, k, v and fc_in alone."""
+def fuse_inputs(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None, empty: Any = None) -> dict:
+    """`fuse_layer`'s "in", "in_bias" (and "in_scale"), from q, k, v and fc_in alone; with `empty` (numpy only),
+    "in" is written into the array `empty(shape, dtype)` gives."""
     attn, fc_in = layer["attn"], layer["mlp"]["fc_in"]
     d = attn["q"].shape[0]
 
     def rows(w):  # [D, C] -> [tp, C/tp, D]: each device's output columns, as rows
         return w.reshape(d, tp_size, -1).transpose(1, 2, 0)
 
-    fused = {"in": xp.concatenate([rows(attn["q"]), rows(attn["k"]), rows(attn["v"]), rows(fc_in["kernel"])], 1),
+    fused = {"in": _concatenate([rows(attn["q"]), rows(attn["k"]), rows(attn["v"]), rows(fc_in["kernel"])], 1, xp,
+                                empty),
              "in_bias": xp.concatenate([xp.zeros((tp_size, 3 * d // tp_size), fc_in["bias"].dtype),
                                         fc_in["bias"].reshape(tp_size, -1)], -1)}
     if scales is not None:
@@ -218,16 +220,26 @@ def fuse_inputs(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None) -
     return fused
 
 
-def fuse_outputs(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None) -> dict:
+def _concatenate(parts: list, axis: int, xp: Any, empty: Any) -> Any:
+    """xp.concatenate, written into `empty(shape, dtype)` where given."""
+    if empty is None:
+        return xp.concatenate(parts, axis)
+    shape = (*parts[0].shape[:axis], sum(p.shape[axis] for p in parts), *parts[0].shape[axis + 1:])
+    return xp.concatenate(parts, axis, out=empty(shape, parts[0].dtype))
+
+
+def fuse_outputs(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None, empty: Any = None) -> dict:
     """`fuse_layer`'s "out", "out_bias" (and "out_scale"), from attn out and fc_out alone; "out" is written in its
-    final order at once (each part's columns transposed as they are joined), so numpy makes one copy of it."""
+    final order at once (each part's columns transposed as they are joined), so numpy makes one copy of it (into
+    `empty(shape, dtype)` where given)."""
     attn_out, fc_out = layer["attn"]["out"], layer["mlp"]["fc_out"]
     d = attn_out.shape[-1]
 
     def columns(w):  # [C, D] -> [tp, D, C/tp]: each device's input rows, as columns
         return w.reshape(tp_size, -1, d).transpose(0, 2, 1)
 
-    fused = {"out": xp.concatenate([columns(attn_out), columns(fc_out["kernel"])], -1), "out_bias": fc_out["bias"]}
+    fused = {"out": _concatenate([columns(attn_out), columns(fc_out["kernel"])], 2, xp, empty),
+             "out_bias": fc_out["bias"]}
     if scales is not None:
         fused["out_scale"] = xp.broadcast_to(scales["out"], (tp_size, d))
     return fused

@@ -72,6 +72,11 @@ class Completion:
     sent_tokens: int = 0
     dispatched: int = 0
     finished: bool = False
+    # The text decoded so far, incrementally (`text`): that of tokens[:read]; tokens[prefix:read] decode to `head`.
+    _text: str = ""
+    _head: str = ""
+    _prefix: int = 0
+    _read: int = 0
 
     @property
     def position(self) -> int:
@@ -99,7 +104,7 @@ class Completion:
             self.alternatives.append(alternatives)
         events = []
         if request.stop or request.stream:
-            text = tokenizer.decode(self.tokens)
+            text = self.text(tokenizer)
             cut_text, cut = cut_at_stop(text, request.stop)
             if cut:
                 return [self._finish("stop", tokenizer, cut_text)]
@@ -110,6 +115,22 @@ class Completion:
         if len(self.tokens) >= request.max_tokens:
             events.append(self._finish("length", tokenizer))
         return events
+
+    def text(self, tokenizer: Any) -> str:
+        """The text of the tokens so far, ending in '\ufffd' while a character's bytes are incomplete. Decoded
+        incrementally, as streaming detokenizers do: each call decodes only the tokens after the last complete
+        character and the few before them (whose text is subtracted, so a tokenizer that drops a leading space
+        decodes the same), not the whole completion at every token."""
+        head, whole = self._head, tokenizer.decode(self.tokens[self._prefix:])
+        new = whole[len(head):] if whole.startswith(head) else None
+        if new is None:  # a tokenizer whose text of a piece is not a prefix of more: decoded whole
+            return tokenizer.decode(self.tokens)
+        if new and not new.endswith("\ufffd"):
+            self._text += new
+            self._prefix, self._read = self._read, len(self.tokens)
+            self._head = tokenizer.decode(self.tokens[self._prefix:self._read])
+            return self._text
+        return self._text + new
 
     def _finish(self, reason: str, tokenizer: Any, cut_text: str | None = None) -> Event:
         """The last event: what was not sent yet; after a stop string, only the tokens wholly before it."""

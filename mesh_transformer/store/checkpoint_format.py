@@ -209,6 +209,25 @@ def _sha256_file(path: str) -> str:
     return digest.hexdigest()
 
 
+def _read_into(region: np.ndarray, target: np.ndarray, leaf: str) -> bool:
+    """Copy a mapped piece's region into `target` by reading its file, where the region is one run of bytes (a
+    layer of a stacked leaf, a whole piece) and `target` one run too, in the same dtype; False where not. Copying
+    through the mapping would page the region into this process as well, beside the copy (GPT-J-6B: a 134 MB fc_in
+    layer twice)."""
+    if (not isinstance(region, np.memmap) or region.dtype != target.dtype
+            or not (region.flags.c_contiguous and target.flags.c_contiguous)):
+        return False
+    base = region
+    while isinstance(base.base, np.memmap):
+        base = base.base  # the array np.load mapped: its offset is the file's
+    start = base.offset + region.ctypes.data - base.ctypes.data  # addresses only: no page is touched
+    with open(base.filename, "rb") as f:
+        f.seek(start)
+        if f.readinto(target.reshape(-1).view(np.uint8)) != target.nbytes:
+            raise CorruptCheckpointError(f"checkpoint piece {base.filename} of leaf '{leaf}' ends early")
+    return True
+
+
 class PieceReader:
     """Reads slices of leaves from the pieces of one step directory, checking each file's sha256 on first read."""
 
@@ -235,8 +254,10 @@ class PieceReader:
             if any(low >= high for low, high in zip(lo, hi)):
                 continue
             source = self._load(piece, leaf, entry["dtype"])
-            out[tuple(slice(low - a, high - a) for low, high, a in zip(lo, hi, start))] = source[
-                tuple(slice(low - p, high - p) for low, high, p in zip(lo, hi, piece["start"]))]
+            target = out[tuple(slice(low - a, high - a) for low, high, a in zip(lo, hi, start)) or ...]  # a view
+            region = source[tuple(slice(low - p, high - p) for low, high, p in zip(lo, hi, piece["start"]))]
+            if not _read_into(region, target, leaf):
+                target[...] = region
             covered += math.prod(high - low for low, high in zip(lo, hi))
         if covered != out.size:
             raise CorruptCheckpointError(f"checkpoint pieces of leaf '{leaf}' cover {covered} of the {out.size} "

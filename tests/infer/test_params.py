@@ -57,6 +57,15 @@ def test_read_params_holds_one_copy_of_the_fused_model(saved):
     assert infer_params.is_placed(placed) and placed["layers"][0]["fused"]["in"].dtype == np.float32
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.int8, "bfloat16"])
+def test_an_aligned_host_array_is_placed_on_the_cpu_without_a_copy(dtype):
+    host = infer_params.aligned_empty((3, 40, 24), jax.numpy.dtype(dtype))
+    host[...] = 7
+    placed = jax.device_put(host, jax.devices()[0])
+    assert host.ctypes.data % 64 == 0 and placed.unsafe_buffer_pointer() == host.ctypes.data
+    np.testing.assert_array_equal(np.asarray(placed), host)
+
+
 def test_a_checkpoint_trained_at_mp4_samples_the_same_on_1_and_on_8_devices(saved):
     root, params = saved
     expected = Sampler(infer_params.make_inference_layout(CFG, jax.devices()[:1]), params).generate(

@@ -238,6 +238,19 @@ def test_new_lengths_inside_the_buckets_do_not_compile_again(sampler, greedy):
     assert sampler.compile_count == compiled
 
 
+@pytest.mark.parametrize("dp, mp, max_new", [(1, 1, 10), (2, 4, 10), (2, 4, 1)])
+def test_compiled_ahead_from_shapes_the_sampler_compiles_nothing_more(params, sampler, greedy, dp, mp, max_new):
+    programs = infer_programs.Programs(make_inference_layout(CFG, mesh=make_dp_mp(dp, mp)))
+    sampling.compile_ahead(programs, len(PROMPTS), max(map(len, PROMPTS)), max_new)  # before any weights exist
+    assert programs.traces == (2 if max_new > 1 else 1)
+    ahead = sampling.Sampler(programs.layout, params, programs)
+    results = ahead.generate(PROMPTS, max_new, temperature=0.0, return_logprobs=True)
+    assert programs.traces == (2 if max_new > 1 else 1)
+    for ours, ref in zip(results, greedy):
+        assert ours.tokens == ref.tokens[:max_new]
+        np.testing.assert_allclose(ours.logprobs, ref.logprobs[:max_new], atol=1e-5)
+
+
 def test_without_logprobs_the_tokens_are_the_same(sampler, greedy):
     plain = sampler.generate(PROMPTS, 10, temperature=0.0)  # a program that skips the log-softmax
     assert [r.tokens for r in plain] == [r.tokens for r in greedy] and all(r.logprobs is None for r in plain)

@@ -55,3 +55,28 @@ def test_without_logprobs_events_carry_none_and_cancelled_requests_take_no_token
     c = completion()
     c.request.cancelled.set()
     assert feed(c, [1]) == [] and not c.needs_step
+
+
+class Pieces:
+    """A SentencePiece-like tokenizer: token i is " " + the i-th letter, and a text's leading space is dropped."""
+
+    def decode(self, tokens):
+        return "".join(" " + chr(ord("a") + t) for t in tokens).lstrip(" ")
+
+
+def test_the_text_decoded_incrementally_is_the_whole_decode_at_every_token():
+    import numpy as np
+
+    from mesh_transformer.tokenizer import load_tokenizer
+
+    gpt2 = load_tokenizer("gpt2")
+    rng = np.random.default_rng(0)
+    # GPT-2's byte tokens (ids 0-255 hold single bytes, many of them parts of UTF-8 characters), words, and text
+    # with multi-byte characters split across tokens.
+    mixed = gpt2.encode("héllo 日本語 🙂 wörld") + [int(t) for t in rng.integers(0, 256, 40)]
+    for tokenizer, tokens in [(gpt2, mixed), (gpt2, [int(t) for t in rng.integers(0, 50256, 60)]),
+                              (Pieces(), [3, 0, 19, 18]), (Letters(), [0, 26, 26, 1, 26])]:
+        c = completion(max_tokens=len(tokens))
+        for i, token in enumerate(tokens):
+            c.tokens.append(token)
+            assert c.text(tokenizer) == tokenizer.decode(tokens[:i + 1])
