@@ -181,7 +181,7 @@ def read_params(layout: Layout, source: str, lora: str | None = None) -> dict:
             part: dict = {}  # one module at a time: the host holds one embedding-sized array at most
             for path, _ in table.param_paths(cfg):
                 if path[0] == key:
-                    table.set_path(part, path, reader.read(path).astype(dtype, copy=False))
+                    table.set_path(part, path, _read_whole(reader, path, dtype))
             if key == "lm_head" and precision.int8_head:
                 part[key] = quant.quantize_head(part[key])
             params[key] = jax.block_until_ready(jax.device_put(part[key], shardings[key]))
@@ -190,6 +190,17 @@ def read_params(layout: Layout, source: str, lora: str | None = None) -> dict:
                                          shardings["layers"][i])
                             for i in tqdm(range(cfg.layers), desc="loading layers", unit="layer", leave=False)]
     return params
+
+
+def _read_whole(reader: Any, path: tuple, dtype: np.dtype) -> np.ndarray:
+    """One param outside the layers in `dtype`: the file's own mapping where our checkpoint holds it in one local
+    piece in that dtype (`PieceReader.mapped`; on the CPU the device buffer is the mapping, so of GPT-J-6B's
+    0.41 GB embedding only the rows looked up become resident), else read into host memory."""
+    mapped = getattr(reader, "read_mapped", None)
+    array = None if mapped is None else mapped(path)
+    if array is not None and array.dtype == dtype and array.flags.c_contiguous and array.ctypes.data % 64 == 0:
+        return array  # (an unaligned one would be copied whole, every page touched)
+    return reader.read(path).astype(dtype, copy=False)
 
 
 def _place_layer(reader: Any, read_int8: Any, stacked: list, i: int, dtype: np.dtype, tp_size: int, int8: bool,

@@ -264,6 +264,17 @@ class PieceReader:
                                          f"elements in [{start}, {stop}); an index file lacks pieces")
         return out
 
+    def mapped(self, leaf: str, entry: dict) -> np.ndarray | None:
+        """A whole leaf held in one local piece, as its read-only mapping (checksum checked): only the pages that
+        are touched become resident, and JAX's CPU client takes it as a device buffer without a copy (an embedding
+        whose lookups read a few rows). None where the leaf is in several pieces or in object storage."""
+        pieces = entry["pieces"]
+        if (len(pieces) != 1 or list(pieces[0]["start"]) != [0] * len(entry["shape"])
+                or list(pieces[0]["stop"]) != list(entry["shape"])):
+            return None
+        array = self._load(pieces[0], leaf, entry["dtype"])
+        return array if isinstance(array, np.memmap) else None
+
     def _load(self, piece: dict, leaf: str, dtype_name: str) -> np.ndarray:
         if piece["file"] not in self._loaded:
             self._loaded[piece["file"]] = self._load_verified(piece, leaf, dtype_name)

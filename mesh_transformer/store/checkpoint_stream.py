@@ -156,3 +156,9 @@ class LeafReader:
             self._current = path
         full = tuple(index) + (slice(None),) * (len(entry["shape"]) - len(index))
         return self._pieces.read_slice(path, entry, full, jnp.dtype(entry["dtype"]))
+
+    def read_mapped(self, path: str) -> np.ndarray | None:
+        """A whole leaf as its read-only file mapping where one local piece holds it (`PieceReader.mapped`), else
+        None."""
+        entry = self._entry(path)
+        return None if "value" in entry else self._pieces.mapped(path, entry)

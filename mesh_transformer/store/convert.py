@@ -115,6 +115,12 @@ class CheckpointReader:
         held = self.read_int8(path, layer)
         return self.read_leaf("params/" + "/".join(path), layer) if held is None else quant.dequantize(*held)
 
+    def read_mapped(self, path: Path) -> np.ndarray | None:
+        """One whole param as its read-only file mapping, where one local piece holds it as a float; else None."""
+        if self.read_int8(path) is not None:
+            return None
+        return self._leaves.read_mapped("params/" + "/".join(path))
+
     def read_int8(self, path: Path, layer: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
         """(int8 values, f32 scale per output) of a param an int8 checkpoint holds so; None for any other."""
         key = "/".join(path)

@@ -66,6 +66,30 @@ def test_an_aligned_host_array_is_placed_on_the_cpu_without_a_copy(dtype):
     np.testing.assert_array_equal(np.asarray(placed), host)
 
 
+def _mapped_file(address: int) -> str | None:
+    """The file whose mapping in this process holds `address`, if any."""
+    for line in open("/proc/self/maps"):
+        span, *rest = line.split()
+        low, high = (int(x, 16) for x in span.split("-"))
+        if low <= address < high:
+            return rest[4] if len(rest) > 4 else None
+    return None
+
+
+def test_an_embedding_in_one_local_piece_is_placed_on_the_cpu_as_the_files_own_mapping(tmp_path):
+    params = jax.device_get(random_params(CFG, seed=3))
+    root = str(tmp_path / "ckpt")
+    checkpoint.save(root, 1, {"step": np.int32(1), "params": params}, {"config": CFG.to_dict()}, blocking=True)
+    placed = infer_params.read_params(infer_params.make_inference_layout(CFG, jax.devices()[:1]), root)
+    for path in (("embed", "wte"), ("lm_head", "kernel")):
+        x = placed[path[0]][path[1]]
+        file = _mapped_file(x.unsafe_buffer_pointer())
+        assert file is not None and file.startswith(root) and file.endswith(".npy"), (path, file)
+        np.testing.assert_array_equal(np.asarray(x), params[path[0]][path[1]])
+    layer_file = _mapped_file(placed["layers"][0]["fused"]["in"].unsafe_buffer_pointer())
+    assert layer_file is None or not layer_file.startswith(root)  # joined on the host: its own memory
+
+
 def test_a_checkpoint_trained_at_mp4_samples_the_same_on_1_and_on_8_devices(saved):
     root, params = saved
     expected = Sampler(infer_params.make_inference_layout(CFG, jax.devices()[:1]), params).generate(
