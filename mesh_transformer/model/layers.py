@@ -254,9 +254,9 @@ def _copy_part(dst: Any, src: Any) -> None:
 
 @functools.cache
 def _host_transpose() -> Callable | None:
-    """numpy x -> x.T computed by XLA on the first CPU device, or None where JAX has no CPU backend."""
+    """numpy x -> x.T computed by XLA on this process's first CPU device, or None where JAX has no CPU backend."""
     try:
-        cpu = jax.devices("cpu")[0]
+        cpu = jax.local_devices(backend="cpu")[0]
     except RuntimeError:
         return None
     transposed = jax.jit(lambda x: x.T)
