@@ -118,26 +118,37 @@ def _log_time_s(log: str, text: str) -> float | None:
 
 def serve_warm_up(argv: list[str], limit_s: float) -> None:
     """Start the server with --warm-up, time it until it listens (at most limit_s), then stop it; emit the load
-    and compile times, the programs it compiles and its peak resident memory."""
+    and compile times, the programs it compiles, its peak resident memory, and how it ended where it exited by
+    itself (its exit status and last log line)."""
     with tempfile.TemporaryFile("w+") as err:
         start = time.perf_counter()
         child = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, text=True)
-        log, ready_s = "", None
-        while child.poll() is None and ready_s is None and time.perf_counter() - start < limit_s:
+        log, ready_s, ended = "", None, None
+        while ended is None and ready_s is None and time.perf_counter() - start < limit_s:
             time.sleep(1)  # polling a log file for a line; nothing is timed by the sleep itself
+            pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+            ended = (status, usage) if pid else None
             err.seek(0)
             log = err.read()
             if "serving " in log:
                 ready_s = time.perf_counter() - start
-        child.terminate()
-        _, status, usage = os.wait4(child.pid, 0)
+        if ended is None:
+            child.terminate()
+            _, status, usage = os.wait4(child.pid, 0)
+        else:
+            status, usage = ended
+        child.returncode = os.waitstatus_to_exitcode(status)
         programs = [line.split("compiling ", 1)[1] for line in log.splitlines() if "compiling " in line]
         started, compiling, ready = (_log_time_s(log, text) for text in ("inference mesh", "compiling ", "serving "))
-        emit(bench="gptj6b_flow", stage="serve_warm_up", ready_s=round(ready_s, 1) if ready_s else None,
-             not_ready_after_s=None if ready_s else limit_s, programs=programs[0] if programs else None,
+        emit(bench="gptj6b_flow", stage="serve_warm_up", args=" ".join(argv[2:]),
+             ready_s=round(ready_s, 1) if ready_s else None,
+             not_ready_after_s=None if ready_s else round(time.perf_counter() - start, 1),
+             programs=programs[0] if programs else None,
              load_s=compiling - started if started and compiling else None,
              warm_up_s=ready - compiling if ready and compiling else None,
-             peak_rss_gb=round(usage.ru_maxrss * 1024 / 1e9, 2))
+             peak_rss_gb=round(usage.ru_maxrss * 1024 / 1e9, 2),
+             exited_by_itself=None if ended is None else {"rc": child.returncode,
+                                                          "last_line": log.strip().splitlines()[-1][:200]})
 
 
 def main() -> None:
@@ -149,6 +160,8 @@ def main() -> None:
                                                              "a kept run's files are there")
     parser.add_argument("--warm-up-limit-s", type=float, default=900, help="give up on the server's warm-up after "
                                                                             "this long (default 900)")
+    parser.add_argument("--serve-max-batch", type=int, default=4, help="the server's slots (default 4: with 8, the "
+                        "KV cache and the warm-up's 52 programs outgrew a 24 GB host)")
     args = parser.parse_args()
     work = os.path.abspath(args.work)
     original, one, hf_dir = f"{work}/original/step_1", f"{work}/one", f"{work}/hf"
@@ -174,8 +187,8 @@ def main() -> None:
         stage("sample_int8", int8_sample)
         stage("sample_int8_quantize_head", [*int8_sample, "--quantize-head"])
         stage("sample_int8_quantized_while_loading", [*sample[:4], "--dtype", "int8", *sample[6:]])
-        serve_warm_up([py, "device_serve.py", "--ckpt", one, "--dtype", "bf16", "--warm-up", "--port", "0"],
-                      args.warm_up_limit_s)
+        serve_warm_up([py, "device_serve.py", "--ckpt", one, "--dtype", "bf16", "--warm-up", "--port", "0",
+                       "--max-batch", str(args.serve_max_batch)], args.warm_up_limit_s)
         shutil.rmtree(f"{work}/original", ignore_errors=True)
         stage("export_hf", [py, "to_hf_weights.py", "--input-ckpt", one, "--config", config, "--output-path",
                             hf_dir, "--dtype", "bf16"])

@@ -168,7 +168,8 @@ def read_params(layout: Layout, source: str, lora: str | None = None) -> dict:
     only its shard. The device ends up holding one copy of the model; the host, about one layer besides it. LoRA
     adapters (a LoRA run as `source`, or `lora`: a LoRA run or a PEFT directory) are merged into each weight on the
     host before its layer is joined; with int8 weights (the config's weight_dtype), each layer is quantized there
-    too, or read as int8 from an int8 checkpoint (`slim_model.py --dtype int8`), which holds the same numbers."""
+    too, or read as int8 from an int8 checkpoint (`slim_model.py --dtype int8`), which holds the same numbers. The
+    params outside the layers are placed from the file's mapping where they can be (`_read_whole`)."""
     cfg = layout.cfg
     precision = gptj.precision(cfg)
     dtype, int8 = precision.compute, precision.int8
