@@ -11,14 +11,12 @@ P rotary dims (P2 = P / 2), r LoRA rank.
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from functools import partial
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from mesh_transformer.model import order, quant
@@ -204,17 +202,18 @@ def fuse_layer(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None) ->
                                              **fuse_outputs(layer, tp_size, xp, scales)}}
 
 
-def fuse_inputs(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None, empty: Any = None) -> dict:
-    """`fuse_layer`'s "in", "in_bias" (and "in_scale"), from q, k, v and fc_in alone; with `empty` (numpy only),
-    "in" is written into the array `empty(shape, dtype)` gives."""
+def fuse_inputs(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None,
+                concatenate: Callable | None = None) -> dict:
+    """`fuse_layer`'s "in", "in_bias" (and "in_scale"), from q, k, v and fc_in alone; "in" is joined by
+    `concatenate(parts, axis)` where given (a loader's own, `infer.params.join_on_host`), else xp.concatenate."""
     attn, fc_in = layer["attn"], layer["mlp"]["fc_in"]
     d = attn["q"].shape[0]
 
     def rows(w):  # [D, C] -> [tp, C/tp, D]: each device's output columns, as rows
         return w.reshape(d, tp_size, -1).transpose(1, 2, 0)
 
-    fused = {"in": _concatenate([rows(attn["q"]), rows(attn["k"]), rows(attn["v"]), rows(fc_in["kernel"])], 1, xp,
-                                empty),
+    concatenate = concatenate or xp.concatenate
+    fused = {"in": concatenate([rows(attn["q"]), rows(attn["k"]), rows(attn["v"]), rows(fc_in["kernel"])], 1),
              "in_bias": xp.concatenate([xp.zeros((tp_size, 3 * d // tp_size), fc_in["bias"].dtype),
                                         fc_in["bias"].reshape(tp_size, -1)], -1)}
     if scales is not None:
@@ -222,58 +221,18 @@ def fuse_inputs(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None, e
     return fused
 
 
-def _concatenate(parts: list, axis: int, xp: Any, empty: Any) -> Any:
-    """xp.concatenate, written into `empty(shape, dtype)` where given (numpy; `_copy_part` copies each part)."""
-    if empty is None:
-        return xp.concatenate(parts, axis)
-    shape = (*parts[0].shape[:axis], sum(p.shape[axis] for p in parts), *parts[0].shape[axis + 1:])
-    out, start = empty(shape, parts[0].dtype), 0
-    for part in parts:
-        _copy_part(out[(slice(None),) * axis + (slice(start, start + part.shape[axis]),)], part)
-        start += part.shape[axis]
-    return out
-
-
-COPY_CHUNK_BYTES = 16 << 20  # a transposed part is copied this many bytes at a time
-
-
-def _copy_part(dst: Any, src: Any) -> None:
-    """dst[...] = src on the host, where src is one of the transposed views `fuse_inputs` and `fuse_outputs` join:
-    numpy copies those element by element across rows (GPT-J-6B's int8 fc_in: 0.64 s, 0.20 s in cache-sized
-    tiles), while XLA's transpose on the host's CPU device is blocked and vectorized (0.02 s), so each chunk of rows
-    is transposed there and copied in; plain numpy where JAX has no CPU device or src's rows are contiguous."""
-    transpose = _host_transpose()
-    if transpose is None or src.strides[-1] == src.itemsize:
-        dst[...] = src
-        return
-    rows = max(1, COPY_CHUNK_BYTES // (src.shape[-1] * src.itemsize))
-    for lead in np.ndindex(*src.shape[:-2]):
-        for start in range(0, src.shape[-2], rows):
-            dst[lead][start:start + rows] = transpose(src[lead][start:start + rows].T)
-
-
-@functools.cache
-def _host_transpose() -> Callable | None:
-    """numpy x -> x.T computed by XLA on this process's first CPU device, or None where JAX has no CPU backend."""
-    try:
-        cpu = jax.local_devices(backend="cpu")[0]
-    except RuntimeError:
-        return None
-    transposed = jax.jit(lambda x: x.T)
-    return lambda x: np.asarray(transposed(jax.device_put(x, cpu)))
-
-
-def fuse_outputs(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None, empty: Any = None) -> dict:
+def fuse_outputs(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None,
+                 concatenate: Callable | None = None) -> dict:
     """`fuse_layer`'s "out", "out_bias" (and "out_scale"), from attn out and fc_out alone; "out" is written in its
-    final order at once (each part's columns transposed as they are joined), so numpy makes one copy of it (into
-    `empty(shape, dtype)` where given)."""
+    final order at once (each part's columns transposed as they are joined), so numpy makes one copy of it
+    (`concatenate` as in `fuse_inputs`)."""
     attn_out, fc_out = layer["attn"]["out"], layer["mlp"]["fc_out"]
     d = attn_out.shape[-1]
 
     def columns(w):  # [C, D] -> [tp, D, C/tp]: each device's input rows, as columns
         return w.reshape(tp_size, -1, d).transpose(0, 2, 1)
 
-    fused = {"out": _concatenate([columns(attn_out), columns(fc_out["kernel"])], 2, xp, empty),
+    fused = {"out": (concatenate or xp.concatenate)([columns(attn_out), columns(fc_out["kernel"])], 2),
              "out_bias": fc_out["bias"]}
     if scales is not None:
         fused["out_scale"] = xp.broadcast_to(scales["out"], (tp_size, d))

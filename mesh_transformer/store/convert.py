@@ -117,9 +117,8 @@ class CheckpointReader:
 
     def read_mapped(self, path: Path) -> np.ndarray | None:
         """One whole param as its read-only file mapping, where one local piece holds it as a float; else None."""
-        if self.read_int8(path) is not None:
-            return None
-        return self._leaves.read_mapped("params/" + "/".join(path))
+        key = "/".join(path)
+        return None if SCALES + key in self._leaves.leaves else self._leaves.read_mapped("params/" + key)
 
     def read_int8(self, path: Path, layer: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
         """(int8 values, f32 scale per output) of a param an int8 checkpoint holds so; None for any other."""

@@ -2,6 +2,7 @@
 and the sampling CLI finding the config in the checkpoint itself."""
 import dataclasses
 import json
+from functools import partial
 
 import jax
 import numpy as np
@@ -11,6 +12,7 @@ from mesh_transformer import config
 from mesh_transformer.config import ConfigError
 from mesh_transformer.infer import params as infer_params
 from mesh_transformer.infer.sampler import Sampler
+from mesh_transformer.model import layers, table
 from mesh_transformer.store import checkpoint, convert, hf
 from tests.helpers import original_shards, random_params, run_scripts, write_mtj_v1
 
@@ -64,6 +66,33 @@ def test_an_aligned_host_array_is_placed_on_the_cpu_without_a_copy(dtype):
     placed = jax.device_put(host, jax.devices()[0])
     assert host.ctypes.data % 64 == 0 and placed.unsafe_buffer_pointer() == host.ctypes.data
     np.testing.assert_array_equal(np.asarray(placed), host)
+
+
+@pytest.mark.parametrize("host_transpose", [True, False])
+@pytest.mark.parametrize("dtype", [np.float32, jax.numpy.bfloat16, np.int8])
+def test_a_layer_joined_on_the_host_into_given_arrays_equals_the_join_under_jit(dtype, host_transpose, monkeypatch):
+    """`fuse_inputs`/`fuse_outputs` with numpy and `join_on_host` (the loader's way: each transposed part copied in
+    chunks of rows, by XLA's transpose on the CPU device or by numpy) give what jax.numpy's concatenate gives, for
+    every tensor-parallel width."""
+    d = 64
+    monkeypatch.setattr(infer_params, "COPY_CHUNK_BYTES", 5 * d * np.dtype(dtype).itemsize)  # 5 rows: uneven chunks
+    if not host_transpose:
+        monkeypatch.setattr(infer_params, "_host_transpose", lambda: None)
+    keys = iter(jax.random.split(jax.random.PRNGKey(5), 6))
+    shapes = {("attn", "q"): (d, d), ("attn", "k"): (d, d), ("attn", "v"): (d, d), ("attn", "out"): (d, d),
+              ("mlp", "fc_in", "kernel"): (d, 4 * d), ("mlp", "fc_in", "bias"): (4 * d,),
+              ("mlp", "fc_out", "kernel"): (4 * d, d), ("mlp", "fc_out", "bias"): (d,)}
+    p: dict = {}
+    for path, shape in shapes.items():
+        x = np.asarray(jax.random.normal(next(keys) if len(shape) == 2 else jax.random.PRNGKey(7), shape)) * 40
+        table.set_path(p, path, x.astype(dtype))
+    for tp in (1, 2, 4):
+        for fuse in (layers.fuse_inputs, layers.fuse_outputs):
+            host = fuse(p, tp, np, concatenate=infer_params.join_on_host)
+            want = jax.jit(partial(fuse, tp_size=tp, xp=jax.numpy))(p)
+            for name in want:
+                np.testing.assert_array_equal(np.asarray(host[name]), np.asarray(want[name]), err_msg=f"{tp} {name}")
+                assert host[name].dtype == want[name].dtype
 
 
 def _mapped_file(address: int) -> str | None:

@@ -106,25 +106,3 @@ def test_block_is_gptj_s_layer_whichever_way_its_weights_are_applied():
         np.testing.assert_allclose(got, want, atol=1e-4, err_msg=name)
         np.testing.assert_allclose(k, k_want, atol=1e-5, err_msg=name)
 
-
-@pytest.mark.parametrize("host_transpose", [True, False])
-@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.int8])
-def test_a_layer_joined_on_the_host_into_given_arrays_equals_the_join_under_jit(dtype, host_transpose, monkeypatch):
-    """`fuse_inputs`/`fuse_outputs` with numpy and `empty` (the loader's way: each transposed part copied in chunks
-    of rows, by XLA's transpose on the CPU device or by numpy) give what jax.numpy's concatenate gives, for every
-    tensor-parallel width."""
-    from mesh_transformer.infer.params import aligned_empty
-
-    D = H * K
-    monkeypatch.setattr(layers, "COPY_CHUNK_BYTES", 5 * D * np.dtype(dtype).itemsize)  # 5 rows: uneven chunks
-    if not host_transpose:
-        monkeypatch.setattr(layers, "_host_transpose", lambda: None)
-    p = jax.tree.map(lambda x: np.asarray(x * 40 if dtype == np.int8 else x).astype(dtype),
-                     layer_params(jax.random.split(jax.random.PRNGKey(5), 8), D))
-    for tp in (1, 2, 4):
-        for fuse in (layers.fuse_inputs, layers.fuse_outputs):
-            host = fuse(p, tp, np, empty=aligned_empty)
-            want = jax.jit(partial(fuse, tp_size=tp, xp=jnp))(p)
-            for name in want:
-                np.testing.assert_array_equal(np.asarray(host[name]), np.asarray(want[name]), err_msg=f"{tp} {name}")
-                assert host[name].dtype == want[name].dtype
