@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stopped at step {step}; checkpoints and metrics in {cfg.model_path}", flush=True)
         return 0
 
-    return errors.run_main(run)
+    return errors.run_main(run, errors.TRAIN_OUT_OF_MEMORY_HINT)
 
 
 if __name__ == "__main__":

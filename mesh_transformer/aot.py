@@ -1,4 +1,5 @@
-"""Ahead-of-time fit check: compile the train step (full, or LoRA when cfg.lora_rank > 0) and the inference programs
+"""Ahead-of-time fit check: compile the train step (full, or LoRA when cfg.lora_rank > 0), the programs that place its
+params before the first step, and the inference programs
 (serving decode, prefill and prefix-cache extend, the sampler's decode, the scorer) for faked CPU devices or for a
 real accelerator's compile-only devices (`targets`: a TPU slice through libtpu, NVIDIA GPUs through the CUDA
 plugin), report per-device memory and, on an accelerator, the train step's estimated time (`estimate`).
@@ -28,7 +29,8 @@ from mesh_transformer.infer.params import abstract_params, make_inference_layout
 from mesh_transformer.infer.score import MAX_TOP, Rows, Scorer
 from mesh_transformer.parallel.layout import MODES, SHARD_MAP, Layout, make_layout
 from mesh_transformer.parallel.mesh import DP
-from mesh_transformer.train import optim, state
+from mesh_transformer.store import placing
+from mesh_transformer.train import finetune, optim, state
 
 def parse_mesh(text: str) -> dict[str, int]:
     """'data=1,fsdp=8,tensor=1' -> sizes; fsdp and tensor default to 1, data to None (the devices left)."""
@@ -251,6 +253,25 @@ def _train_record(compiled: dict, common: dict, no_loop_hoisting: bool = False,
     return {**record, **_memory(train)}
 
 
+def _loading_record(compiled: dict, common: dict) -> dict:
+    """The programs that place a fine-tune's params or a LoRA base before the first step (each stacked param made
+    and written a layer at a time: `store.placing`; a LoRA base's fingerprint), compiled for the target: the largest
+    one's memory, and any the compiler refused (a TPU core's 128 MiB VMEM, say)."""
+    layout, policy = compiled["layout"], compiled["layout"].policy
+    placed = compiled["frozen"] or compiled["state"]["params"]
+    programs = [_compile(fn, *args, policy=policy)[0]  # blocks of f32 layers: the largest a checkpoint gives
+                for like in jax.tree.leaves(placed) for fn, args in placing.programs(like, jnp.float32)]
+    if compiled["frozen"]:
+        programs.append(_compile(finetune.fingerprint_fn(layout.replicated), placed, policy=policy)[0])
+    memory = [_memory(program) for program in programs]
+    largest = max(memory, key=lambda m: m["total_bytes"])
+    record = {"check": "load_params", **common, "programs": len(programs), **largest}
+    refused = [m["refused"] for m in memory if "refused" in m]
+    if refused:
+        record["refused"] = refused[0]
+    return record
+
+
 def measure(cfg: Config, mode: str, devices: list, sizes: dict | None, n_slots: int = 8,
             no_loop_hoisting: bool = False, target: targets.Target | None = None,
             train_only: bool = False, inference_only: bool = False) -> list[dict]:
@@ -268,6 +289,7 @@ def measure(cfg: Config, mode: str, devices: list, sizes: dict | None, n_slots: 
         first = first or compiled
         if not inference_only:
             records.append(_train_record(compiled, common, no_loop_hoisting, target.chip if target else None))
+            records.append(_loading_record(compiled, common))
     return records if train_only else [*records, *_measure_inference(first["layout"], n_slots, common)]
 
 
@@ -278,8 +300,10 @@ def verdict(records: list[dict], device_memory: int) -> dict:
     by_mode = {r["mode"]: max(r["total_bytes"], inference) for r in records if "train_step" in r["check"]}
     need = max(by_mode.values(), default=inference)
     first = records[0]
+    refused = [r["check"] for r in records if "refused" in r]  # a program the compiler would not make does not fit
     return {"check": "fit", "mode": first.get("mode"), "mesh": first.get("mesh"), "devices": first.get("devices"),
-            "per_device_need_bytes": need, "device_memory_bytes": device_memory, "fits": need <= device_memory,
+            "per_device_need_bytes": need, "device_memory_bytes": device_memory,
+            "fits": need <= device_memory and not refused, "refused": refused,
             "fits_by_mode": {mode: n <= device_memory for mode, n in by_mode.items()}}
 
 
@@ -312,6 +336,8 @@ def human_line(records: list[dict]) -> str:
     if decode := next((r for r in records if r["check"] == "serve_decode_step"), None):
         lines.append(f"serving decode step {_size(decode['total_bytes'])} for {decode['slots']} slots (params "
                      f"{_size(decode['params_bytes'])}, KV cache {_size(decode['kv_cache_bytes'])})")
+    lines += [f"{r['check']}: the compiler refused it: {r['refused']}" for r in records
+              if "refused" in r and "train_step" not in r["check"]]
     largest = max(records[:-1], key=lambda r: r["total_bytes"])
     first = records[0]
     lines.append(f"on {first['target']} ({first['compiler']}): {'fits' if fit['fits'] else 'does NOT fit'} in "

@@ -192,12 +192,13 @@ def _parse_override(item: str) -> tuple[str, Any]:
     except json.JSONDecodeError:
         value = text  # a bare word such as model_dir=runs/a is a string
     if key in _FIELDS and _FIELDS[key].type in ("str", "str | None") and not isinstance(value, str):
-        value = text  # name=123 stays the string "123"
+        # name=123 stays the string "123"; bucket=null unsets an optional key
+        value = None if value is None and _FIELDS[key].type == "str | None" else text
     return key, value
 
 
 def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
-    """`key=value` overrides (value parsed as JSON, else a string) as a dict."""
+    """`key=value` overrides (value parsed as JSON, else a string; `null` unsets an optional key) as a dict."""
     return dict(_parse_override(item) for item in overrides)
 
 
@@ -228,6 +229,16 @@ def check_devices(cfg: Config, n_devices: int) -> None:
         raise ConfigError(f"config key 'cores_per_replica' ({cfg.cores_per_replica}) must divide the device count "
                           f"({n_devices}); --set cores_per_replica={model_parallel_widths(cfg, n_devices)[-1]} is the "
                           f"widest that fits these devices")
+
+
+def fit_devices(cfg: Config, n_devices: int) -> Config:
+    """The config with its model-parallel width fitted to the devices present, as inference fits it: the config's
+    cores_per_replica where it divides the device count, n_heads and n_vocab, else the widest width that does (the
+    demo's 4 on one chip: 1). The GSPMD kinds' mesh_fsdp x mesh_tensor must divide the device count as given."""
+    if cfg.parallelism != "shard_map" or cfg.cores_per_replica in model_parallel_widths(cfg, n_devices):
+        check_devices(cfg, n_devices)
+        return cfg
+    return dataclasses.replace(cfg, cores_per_replica=model_parallel_widths(cfg, n_devices)[-1])
 
 
 def model_parallel_widths(cfg: Config, n_devices: int) -> list[int]:

@@ -20,9 +20,13 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 OUT_OF_MEMORY_HINT = ("the model does not fit: try --dtype bf16, a larger --mp (more devices per model copy), fewer "
                       "slots (--max-batch) or a shorter context (--set seq=N)")
+TRAIN_OUT_OF_MEMORY_HINT = ("the training step does not fit: try a smaller per_replica_batch with more "
+                            "gradient_accumulation_steps, remat true, a larger cores_per_replica (or mesh_fsdp), and "
+                            "for LoRA base_dtype bfloat16 (--set key=value); aot_check.py --topology checks a config "
+                            "without the device")
 
 
-def out_of_memory_message(e: BaseException) -> str | None:
+def out_of_memory_message(e: BaseException, hint: str = OUT_OF_MEMORY_HINT) -> str | None:
     """A one-line account of a device out-of-memory error (how much was asked, what to change), else None."""
     import jax
 
@@ -30,18 +34,19 @@ def out_of_memory_message(e: BaseException) -> str | None:
     if not isinstance(e, jax.errors.JaxRuntimeError) or "RESOURCE_EXHAUSTED" not in text:
         return None
     first = next((line.strip() for line in text.splitlines() if "RESOURCE_EXHAUSTED" in line), text.splitlines()[0])
-    return f"out of device memory ({first.partition('RESOURCE_EXHAUSTED:')[2].strip() or first}); {OUT_OF_MEMORY_HINT}"
+    return f"out of device memory ({first.partition('RESOURCE_EXHAUSTED:')[2].strip() or first}); {hint}"
 
 
-def run_main(fn: Callable[[], int]) -> int:
-    """Run a CLI body; user errors and device out-of-memory print one line on stderr and give exit status 2."""
+def run_main(fn: Callable[[], int], out_of_memory_hint: str = OUT_OF_MEMORY_HINT) -> int:
+    """Run a CLI body; user errors and device out-of-memory print one line on stderr and give exit status 2; the
+    latter names what to change (`out_of_memory_hint`: the inference tools' flags unless given)."""
     try:
         return fn()
     except user_errors() as e:
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr, flush=True)
         return 2
     except Exception as e:
-        message = out_of_memory_message(e)
+        message = out_of_memory_message(e, out_of_memory_hint)
         if message is None:
             raise
         print(f"error: {message}", file=sys.stderr, flush=True)

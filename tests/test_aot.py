@@ -21,7 +21,8 @@ def test_aot_check_reports_memory_and_whether_it_fits():
     # Inference on the same devices at the width the sampling and serving tools choose (cores_per_replica), not
     # the training mesh's tensor width.
     records = aot.run(dataclasses.replace(CFG, cores_per_replica=4), "fsdp_tp", "fsdp=4,tensor=2", 8, "1KiB")
-    train, decode, prefill, extend, sample, scorer, fit = json.loads(json.dumps(records))  # what the CLI prints
+    train, load, decode, prefill, extend, sample, scorer, fit = json.loads(json.dumps(records))  # what the CLI prints
+    assert load["check"] == "load_params" and load["programs"] > 0 and "refused" not in load
     assert [r["check"] for r in (decode, prefill, extend, sample, scorer)] == [
         "serve_decode_step", "serve_prefill", "serve_extend", "sample_decode_step", "scorer"]
     assert extend["prompt_tokens"] == CFG.seq // 2 and extend["total_bytes"] >= extend["kv_cache_bytes"]
@@ -57,7 +58,7 @@ def test_bf16_inference_programs_hold_one_layer_in_f32_at_a_time_not_the_model()
                             "seq": 64, "cores_per_replica": 1, "per_replica_batch": 1,
                             "compute_dtype": "bfloat16"})
     records = aot.measure(cfg, "shard_map", aot.start_devices(1), {})
-    for record in records[1:5]:  # the decode stack's programs (the scorer does not order its converts)
+    for record in records[2:6]:  # the decode stack's programs (the scorer does not order its converts)
         assert record["temp_bytes"] < 0.7 * record["params_bytes"], record  # untied: 2.8x
 
 

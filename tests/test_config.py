@@ -41,6 +41,12 @@ def test_overrides_are_parsed_and_checked(tmp_path):
     assert cfg.lr == 3e-4 and cfg.model_dir == "runs/a" and cfg.remat is False and cfg.name == "123"
     with pytest.raises(ConfigError, match="'layers' must be an integer"):
         config.load(path, ["layers=many"])
+    # null unsets an optional key (a recipe's bucket: checkpoints written locally); a required one refuses it
+    bucketed = write(tmp_path, {"bucket": "your-bucket", "model_dir": "runs/b"})
+    assert config.load(bucketed).model_path == "gs://your-bucket/runs/b"
+    unset = config.load(bucketed, ["bucket=null"])
+    assert unset.bucket is None and unset.model_path == "runs/b"
+    assert config.load(path, ["name=null"]).name == "null"
     with pytest.raises(ConfigError, match="key=value"):
         config.load(path, ["layers"])
 

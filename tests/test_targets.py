@@ -100,9 +100,9 @@ def test_fit_check_compiles_every_program_for_a_target(topology):
     cfg = dataclasses.replace(CFG, cores_per_replica=1 if topology == "h100-1" else 4)
     target = targets.target(topology)
     records = aot.run(cfg, None, "", 0, None, topology=topology)
-    train, serve, prefill, extend, sample, scorer, fit = records
-    assert [r["check"] for r in records] == ["train_step", "serve_decode_step", "serve_prefill", "serve_extend",
-                                             "sample_decode_step", "scorer", "fit"]
+    train, load, serve, prefill, extend, sample, scorer, fit = records
+    assert [r["check"] for r in records] == ["train_step", "load_params", "serve_decode_step", "serve_prefill",
+                                             "serve_extend", "sample_decode_step", "scorer", "fit"]
     assert all(r["compiler"] == target.compiler and r["target"] == topology for r in records[:-1])
     assert fit["device_memory_bytes"] == target.chip.memory_bytes and fit["fits"]
     # Memory from the target's compiler, against the shard sizes: f32 params split over mp, Adam's two moments.
@@ -199,6 +199,21 @@ def test_the_estimate_reads_one_layer_of_stacked_weights_per_trip(v3_8):
         return estimate.step_estimate(compiled, chip.peak_flops, chip.bandwidth, 1, 1.0)["estimated_step_s"]
 
     assert seconds(16) / seconds(4) == pytest.approx(4, rel=0.15)
+
+
+def test_the_programs_that_place_gpt_j_6b_s_lora_base_compile_for_one_v5e_chip():
+    # A strided slice of the whole embedding (the base's fingerprint) was staged in the core's 128 MiB VMEM, and
+    # XLA:TPU refused it: the run died while loading, after a fit check that compiled only the train step.
+    cfg = config.load("configs/6B_lora_v5litepod-1.json")
+    devices = targets.target("v5litepod-1").devices()
+    programs = aot.training_programs(cfg, "shard_map", devices, None)
+    record = aot._loading_record(programs, {})
+    matrices = [x for x in jax.tree.leaves(programs["frozen"]) if x.ndim >= 2]  # each made, then written a layer at a time
+    assert record["programs"] == 2 * len(matrices) + 1 and "refused" not in record, record  # + the fingerprint
+    assert record["temp_bytes"] < 2 ** 20
+    strided = jax.jit(lambda p: p["embed"]["wte"][::12600, ::1024])
+    refused, _ = aot._compile(strided, programs["frozen"], policy=platforms.for_devices(devices))
+    assert isinstance(refused, aot.Refused) and "vmem" in refused.message.lower()
 
 
 def test_a_program_the_tpu_compiler_refuses_for_memory_is_a_record_that_does_not_fit():

@@ -20,6 +20,7 @@ which kind it is.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -32,11 +33,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mesh_transformer import platforms
-from mesh_transformer.config import Config, ConfigError, check_devices
+from mesh_transformer.config import Config, ConfigError, fit_devices
 from mesh_transformer.model import gptj, layers, quant, table
 from mesh_transformer.model.split import FULL, Split
 from mesh_transformer.parallel.mesh import DATA, DP, FSDP, MP, TENSOR, make_mesh
 from mesh_transformer.platforms import Policy
+
+log = logging.getLogger(__name__)
 
 Rules = list[tuple[str, str | tuple[str, ...] | None]]
 
@@ -329,11 +332,15 @@ def gspmd_mappings(cfg: Config) -> Mappings:
 
 def make_layout(cfg: Config, devices: Sequence[jax.Device] | None = None, mesh: Mesh | None = None) -> Layout:
     """The Layout of cfg.parallelism: on `mesh` when given, else on a mesh built from the devices (by default all)
-    by the config: shard_map mp = cores_per_replica, GSPMD fsdp = mesh_fsdp and tensor = mesh_tensor, the remaining
-    devices data parallel. The platform policy is the mesh's devices'; compute_dtype "auto" becomes the policy's."""
+    by the config: shard_map mp = cores_per_replica (fitted to the devices present: `config.fit_devices`), GSPMD
+    fsdp = mesh_fsdp and tensor = mesh_tensor, the remaining devices data parallel. The platform policy is the mesh's devices'; compute_dtype "auto" becomes the policy's."""
     if mesh is None:
         devices = list(jax.devices() if devices is None else devices)
-        check_devices(cfg, len(devices))
+        fitted = fit_devices(cfg, len(devices))
+        if fitted.cores_per_replica != cfg.cores_per_replica:
+            log.warning("cores_per_replica %d does not divide the %d devices present: model-parallel width %d",
+                        cfg.cores_per_replica, len(devices), fitted.cores_per_replica)
+        cfg = fitted
         if cfg.parallelism == SHARD_MAP:
             shape = {DP: len(devices) // cfg.cores_per_replica, MP: cfg.cores_per_replica}
         else:

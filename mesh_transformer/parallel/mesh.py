@@ -3,6 +3,8 @@ multi-process start-up through jax.distributed."""
 from __future__ import annotations
 
 import math
+import os
+import urllib.request
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -32,12 +34,42 @@ def make_dp_mp(dp: int, mp: int, devices: Sequence[jax.Device] | None = None) ->
     return make_mesh({DP: dp, MP: mp}, devices)
 
 
+# Where the environment says how many processes a run has (the launchers' own variables), without asking JAX.
+_PROCESS_COUNT_VARS = ("OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", "PMI_SIZE")
+_TPU_WORKER_VARS = ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES")  # comma-separated hosts (GKE)
+TPU_METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/worker-network-endpoints"
+
+
+def cluster_hint() -> tuple[int, str] | None:
+    """(process count, where it was read) where the environment describes a run of several processes; None where
+    nothing does. A TPU VM's hosts come from its metadata server (one quick query: a host that cannot reach it, or a
+    VM of one host, is a single process)."""
+    from mesh_transformer import platforms
+
+    for var in _PROCESS_COUNT_VARS:
+        if os.environ.get(var, "").strip().isdigit():
+            return int(os.environ[var]), var
+    for var in _TPU_WORKER_VARS:
+        if os.environ.get(var, "").strip():
+            return len(os.environ[var].split(",")), var
+    if platforms.expected_platform() != platforms.TPU or os.environ.get("TPU_SKIP_MDS_QUERY") is not None:
+        return None
+    request = urllib.request.Request(TPU_METADATA_URL, headers={"Metadata-Flavor": "Google"})
+    try:
+        with urllib.request.urlopen(request, timeout=2) as response:
+            endpoints = response.read().decode().strip()
+    except (OSError, ValueError):  # no metadata server here: nothing to join
+        return None
+    return (len(endpoints.split(",")), "the TPU VM's metadata") if endpoints else None
+
+
 def init_distributed(coordinator: str | None = None, num_processes: int | None = None,
                      process_id: int | None = None) -> None:
     """Join a multi-process run through JAX's own runtime (no Ray).
 
-    With no arguments JAX auto-detects the cluster where it can (TPU VMs, SLURM, Open MPI); a single process
-    with nothing to detect just goes on alone. On CPU the cross-process collectives go through gloo.
+    With no arguments, a process the environment describes as one of several (`cluster_hint`: MPI, SLURM, a TPU
+    VM's hosts) joins through JAX's auto-detection, and a ConfigError naming the flags says when that fails; a
+    single process never calls jax.distributed at all. On CPU the cross-process collectives go through gloo.
     """
     explicit = coordinator is not None or num_processes is not None or process_id is not None
     if explicit and (coordinator is None or num_processes is None or process_id is None):
@@ -46,8 +78,12 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
     if explicit:
         jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
         return
+    hint = cluster_hint()
+    if hint is None or hint[0] <= 1:
+        return
     try:
         jax.distributed.initialize()
-    except (ValueError, RuntimeError) as e:  # nothing to auto-detect: a single-process run
-        if "coordinator_address" not in str(e) and "detect" not in str(e).lower():
-            raise
+    except Exception as e:  # the launcher's variables say several processes, JAX could not tell how to join them
+        first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"{hint[1]} says this run has {hint[0]} processes, but joining them failed ({first}); "
+                          f"give --coordinator HOST:PORT, --num-processes and --process-id") from None

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mesh_transformer.store import checkpoint_format as fmt
+from mesh_transformer.store import placing
 from mesh_transformer import storage
 from mesh_transformer.store.checkpoint_format import (COMMIT_NAME, ChecksumError, CorruptCheckpointError,
                                                       MissingPieceError, read_metadata, step_dir)
@@ -235,8 +236,9 @@ def restore(root: str, step: int, target: Any, *, paths_prefix: str | None = Non
     """Loads checkpoint `step` into the shapes, dtypes and shardings of `target`; returns (tree, metadata).
 
     `target` is a pytree of jax.ShapeDtypeStruct (or arrays) with `.sharding` on any mesh: each device reads only the
-    pieces overlapping its slice, and only the leaves `target` names are read. With `paths_prefix` ('params'),
-    `target` describes that subtree of the saved tree. Leaves that are not arrays in `target` get the saved value.
+    pieces overlapping its slice (a large stacked leaf a block of layers at a time: `placing.put`), and only the
+    leaves `target` names are read. With `paths_prefix` ('params'), `target` describes that subtree of the saved
+    tree. Leaves that are not arrays in `target` get the saved value.
     """
     start_s = time.monotonic()
     leaves, metadata = fmt.read_index(root, step)
@@ -257,8 +259,8 @@ def restore(root: str, step: int, target: Any, *, paths_prefix: str | None = Non
             raise ValueError(f"checkpoint leaf '{path}' has shape {shape}, the target wants {tuple(like.shape)}")
         else:
             sharding = getattr(like, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-            array = jax.make_array_from_callback(
-                shape, sharding, lambda index: reader.read_slice(path, entry, index, like.dtype))
+            array = placing.put(shape, like.dtype, sharding,
+                                lambda index: reader.read_slice(path, entry, index, like.dtype))
         reader.forget()
         return array
 

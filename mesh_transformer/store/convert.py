@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from mesh_transformer.model import quant, table
 from mesh_transformer import storage
-from mesh_transformer.store import adapters, checkpoint, hf, mtj_v1, safetensors_io
+from mesh_transformer.store import adapters, checkpoint, hf, mtj_v1, placing, safetensors_io
 from mesh_transformer import config
 from mesh_transformer.model import gptj as model
 from mesh_transformer.model.table import Path, get_path, param_paths, set_path
@@ -228,7 +228,7 @@ def load_params(layout: Layout, source: str, dtype: Any = None) -> dict:
     """The params of a checkpoint of any format, placed as the Layout places them, in `dtype`.
 
     `dtype` defaults to the config's compute dtype. Our checkpoints are read slice by slice onto the devices; other
-    formats are read one global array at a time on the host.
+    formats one layer of a stacked param at a time (`placing.put_layers`), the rest one global array at a time.
     """
     cfg = layout.cfg
     dtype = table.dtype_named(dtype if dtype is not None else model.precision(cfg).compute)
@@ -247,9 +247,13 @@ def load_params(layout: Layout, source: str, dtype: Any = None) -> dict:
     params: dict = {}
     with open_params(source, cfg, fmt) as reader:
         for path, like in tqdm(param_paths(cfg), desc="loading params", unit="array", leave=False):
-            array = read_array(reader, path, like.shape, dtype)
-            set_path(params, path, jax.make_array_from_callback(like.shape, get_path(shardings, path),
-                                                            lambda index, a=array: a[index]))
+            sharding = get_path(shardings, path)
+            if path[0] == "layers":  # one layer on the host at a time, converted on the devices
+                array = placing.put_layers(like.shape, dtype, sharding, lambda i, p=path: reader.read(p, i))
+            else:
+                host = read_array(reader, path, like.shape, dtype)
+                array = jax.make_array_from_callback(like.shape, sharding, lambda index, a=host: a[index])
+            set_path(params, path, array)
     return params
 
 

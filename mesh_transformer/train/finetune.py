@@ -28,14 +28,21 @@ BASE_KEY = adapters.BASE_KEY  # where a LoRA run's checkpoint metadata keeps the
 
 
 def _sample(x: jax.Array) -> jax.Array:
-    """About SAMPLES_PER_DIM values along each dim of x, as bfloat16 rounds them (a strided slice: no gather)."""
-    strides = tuple(slice(None, None, max(1, n // SAMPLES_PER_DIM)) for n in x.shape)
-    return x[strides].astype(jnp.bfloat16).astype(jnp.float32)
+    """About SAMPLES_PER_DIM values along each dim of x (every max(1, n // SAMPLES_PER_DIM)-th), as bfloat16 rounds
+    them. One gather of those values alone: XLA:TPU stages a strided slice's whole operand in the core's 128 MiB
+    VMEM, which GPT-J-6B's embedding (812 MiB) does not fit."""
+    index = np.ix_(*(np.arange(0, n, max(1, n // SAMPLES_PER_DIM)) for n in x.shape))
+    return x[index].astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def fingerprint_fn(replicated: jax.sharding.Sharding):
+    """The jitted program of `fingerprint`: params -> their samples, replicated (the fit check compiles it too)."""
+    return jax.jit(lambda p: jax.tree.map(_sample, p), out_shardings=replicated)
 
 
 def fingerprint(params: dict, replicated: jax.sharding.Sharding) -> str:
     """sha256 of a strided sample of every param: equal for equal weights on any mesh and in f32 or bf16."""
-    samples = jax.jit(lambda p: jax.tree.map(_sample, p), out_shardings=replicated)(params)  # on every process
+    samples = fingerprint_fn(replicated)(params)  # on every process
     flat = jax.tree_util.tree_flatten_with_path(samples)[0]
     digest = hashlib.sha256()
     for path, sample in flat:

@@ -82,6 +82,9 @@ class Trainer:
         self.root = cfg.model_path
         self.checkpointer = checkpoint.Checkpointer(self.root, keep_last=cfg.keep_last, keep_every=cfg.keep_every)
         self.layout = make_layout(cfg)
+        devices = self.layout.mesh.devices
+        log.info("train mesh: %s over %d %s devices", " x ".join(f"{k} {v}" for k, v in self.layout.mesh.shape.items()),
+                 devices.size, devices.flat[0].platform)
         self.split = split_of(cfg)
         self.mesh, self.global_batch = self.layout.mesh, self.layout.global_batch
         self.optimizer = optim.make_optimizer(cfg)
