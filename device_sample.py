@@ -45,7 +45,8 @@ def _complete(sampler, tokenizer, prompt: str, args: argparse.Namespace) -> None
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("mesh_transformer.infer.params").setLevel(logging.INFO)  # the mesh chosen
+    for name in ("mesh_transformer.infer.params", "mesh_transformer.infer.load"):  # the mesh chosen, the load time
+        logging.getLogger(name).setLevel(logging.INFO)
     from mesh_transformer.infer.load import open_for_inference, read_for_inference
     from mesh_transformer.infer.programs import Programs
     from mesh_transformer.infer.sampler import Sampler, compile_ahead

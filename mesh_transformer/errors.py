@@ -14,8 +14,10 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from mesh_transformer.store import checkpoint, tfrecord
     from mesh_transformer.train import trainer
 
+    from google.auth.exceptions import DefaultCredentialsError  # gs:// paths without credentials
+
     return (config.ConfigError, tfrecord.DataError, checkpoint.CorruptCheckpointError, trainer.TrainingError,
-            FileNotFoundError, FileExistsError, PermissionError)
+            FileNotFoundError, FileExistsError, PermissionError, DefaultCredentialsError)
 
 
 OUT_OF_MEMORY_HINT = ("the model does not fit: try --dtype bf16, a larger --mp (more devices per model copy), fewer "

@@ -41,6 +41,7 @@ class Policy:
     int8_dot: str = "compute"  # int8 weights enter their products as "compute" (the activations' dtype) or "float32"
     dot_piece_bytes: int = 0  # inference products over bf16/int8 weights in pieces of this many f32 bytes (0: whole)
     dot_piece_tokens: int = 0  # ... where they are over at most this many tokens (`model.order.in_pieces`)
+    host_loading: bool = False  # a checkpoint's layers joined, converted and quantized on the host, else on the devices
 
     def compiler_options(self) -> dict:
         """XLA options of this policy's programs."""
@@ -50,7 +51,7 @@ class Policy:
 _POLICIES = {
     CPU: Policy(CPU, "cpu", "float32", attention="blocked", dense_backward="ordered", ordered_converts=True,
                 cache_bits=True, cache_order=(0, 2, 3, 1), int8_dot="float32",
-                dot_piece_bytes=64 << 20, dot_piece_tokens=256),
+                dot_piece_bytes=64 << 20, dot_piece_tokens=256, host_loading=True),
     TPU: Policy(TPU, "", "bfloat16", attention="xla", dense_backward="autodiff", ordered_converts=False,
                 cache_bits=False, cache_order=(0, 1, 2, 3)),
     GPU: Policy(GPU, "", "bfloat16", attention="cudnn", dense_backward="autodiff", ordered_converts=False,

@@ -3,7 +3,10 @@ config and checkpoint they name, the tokenizer, and the params read onto a mesh 
 from __future__ import annotations
 
 import argparse
+import logging
+import time
 
+import jax
 from transformers import PreTrainedTokenizerBase
 
 from mesh_transformer import config, storage
@@ -12,6 +15,8 @@ from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.platforms import host_memory_returned
 from mesh_transformer.store import convert
 from mesh_transformer.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 def inference_config(args: argparse.Namespace) -> tuple[config.Config, str]:
@@ -58,8 +63,13 @@ def open_for_inference(args: argparse.Namespace) -> tuple[Layout, PreTrainedToke
 def read_for_inference(layout: Layout, source: str, args: argparse.Namespace) -> dict:
     """The params of `source` read straight into the decode programs' form on the layout's mesh (`read_params`),
     with the --lora adapters merged, host memory returned as each layer is placed."""
+    start_s = time.perf_counter()
     with host_memory_returned():
-        return read_params(layout, source, lora=args.lora)
+        params = jax.block_until_ready(read_params(layout, source, lora=args.lora))
+    log.info("read %.2f GB of params from %s in %.1f s (%s)", sum(x.nbytes for x in jax.tree.leaves(params)) / 1e9,
+             source, time.perf_counter() - start_s,
+             "joined on the host" if layout.policy.host_loading else "joined on the devices")
+    return params
 
 
 def load_for_inference(args: argparse.Namespace) -> tuple[Layout, PreTrainedTokenizerBase, dict]:

@@ -86,14 +86,41 @@ def _splitter(n_layers: int, one: NamedSharding):
     return jax.jit(lambda s: [s[i] for i in range(n_layers)], out_shardings=[one] * n_layers)
 
 
+def _in_dtype(tree: Any, dtype: Any) -> Any:
+    """Every float leaf of a tree in `dtype` (int8 weights as they are)."""
+    return jax.tree.map(lambda x: x if x.dtype == jnp.int8 else x.astype(dtype), tree)
+
+
 @functools.cache
-def _fuser(mesh: Mesh, spec_leaves: tuple, spec_tree: Any, lora_scale: float, int8: bool):
-    """(one layer, its adapters' slices or None[, its groups' scales where the layer is int8 already]) ->
-    `join_layer` of the merged layer on `mesh`, placed by the decode specs (given flattened, to be hashable)."""
+def _amax_of(dtype: Any, replicated: NamedSharding):
+    """(a layer's parts, or an LM head) in any float dtype -> the largest magnitudes per output of its scale
+    groups (`quant.group_amax`; a head: its kernel's), computed in `dtype` on the devices, replicated."""
+    def amax(tree):
+        tree = _in_dtype(tree, dtype)
+        return quant.group_amax(tree, jnp) if "kernel" not in tree else quant.amax(tree["kernel"], jnp)
+
+    return jax.jit(amax, out_shardings=replicated)
+
+
+def _host_scales(peaks: Any) -> tuple[Any, Any]:
+    """(scales, their inverses) of per-output magnitudes fetched from the devices, computed by numpy as the host
+    path computes them, so the devices quantize to the same int8 values."""
+    scales = jax.tree.map(lambda peak: quant.scale_of(np.asarray(peak)), peaks)
+    return scales, jax.tree.map(quant.inverse, scales)
+
+
+@functools.cache
+def _fuser(mesh: Mesh, spec_leaves: tuple, spec_tree: Any, lora_scale: float, int8: bool, dtype: Any):
+    """(one layer in any float dtype, its adapters' slices or None[, its groups' scales where the layer is int8
+    already]) -> `join_layer` of the merged layer in `dtype` on `mesh`, placed by the decode specs (given
+    flattened, to be hashable)."""
     specs = jax.tree.unflatten(spec_tree, spec_leaves)
 
-    def fuse(layer, adapters, scales=None):
+    def fuse(layer, adapters, scales=None, inverses=None):
+        layer = _in_dtype(layer, dtype)
         layer = lora.merge_layers(layer, adapters, lora_scale) if adapters else layer
+        if inverses is not None:  # scales from the host (`_host_scales`): quantized here as the host would
+            layer, _ = quant.quantize_layer(layer, jnp, scales, inverses)
         return join_layer(layer, mesh.shape[MP], int8, jnp, scales)
 
     return jax.jit(fuse, out_shardings=jax.tree.map(partial(NamedSharding, mesh), specs,
@@ -141,7 +168,7 @@ def place_params(params: dict, layout: Layout, adapters: dict | None = None) -> 
     unstacked_params = table.unstack_layers({**placed, "layers": params["layers"]}, split)
     spec_leaves, spec_tree = jax.tree.flatten(layout.placed_specs()["layers"][0], is_leaf=lambda x: isinstance(x, P))
     fuse = _fuser(mesh, tuple(spec_leaves), spec_tree, lora.scale(cfg) if adapters else 0.0,
-                  precision.int8)
+                  precision.int8, precision.compute)
     layer_list = unstacked_params.pop("layers")
     layer_adapters = table.unstack_layers({"layers": adapters})["layers"] if adapters else [None] * cfg.layers
     return {**unstacked_params, "layers": [fuse(layer_list.pop(0), ab) for ab in layer_adapters]}
@@ -163,16 +190,20 @@ def abstract_params(layout: Layout) -> dict:
 
 
 def read_params(layout: Layout, source: str, lora: str | None = None) -> dict:
-    """A checkpoint of any format read straight into the decode programs' form, one layer at a time: each param
-    slice is read on the host in the compute dtype, a layer's projections are joined there, and each device receives
-    only its shard. The device ends up holding one copy of the model; the host, about one layer besides it. LoRA
-    adapters (a LoRA run as `source`, or `lora`: a LoRA run or a PEFT directory) are merged into each weight on the
-    host before its layer is joined; with int8 weights (the config's weight_dtype), each layer is quantized there
-    too, or read as int8 from an int8 checkpoint (`slim_model.py --dtype int8`), which holds the same numbers. The
-    params outside the layers are placed from the file's mapping where they can be (`_read_whole`)."""
+    """A checkpoint of any format read straight into the decode programs' form, one layer at a time. The device
+    ends up holding one copy of the model; the host, about one layer besides it. LoRA adapters (a LoRA run as
+    `source`, or `lora`: a LoRA run or a PEFT directory) are merged into each weight as it is read; with int8
+    weights (the config's weight_dtype), each layer is quantized, or read as int8 from an int8 checkpoint
+    (`slim_model.py --dtype int8`), which holds the same numbers.
+
+    Where the layer is joined, converted and quantized is the platform policy's (`host_loading`): on the CPU, on
+    the host (`_place_layer`: its params placed from the file's mapping where they can be, `_read_whole`); on an
+    accelerator the host only reads, and each layer's parts go to the devices as stored, where one program per layer
+    shape converts, quantizes and joins them (`_place_layer_on_devices`). Both give the same params bit for bit."""
     cfg = layout.cfg
     precision = gptj.precision(cfg)
     dtype, int8 = precision.compute, precision.int8
+    on_host = layout.policy.host_loading
     shardings = jax.tree.map(partial(NamedSharding, layout.mesh), layout.placed_specs(),
                              is_leaf=lambda x: isinstance(x, P))
     stacked = [path for path, _ in table.param_paths(cfg) if path[0] == "layers"]
@@ -182,15 +213,73 @@ def read_params(layout: Layout, source: str, lora: str | None = None) -> dict:
             part: dict = {}  # one module at a time: the host holds one embedding-sized array at most
             for path, _ in table.param_paths(cfg):
                 if path[0] == key:
-                    table.set_path(part, path, _read_whole(reader, path, dtype))
-            if key == "lm_head" and precision.int8_head:
-                part[key] = quant.quantize_head(part[key])
-            params[key] = jax.block_until_ready(jax.device_put(part[key], shardings[key]))
+                    table.set_path(part, path, _read_whole(reader, path, dtype) if on_host else reader.read(path))
+            params[key] = _place_module(part[key], shardings[key], dtype, key == "lm_head" and precision.int8_head,
+                                        on_host, layout)
         read_int8 = getattr(reader, "read_int8", None) if int8 else None
-        params["layers"] = [_place_layer(reader, read_int8, stacked, i, dtype, layout.mesh.shape[MP], int8,
-                                         shardings["layers"][i])
+        if on_host:
+            place = partial(_place_layer, reader, read_int8, stacked, dtype=dtype, tp_size=layout.mesh.shape[MP],
+                            int8=int8)
+        else:
+            place = partial(_place_layer_on_devices, reader, read_int8, stacked, layout=layout)
+        params["layers"] = [place(i, shardings=shardings["layers"][i])
                             for i in tqdm(range(cfg.layers), desc="loading layers", unit="layer", leave=False)]
     return params
+
+
+def _place_module(module: dict, shardings: dict, dtype: np.dtype, int8_head: bool, on_host: bool,
+                  layout: Layout) -> dict:
+    """A module outside the layers (embedding, ln_f, head) placed in `dtype`, the head quantized where `int8_head`:
+    on the host (`on_host`), else on the devices as read, converted (and quantized) there."""
+    if on_host:
+        module = quant.quantize_head(module) if int8_head else module
+        return jax.block_until_ready(jax.device_put(module, shardings))
+    placed = _put(module, {name: shardings[name] for name in module})
+    if int8_head:
+        scale, inv = _host_scales(_amax_of(dtype, layout.replicated)(placed))
+        return jax.block_until_ready(_head_quantizer(shardings, dtype)(placed, scale, inv))
+    return jax.block_until_ready(jax.tree.map(lambda x: x.astype(dtype), placed))
+
+
+@functools.cache
+def _head_quantizer_cached(spec_leaves: tuple, spec_tree: Any, dtype: Any):
+    shardings = jax.tree.unflatten(spec_tree, spec_leaves)
+    return jax.jit(lambda head, scale, inv: quant.quantize_head(_in_dtype(head, dtype), jnp, scale, inv),
+                   out_shardings=shardings)
+
+
+def _head_quantizer(shardings: dict, dtype: Any):
+    """(the LM head in any float dtype, its scales, their inverses) -> the head in `dtype` with its kernel
+    quantized (`quant.quantize_head`), on the devices."""
+    leaves, tree = jax.tree.flatten(shardings)
+    return _head_quantizer_cached(tuple(leaves), tree, dtype)
+
+
+def _put(tree: Any, shardings: Any) -> Any:
+    """A tree of host arrays on the devices by `shardings`, each device given only its slice (on every process)."""
+    return jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index, x=x: x[index]),
+                        tree, shardings)
+
+
+def _place_layer_on_devices(reader: Any, read_int8: Any, stacked: list, i: int, layout: Layout,
+                            shardings: dict) -> dict:
+    """Layer i read as stored (int8 with its scales from an int8 checkpoint), its parts put on the devices as the
+    training layout splits them, then converted, quantized and joined there by one program (`_fuser`; the scales
+    of a quantization from the host, `_host_scales`); the host holds one layer's parts at a time."""
+    cfg = layout.cfg
+    precision = gptj.precision(cfg)
+    layer, scales = _read_layer(reader, read_int8, stacked, i, None)
+    stacked_shardings = layout.param_shardings()["layers"]
+    part_shardings = jax.tree.map(lambda s, _: NamedSharding(layout.mesh, P(*s.spec[1:])),
+                                  stacked_shardings, layer)
+    parts = _put(layer, part_shardings)
+    del layer
+    inverses = None
+    if precision.int8 and scales is None:  # quantized here, from scales the host computes as it would
+        scales, inverses = _host_scales(_amax_of(precision.compute, layout.replicated)(parts))
+    spec_leaves, spec_tree = jax.tree.flatten(layout.placed_specs()["layers"][i], is_leaf=lambda x: isinstance(x, P))
+    fuse = _fuser(layout.mesh, tuple(spec_leaves), spec_tree, 0.0, precision.int8, precision.compute)
+    return jax.block_until_ready(fuse(parts, None, scales, inverses))
 
 
 def _read_whole(reader: Any, path: tuple, dtype: np.dtype) -> np.ndarray:
@@ -204,7 +293,7 @@ def _read_whole(reader: Any, path: tuple, dtype: np.dtype) -> np.ndarray:
     return reader.read(path).astype(dtype, copy=False)
 
 
-def _place_layer(reader: Any, read_int8: Any, stacked: list, i: int, dtype: np.dtype, tp_size: int, int8: bool,
+def _place_layer(reader: Any, read_int8: Any, stacked: list, i: int, *, dtype: np.dtype, tp_size: int, int8: bool,
                  shardings: dict) -> dict:
     """Layer i read, joined and placed one half at a time (`layers.fuse_inputs`: q, k, v, fc_in and ln_1; then
     `fuse_outputs`: out and fc_out), each half quantized on the host where `int8` and the checkpoint holds floats.
@@ -278,15 +367,17 @@ def _host_transpose() -> Any:
 _OUTPUTS = {("attn", "out"), ("mlp", "fc_out", "kernel"), ("mlp", "fc_out", "bias")}  # the rest: the inputs half
 
 
-def _read_layer(reader: Any, read_int8: Any, stacked: list, i: int, dtype: np.dtype) -> tuple[dict, dict | None]:
-    """(layer i of the param tree on the host, or the params of it at `stacked`; the scales of its groups where
-    the checkpoint holds it as int8)."""
+def _read_layer(reader: Any, read_int8: Any, stacked: list, i: int,
+                dtype: np.dtype | None) -> tuple[dict, dict | None]:
+    """(layer i of the param tree on the host, or the params of it at `stacked`, in `dtype` (None: as stored); the
+    scales of its groups where the checkpoint holds it as int8)."""
     layer: dict = {}
     scales: dict = {}
     for path in stacked:
         held = None if read_int8 is None else read_int8(path, i)
         if held is None:
-            table.set_path(layer, path[1:], reader.read(path, i).astype(dtype, copy=False))
+            array = reader.read(path, i)
+            table.set_path(layer, path[1:], array if dtype is None else array.astype(dtype, copy=False))
         else:
             table.set_path(layer, path[1:], held[0])
             scales[quant.MATRICES[path[1:]]] = held[1]

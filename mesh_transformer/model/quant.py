@@ -3,7 +3,8 @@ int8 with one f32 scale per output channel, and dequantized inside the matrix pr
 to the compute dtype, multiply the activations with f32 accumulation, and each output is scaled after.
 
 Per output channel, the scale is the channel's largest magnitude over 127 (an all-zero channel gets 1), and a
-weight w is held as round(w / scale) in [-127, 127]: its error is at most half a scale step. attn out and fc_out,
+weight w is held as round(w * (1 / scale)) in [-127, 127]: its error is at most half a scale step (and a rounding
+of the reciprocal). attn out and fc_out,
 whose outputs are summed (`layers.fuse_layer` joins them into one matrix), share their scales: one per model width
 channel, the larger of the two. The scales do not depend on how the model is split over devices, so a sharded model
 computes what one device does, and an int8 checkpoint (`slim_model.py --dtype int8`) holds the same numbers as a
@@ -51,19 +52,27 @@ def scale_of(amax_N: Any, xp=np) -> Any:
     return xp.where(amax_N > 0, amax_N / 127, xp.float32(1)).astype(xp.float32)
 
 
-def quantize(w_KxN: Any, scale_N: Any, xp=np) -> Any:
-    """w's int8 values for these per-output scales."""
-    scale = scale_N.reshape((1,) * (w_KxN.ndim - 1) + scale_N.shape)
+def inverse(scale_N: Any, xp=np) -> Any:
+    """1 / scale in f32: numpy's division is IEEE's; pass numpy's to a device program that must match the host
+    bit for bit (XLA computes a division by a reciprocal and a product, rounded differently)."""
+    return (xp.float32(1) / scale_N).astype(xp.float32)
+
+
+def quantize(w_KxN: Any, scale_N: Any, xp=np, inverse_N: Any = None) -> Any:
+    """w's int8 values for these per-output scales: round(w * (1 / scale)), a product that rounds alike on every
+    platform given the same `inverse_N` (default: `inverse(scale_N, xp)`)."""
+    inv = inverse(scale_N, xp) if inverse_N is None else inverse_N
+    inv = inv.reshape((1,) * (w_KxN.ndim - 1) + inv.shape)
     if xp is np and w_KxN.ndim == 2:
         out = np.empty(w_KxN.shape, np.int8)
         for rows in _row_blocks(w_KxN):
-            out[rows] = _rounded(w_KxN[rows], scale, np)
+            out[rows] = _rounded(w_KxN[rows], inv, np)
         return out
-    return _rounded(w_KxN, scale, xp)
+    return _rounded(w_KxN, inv, xp)
 
 
-def _rounded(w: Any, scale: Any, xp) -> Any:
-    return xp.clip(xp.round(w.astype(xp.float32) / scale), -127, 127).astype(xp.int8)
+def _rounded(w: Any, inv: Any, xp) -> Any:
+    return xp.clip(xp.round(w.astype(xp.float32) * inv), -127, 127).astype(xp.int8)
 
 
 def cast(tree: Any, dtype: Any) -> Any:
@@ -89,16 +98,20 @@ def _set(tree: dict, path: tuple, value: Any) -> dict:
     return {**tree, path[0]: _set(tree[path[0]], path[1:], value)}
 
 
-def group_scales(layer: dict, xp=np) -> dict:
-    """The scales [N] of each scale group (`GROUPS`) whose matrices one layer of the param tree holds (all, or one
-    half that a loader reads on its own: `layers.fuse_inputs`' or `fuse_outputs`')."""
-    scales = {}
+def group_amax(layer: dict, xp=np) -> dict:
+    """The largest magnitude [N] per output channel of each scale group (`GROUPS`) whose matrices one layer of the
+    param tree holds (all, or one half that a loader reads on its own: `layers.fuse_inputs`' or `fuse_outputs`')."""
+    peaks = {}
     for group, paths in GROUPS.items():
-        if not all(_holds(layer, path) for path in paths):
-            continue
-        peaks = [amax(get_path(layer, path), xp) for path in paths]
-        scales[group] = scale_of(peaks[0] if len(peaks) == 1 else xp.maximum(*peaks), xp)
-    return scales
+        if all(_holds(layer, path) for path in paths):
+            each = [amax(get_path(layer, path), xp) for path in paths]
+            peaks[group] = each[0] if len(each) == 1 else xp.maximum(*each)
+    return peaks
+
+
+def group_scales(layer: dict, xp=np) -> dict:
+    """The scales [N] of each scale group whose matrices one layer holds (`group_amax`)."""
+    return {group: scale_of(peak, xp) for group, peak in group_amax(layer, xp).items()}
 
 
 def _holds(layer: dict, path: tuple) -> bool:
@@ -116,20 +129,24 @@ def stacked_scales(read, n_layers: int) -> dict[str, np.ndarray]:
     return {group: np.stack([scales[group] for scales in per_layer]) for group in GROUPS}
 
 
-def quantize_layer(layer: dict, xp=np, scales: dict | None = None) -> tuple[dict, dict]:
+def quantize_layer(layer: dict, xp=np, scales: dict | None = None,
+                   inverses: dict | None = None) -> tuple[dict, dict]:
     """(the layer with its matrices as int8, the scales of its groups) for one layer of the param tree (or the half
-    of one that `group_scales` takes); `xp` is numpy (on the host) or jax.numpy (under jit)."""
+    of one that `group_scales` takes); `xp` is numpy (on the host) or jax.numpy (under jit), `inverses` the
+    groups' `inverse` scales where given."""
     scales = group_scales(layer, xp) if scales is None else scales
     for path, group in MATRICES.items():
         if group in scales and _holds(layer, path):
-            layer = _set(layer, path, quantize(get_path(layer, path), scales[group], xp))
+            inv = None if inverses is None else inverses[group]
+            layer = _set(layer, path, quantize(get_path(layer, path), scales[group], xp, inv))
     return layer, scales
 
 
-def quantize_head(lm_head: dict, xp=np) -> dict:
-    """The LM head with its kernel [D, V] as int8 and a scale per vocab entry ("scale", `HEAD_SCALE_AXES`)."""
-    scale_V = scale_of(amax(lm_head["kernel"], xp), xp)
-    return {**lm_head, "kernel": quantize(lm_head["kernel"], scale_V, xp), "scale": scale_V}
+def quantize_head(lm_head: dict, xp=np, scale_V: Any = None, inverse_V: Any = None) -> dict:
+    """The LM head with its kernel [D, V] as int8 and a scale per vocab entry ("scale", `HEAD_SCALE_AXES`); the
+    scales (and their `inverse`) computed from the kernel unless given."""
+    scale_V = scale_of(amax(lm_head["kernel"], xp), xp) if scale_V is None else scale_V
+    return {**lm_head, "kernel": quantize(lm_head["kernel"], scale_V, xp, inverse_V), "scale": scale_V}
 
 
 def by_rows(x: jax.Array, w_NxK: jax.Array, scale_N: jax.Array | None = None, dot_dtype: Any = None) -> jax.Array:

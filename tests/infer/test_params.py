@@ -179,3 +179,32 @@ def test_a_checkpoint_without_a_config_or_a_mismatched_one_is_a_one_line_error(s
     assert mismatched.returncode == 2 and len(errors) == 1, mismatched.stderr
     assert "n_vocab=50304 (the config says 50432)" in mismatched.stderr
     assert no_source.returncode == 2 and "give --ckpt (or --hf)" in no_source.stderr
+
+
+def _with_loading(layout, on_host: bool):
+    return dataclasses.replace(layout, policy=dataclasses.replace(layout.policy, host_loading=on_host))
+
+
+@pytest.mark.parametrize("source", ["ours", "hf", "original", "int8"])
+@pytest.mark.parametrize("weights, n_devices", [("bfloat16", 1), ("bfloat16", 8), ("int8", 1), ("int8", 8),
+                                                ("int8_head", 8)])
+def test_a_layer_joined_on_the_devices_equals_it_joined_on_the_host_bit_for_bit(sources, tmp_path_factory, source,
+                                                                              weights, n_devices):
+    # The accelerators' path (the host reads, the devices convert, quantize and join), forced on the CPU.
+    if source == "int8":  # slim_model.py --dtype int8: int8 matrices and their scales as stored
+        path = str(tmp_path_factory.mktemp("int8") / "ckpt")
+        convert.write_checkpoint(sources["ours"], BIG, path, dtype="int8", slim=True)
+    else:
+        path = sources[source]
+    overrides = {"bfloat16": {"compute_dtype": "bfloat16"},
+                 "int8": config.INFERENCE_DTYPES["int8"],
+                 "int8_head": {**config.INFERENCE_DTYPES["int8"], "quantize_head": True}}[weights]
+    if source == "int8" and weights == "bfloat16":
+        overrides = {**overrides, "weight_dtype": "compute"}
+    layout = infer_params.make_inference_layout(dataclasses.replace(BIG, **overrides), jax.devices()[:n_devices])
+    on_host = infer_params.read_params(_with_loading(layout, True), path)
+    on_devices = infer_params.read_params(_with_loading(layout, False), path)
+    assert jax.tree.structure(on_host) == jax.tree.structure(on_devices)
+    for a, b in zip(jax.tree.leaves(on_host), jax.tree.leaves(on_devices)):
+        assert a.dtype == b.dtype and a.sharding.is_equivalent_to(b.sharding, a.ndim)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -1,0 +1,132 @@
+"""The user's GPT-J-6B flows on the accelerator this machine has, with random weights: a random checkpoint in the
+original slim layout (8 shards, written by one process per shard), then LoRA fine-tuning from it with the one-chip
+recipe, sampling in bf16 and int8, each stage a child process whose wall time, peak resident host memory and the
+figures it logs are emitted as JSON lines (with the commit, device kind and JAX version in a first record).
+
+    python bench/chip_flow.py --work /tmp/g6b [--only write,lora,sample_bf16,sample_int8] [--lora-steps 4]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.bench_6b_flow import PROMPT, WRITE_ORIGINAL  # noqa: E402
+from bench.common import emit  # noqa: E402
+
+STAGES = ("write", "data", "lora", "sample_bf16", "sample_int8")
+CONFIG = "configs/6B_roto_256.json"
+LORA_CONFIG = "configs/6B_lora_v5litepod-1.json"
+
+
+def meta() -> dict:
+    import mesh_transformer  # noqa: F401  (pins a machine without an accelerator to the CPU before JAX starts)
+    import jax
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = os.environ.get("MTJ_COMMIT", "unknown")
+    device = jax.devices()[0]
+    return {"bench": "meta", "script": "chip_flow", "commit": commit, "platform": device.platform,
+            "device_kind": device.device_kind, "devices": jax.device_count(), "jax": jax.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def stage(name: str, argv: list[str], log_path: str, **extra) -> tuple[int, str]:
+    """Run one stage as a child process, its output in log_path; emit its exit status, wall time and peak resident
+    memory (its own rusage) with `extra`; return (status, output)."""
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        child = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+        _, status, usage = os.wait4(child.pid, 0)
+    with open(log_path) as log:
+        output = log.read()
+    rc = os.waitstatus_to_exitcode(status)
+    record = {"bench": "chip_flow", "stage": name, "rc": rc, "wall_s": round(time.perf_counter() - start, 1),
+              "peak_rss_gb": round(usage.ru_maxrss * 1024 / 1e9, 2), **extra}
+    if loaded := re.search(r"read ([\d.]+) GB of params from .* in ([\d.]+) s \((.*)\)", output):
+        record.update(params_gb=float(loaded.group(1)), load_s=float(loaded.group(2)), loading=loaded.group(3))
+    if tokens := re.search(r"(\d+) tokens in ([\d.]+) s", output):
+        record.update(new_tokens=int(tokens.group(1)), generate_s=float(tokens.group(2)))
+    if rc:
+        record["error"] = [line for line in output.splitlines() if line.strip()][-3:]
+    emit(**record)
+    return rc, output
+
+
+def write_original(step_dir: str, config: str) -> None:
+    """The random original-layout checkpoint, one process per shard (the shards' random streams differ)."""
+    script = WRITE_ORIGINAL.format(root=ROOT, config=os.path.join(ROOT, config), step_dir=step_dir)
+    script = script.replace("rng = np.random.default_rng(0)", "rng = np.random.default_rng(int(sys.argv[1]))")
+    script = script.replace("for shard in range(n_shards):", "for shard in [int(sys.argv[1])]:")
+    start = time.perf_counter()
+    children = [subprocess.Popen([sys.executable, "-c", script, str(shard)], cwd=ROOT,
+                                 env={**os.environ, "JAX_PLATFORMS": "cpu"}) for shard in range(8)]
+    rcs = [child.wait() for child in children]
+    emit(bench="chip_flow", stage="write_original", rc=max(rcs), wall_s=round(time.perf_counter() - start, 1))
+
+
+def lora_metrics(model_dir: str) -> dict:
+    """The LoRA run's logged tokens/s (median over the steps after the first two) and losses."""
+    path = os.path.join(model_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return {}
+    rows = [json.loads(line) for line in open(path)]
+    rates = sorted(r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r.get("step", 0) > 2)
+    losses = [round(r["loss"], 4) for r in rows if "loss" in r]
+    return {"tokens_per_s_median": rates[len(rates) // 2] if rates else None, "losses": losses}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", required=True, help="a directory with ~15 GB free")
+    parser.add_argument("--only", default=",".join(STAGES), help=f"stages of {','.join(STAGES)}")
+    parser.add_argument("--lora-steps", type=int, default=4)
+    parser.add_argument("--config", default=CONFIG, help=f"the model (default {CONFIG})")
+    parser.add_argument("--lora-config", default=LORA_CONFIG, help=f"the LoRA recipe (default {LORA_CONFIG})")
+    parser.add_argument("--seq", type=int, default=2048, help="the training data's sequence length")
+    parser.add_argument("--logs", default=None, help="where each stage's output goes (default: --work)")
+    args = parser.parse_args()
+    stages = args.only.split(",")
+    work = os.path.abspath(args.work)
+    logs = os.path.abspath(args.logs or work)
+    os.makedirs(work, exist_ok=True)
+    os.makedirs(logs, exist_ok=True)
+    original, data = f"{work}/original/step_1", f"{work}/data"
+    emit(**meta())
+    py = sys.executable
+    if "write" in stages:
+        write_original(original, args.config)
+    if "data" in stages:
+        stage("demo_corpus", [py, "demo_corpus.py", f"{work}/corpus", "--train-bytes", "2000000"], f"{logs}/corpus.log")
+        stage("tfrecords", [py, "create_finetune_tfrecords.py", f"{work}/corpus/train", "train", "--output-dir", data,
+                            "--seq", str(args.seq)], f"{logs}/tfrecords.log")
+    if "lora" in stages:
+        model_dir = f"{work}/lora"
+        subprocess.run(["rm", "-rf", model_dir])
+        stage("lora_train_from_original", [
+            py, "device_train.py", "--config", args.lora_config, "--tune-model-path", original, "--set",
+            f"train_set={data}/train.index", "--set", f"model_dir={model_dir}", "--set",
+            f"total_steps={args.lora_steps}", "--set", f"ckpt_every={args.lora_steps}", "--set", "wandb_project=null"],
+            f"{logs}/lora.log")
+        emit(bench="chip_flow", stage="lora_metrics", config=args.lora_config, **lora_metrics(model_dir))
+    sample = [py, "device_sample.py", "--ckpt", original, "--config", args.config, "--prompt", PROMPT,
+              "--max-new-tokens", "32", "--temperature", "0"]
+    if "sample_bf16" in stages:
+        stage("sample_bf16_from_original", [*sample, "--dtype", "bf16"], f"{logs}/sample_bf16.log")
+    if "sample_int8" in stages:
+        stage("sample_int8_from_original", [*sample, "--dtype", "int8"], f"{logs}/sample_int8.log")
+
+
+if __name__ == "__main__":
+    main()
