@@ -336,7 +336,7 @@ def human_line(records: list[dict]) -> str:
     if decode := next((r for r in records if r["check"] == "serve_decode_step"), None):
         lines.append(f"serving decode step {_size(decode['total_bytes'])} for {decode['slots']} slots (params "
                      f"{_size(decode['params_bytes'])}, KV cache {_size(decode['kv_cache_bytes'])})")
-    lines += [f"{r['check']}: the compiler refused it: {r['refused']}" for r in records
+    lines += [f"{r['check']}: the compiler refused it: {r['refused']}" for r in records[:-1]
               if "refused" in r and "train_step" not in r["check"]]
     largest = max(records[:-1], key=lambda r: r["total_bytes"])
     first = records[0]
