@@ -1,24 +1,31 @@
 # `make test` and `make demo` work on a fresh machine: they build .venv first.
 PYTHON ?= python3
 VENV := .venv
+# `make ... PY=python3` runs that interpreter instead and builds no venv (STAMP is then empty).
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+STAMP := $(if $(filter $(VENV)/bin/python,$(PY)),$(VENV)/.installed)
 
-.PHONY: test demo bench clean
+.PHONY: test test-device demo bench clean
 DEMO := demo_out
 # 8 faked CPU devices (dp 2 x mp 4) when there is no accelerator; the flag only affects the host platform.
 DEMO_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8
 
-$(STAMP): requirements.txt requirements-dev.txt
+$(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
-	touch $(STAMP)
+	touch $@
 
 # Two pytest workers: most of a test is one process compiling, which leaves the second core idle (on 2 cores the
 # suite took 672 s in one process, 502 s in two).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 tests
+
+# The device tier (tests/device): the chip against the CPU, and every script end to end on the chip. Collected only
+# where a TPU or GPU is attached, in one process (one program at a time can hold a chip). On a TPU VM without a venv,
+# with the requirements installed for python3: make test-device PY=python3
+test-device: $(STAMP)
+	MTJ_TEST_TIER=device $(PY) -m pytest -q tests/device
 
 demo: $(STAMP)
 	rm -rf $(DEMO)

@@ -1,18 +1,26 @@
 """Test set-up: 8 faked CPU devices, set before jax is imported anywhere; HF offline; the evaluation tests'
-session fixtures."""
+session fixtures. With MTJ_TEST_TIER=device (`make test-device`, tests/device) JAX is left to find the accelerator."""
 import os
 import shutil
 import tempfile
 
 import pytest
 
+# The device tier (tests/device, `make test-device`) runs where JAX finds a TPU or GPU: with MTJ_TEST_TIER=device
+# JAX is not pinned to the CPU. The CPU backend, which that tier compares against, keeps its 8 faked devices (the flag
+# affects the CPU backend alone).
+DEVICE_TIER = os.environ.get("MTJ_TEST_TIER") == "device"
+if not DEVICE_TIER:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # LLVM's optimization level 0 for XLA's CPU code: the tests compile hundreds of tiny programs and run each a few
 # times, so compiling is most of their time (tests/model: 167 s at the default level, 114 s at 0). The programs,
-# buffers and float semantics are XLA's own either way; child processes inherit the flags.
-_FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0")
+# buffers and float semantics are XLA's own either way; child processes inherit the flags. Only where JAX is pinned
+# to the CPU: the flag reaches every backend's compiler, and the device tier tests the programs users run.
+_FLAGS = ("--xla_force_host_platform_device_count=8",)
+if os.environ.get("JAX_PLATFORMS") == "cpu":
+    _FLAGS += ("--xla_backend_optimization_level=0",)
 _flags = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join([_flags, *(f for f in _FLAGS if f not in _flags)]).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Implicit rank promotion (a [B, T] array added to a [B, T, V] one) is an error in the tests, here and in the scripts
 # they start: silent broadcasting hides shape mistakes.
 os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"
@@ -34,7 +42,11 @@ os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
 @pytest.fixture(scope="session", autouse=True)
 def started_jax():
     """JAX started with the 8 faked devices before any test runs: a tool that sets the CPU device count when JAX
-    has not started (aot's --devices N) must find it started, or the rest of the process would have N devices."""
+    has not started (aot's --devices N) must find it started, or the rest of the process would have N devices.
+    Not in the device tier: there the scripts run on the chip in child processes first, and a process that has
+    opened the chip holds it until it exits (tests/device/conftest.py)."""
+    if DEVICE_TIER:
+        return None
     import jax
 
     return jax.devices()

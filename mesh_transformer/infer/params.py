@@ -92,11 +92,13 @@ def _in_dtype(tree: Any, dtype: Any) -> Any:
 
 
 @functools.cache
-def _amax_of(dtype: Any, replicated: NamedSharding):
-    """(a layer's parts, or an LM head) in any float dtype -> the largest magnitudes per output of its scale
-    groups (`quant.group_amax`; a head: its kernel's), computed in `dtype` on the devices, replicated."""
-    def amax(tree):
+def _amax_of(dtype: Any, replicated: NamedSharding, lora_scale: float = 0.0):
+    """(a layer's parts, or an LM head, in any float dtype[, the layer's adapters]) -> the largest magnitudes per
+    output of its scale groups (`quant.group_amax`; a head: its kernel's), computed in `dtype` on the devices after
+    the adapters are merged, replicated."""
+    def amax(tree, adapters=None):
         tree = _in_dtype(tree, dtype)
+        tree = lora.merge_layers(tree, adapters, lora_scale) if adapters else tree
         return quant.group_amax(tree, jnp) if "kernel" not in tree else quant.amax(tree["kernel"], jnp)
 
     return jax.jit(amax, out_shardings=replicated)
@@ -151,10 +153,11 @@ def place_params(params: dict, layout: Layout, adapters: dict | None = None) -> 
     shardings = layout.param_shardings()
     placed = jax.tree.map(partial(_placed, dtype=precision.compute), {k: v for k, v in params.items() if k != "layers"},
                           {k: v for k, v in shardings.items() if k != "layers"})
-    if precision.int8_head:
-        head_specs = layout.placed_specs()["lm_head"]
-        placed["lm_head"] = jax.jit(partial(quant.quantize_head, xp=jnp), out_shardings=jax.tree.map(
-            partial(NamedSharding, mesh), head_specs, is_leaf=lambda x: isinstance(x, P)))(placed["lm_head"])
+    if precision.int8_head:  # the scales from the host, as `read_params` quantizes: the same int8 values
+        head_shardings = jax.tree.map(partial(NamedSharding, mesh), layout.placed_specs()["lm_head"],
+                                      is_leaf=lambda x: isinstance(x, P))
+        scale, inv = _host_scales(_amax_of(precision.compute, layout.replicated)(placed["lm_head"]))
+        placed["lm_head"] = _head_quantizer(head_shardings, precision.compute)(placed["lm_head"], scale, inv)
     layer_shardings = iter(jax.tree.leaves(shardings["layers"]))
     adapters = jax.device_get(adapters)  # small: on the host, off the training mesh
     if adapters and not cfg.lora_rank:
@@ -167,11 +170,18 @@ def place_params(params: dict, layout: Layout, adapters: dict | None = None) -> 
 
     unstacked_params = table.unstack_layers({**placed, "layers": params["layers"]}, split)
     spec_leaves, spec_tree = jax.tree.flatten(layout.placed_specs()["layers"][0], is_leaf=lambda x: isinstance(x, P))
-    fuse = _fuser(mesh, tuple(spec_leaves), spec_tree, lora.scale(cfg) if adapters else 0.0,
-                  precision.int8, precision.compute)
+    lora_scale = lora.scale(cfg) if adapters else 0.0
+    fuse = _fuser(mesh, tuple(spec_leaves), spec_tree, lora_scale, precision.int8, precision.compute)
+    amax = _amax_of(precision.compute, layout.replicated, lora_scale)
+
+    def fuse_one(layer, layer_adapters):
+        if not precision.int8:
+            return fuse(layer, layer_adapters)
+        return fuse(layer, layer_adapters, *_host_scales(amax(layer, layer_adapters)))  # as `read_params` does
+
     layer_list = unstacked_params.pop("layers")
     layer_adapters = table.unstack_layers({"layers": adapters})["layers"] if adapters else [None] * cfg.layers
-    return {**unstacked_params, "layers": [fuse(layer_list.pop(0), ab) for ab in layer_adapters]}
+    return {**unstacked_params, "layers": [fuse_one(layer_list.pop(0), ab) for ab in layer_adapters]}
 
 
 def abstract_params(layout: Layout) -> dict:

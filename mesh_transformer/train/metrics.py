@@ -36,6 +36,32 @@ _VAL_LOSS_KEY = re.compile(r"^val/(?P<name>.+)/loss$")
 _WIRE_VARINT, _WIRE_FIXED64, _WIRE_FIXED32 = 0, 1, 5
 
 
+class StepRate:
+    """Tokens per second of completed training steps, smoothed over the last `window` of them.
+
+    A step's time is the device's: from when it could start (dispatched, and the step before it done) to when its
+    results were read, which is when it finished, since they are read while the next step runs. Compiling,
+    validation and checkpoints between steps are not counted; the time between two dispatches would count them,
+    and would read the host's speed rather than the device's while the device's queue fills.
+    """
+
+    def __init__(self, tokens_per_step: int, window: int = 10, clock=time.perf_counter):
+        self.tokens_per_step, self.window, self.clock = tokens_per_step, window, clock
+        self._times: list[float] = []
+        self._last_done = float("-inf")
+
+    def dispatched(self) -> float:
+        """Now, just after a step was dispatched (compiled and queued): what `completed` takes for it."""
+        return self.clock()
+
+    def completed(self, dispatched_at: float) -> float:
+        """A step dispatched at `dispatched_at` has just had its results read: tokens/s over the window."""
+        now = self.clock()
+        self._times = [*self._times[-(self.window - 1):], max(now - max(self._last_done, dispatched_at), 1e-9)]
+        self._last_done = now
+        return self.tokens_per_step * len(self._times) / sum(self._times)
+
+
 class MetricsError(ValueError):
     """Metrics a user asked for that are missing or empty."""
 

@@ -20,7 +20,7 @@ from mesh_transformer import storage
 from mesh_transformer.store import checkpoint
 from mesh_transformer.train import data, finetune, optim, state
 from mesh_transformer.config import Config, ConfigError
-from mesh_transformer.train.metrics import MetricsWriter
+from mesh_transformer.train.metrics import MetricsWriter, StepRate
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,7 @@ class Trainer:
         self.metrics = MetricsWriter(self.root, enabled=jax.process_index() == 0, wandb_project=cfg.wandb_project,
                                      run_name=cfg.name, config=cfg.to_dict())
         self.last_saved_step: int | None = self.step if data_state is not None else None
+        self.rate = StepRate(cfg.gradient_accumulation_steps * self.global_batch * cfg.seq)
 
     def _start_state(self, tune_model_path: str | None, fresh_opt: bool) -> tuple[dict, dict | None]:
         """Resume from the latest valid checkpoint of model_dir, else start from tune_model_path (any format, no
@@ -174,14 +175,13 @@ class Trainer:
         return jax.make_array_from_process_local_data(self.layout.batch_sharding(accumulated=False),
                                                       local_BxT1)
 
-    def _log(self, step: int, metrics: dict, seconds: float) -> dict[str, float]:
+    def _log(self, step: int, metrics: dict, dispatched_at: float) -> dict[str, float]:
         """Read a step's metrics (one step behind the device) and stop on a non-finite loss."""
         scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        scalars["tokens_per_s"] = self.rate.completed(dispatched_at)
         if not math.isfinite(scalars["loss"]):
             raise TrainingError(f"loss became {scalars['loss']} at step {step}; stopping, the last good checkpoint "
                                 f"(step {self.last_saved_step}) is kept")
-        tokens = self.cfg.gradient_accumulation_steps * self.global_batch * self.cfg.seq
-        scalars["tokens_per_s"] = tokens / max(seconds, 1e-9)
         self.metrics.write(step, scalars)
         return scalars
 
@@ -196,16 +196,15 @@ class Trainer:
         pending: tuple[int, dict, float] | None = None
         bar = tqdm(total=cfg.total_steps, initial=self.step, disable=jax.process_index() != 0, dynamic_ncols=True)
         batches = self.batches()
-        last_time = time.perf_counter()
         try:
             while self.step < cfg.total_steps and not stop.is_set():
                 self.state, metrics = self.train_step(self.state, next(batches))
                 self.step += 1
-                now = time.perf_counter()
+                dispatched_at = self.rate.dispatched()
                 if pending is not None:
                     shown = self._log(*pending)
                     bar.set_postfix(loss=f"{shown['loss']:.3f}", tok_s=f"{shown['tokens_per_s']:.0f}")
-                pending, last_time = (self.step, metrics, now - last_time), now
+                pending = (self.step, metrics, dispatched_at)
                 bar.update(1)
                 due_val = cfg.val_every and self.step % cfg.val_every == 0 and (cfg.val_set or self.evaluate)
                 due_ckpt = self.step % cfg.ckpt_every == 0 or self.step == cfg.total_steps

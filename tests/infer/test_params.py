@@ -208,3 +208,16 @@ def test_a_layer_joined_on_the_devices_equals_it_joined_on_the_host_bit_for_bit(
     for a, b in zip(jax.tree.leaves(on_host), jax.tree.leaves(on_devices)):
         assert a.dtype == b.dtype and a.sharding.is_equivalent_to(b.sharding, a.ndim)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("n_devices", [1, 8])
+def test_int8_params_placed_from_memory_equal_those_read_from_a_checkpoint(saved, n_devices):
+    # Both take their scales' reciprocals from numpy: a device's own division rounds differently (the chip's did).
+    root, params = saved
+    cfg = dataclasses.replace(CFG, **config.INFERENCE_DTYPES["int8"], quantize_head=True)
+    layout = infer_params.make_inference_layout(cfg, jax.devices()[:n_devices])
+    placed = infer_params.place_params(jax.tree.map(np.asarray, params), layout)
+    for host in (True, False):
+        read = infer_params.read_params(_with_loading(layout, host), root)
+        for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(read)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

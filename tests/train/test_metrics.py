@@ -267,3 +267,36 @@ def test_cli_on_an_empty_dir_prints_one_error_line_and_exits_2(tmp_path):
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1
     assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_tokens_per_s_counts_the_device_time_of_completed_steps_not_the_gaps_between_dispatches():
+    from mesh_transformer.train.metrics import StepRate
+
+    # The trainer's loop against a fake device whose every step takes 0.5 s: dispatching step s returns at once
+    # (step 1 after a 3 s compile), then step s - 1's results are read (waiting for the device); at step 6 the
+    # step's own results are read and a 5 s validation runs before step 7 is dispatched.
+    clock = {"now": 0.0, "device_free": 0.0}
+    rate = StepRate(tokens_per_step=1000, window=4, clock=lambda: clock["now"])
+    dispatched, done, rates = {}, {}, []
+
+    def dispatch(step, host_s):
+        clock["now"] += host_s
+        dispatched[step] = rate.dispatched()
+        done[step] = clock["device_free"] = max(clock["device_free"], clock["now"]) + 0.5
+
+    def read(step):
+        clock["now"] = max(clock["now"], done[step])
+        rates.append(rate.completed(dispatched[step]))
+
+    for step in range(1, 11):
+        dispatch(step, 3.0 if step == 1 else 0.01)
+        if step - 1 in dispatched and step != 7:
+            read(step - 1)
+        if step == 6:
+            read(6)
+            clock["now"] += 5.0
+    read(10)
+    assert len(rates) == 10 and rates == pytest.approx([2000] * 10, rel=1e-6)  # 1000 tokens per 0.5 s
+    # What the time between two dispatches read: the compile, the validation, and the host's own speed.
+    gaps = [dispatched[s] - dispatched[s - 1] for s in range(2, 11)]
+    assert min(gaps) < 0.05 and max(gaps) > 5
