@@ -17,9 +17,17 @@ from mesh_transformer.flags import Parser, add_inference_args, add_sampling_args
 from mesh_transformer.platforms import platform_setup
 
 
+EXAMPLES = """\
+examples:
+  python device_sample.py --ckpt gptj_1shard --prompt "Hi" --dtype bf16
+  python device_sample.py --hf gpt-j-6B/ --dtype int8 --temperature 0 --max-new-tokens 128 < prompts.txt
+"""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line; raises ConfigError on a bad one."""
-    p = Parser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_inference_args(p)
     p.add_argument("--prompt", help="the prompt; without it, prompts are read from stdin, one a line")
     add_sampling_args(p)
@@ -45,8 +53,7 @@ def _complete(sampler, tokenizer, prompt: str, args: argparse.Namespace) -> None
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    for name in ("mesh_transformer.infer.params", "mesh_transformer.infer.load"):  # the mesh chosen, the load time
-        logging.getLogger(name).setLevel(logging.INFO)
+    logging.getLogger("mesh_transformer.infer.params").setLevel(logging.INFO)  # the mesh chosen
     from mesh_transformer.infer.load import open_for_inference, read_for_inference
     from mesh_transformer.infer.programs import Programs
     from mesh_transformer.infer.sampler import Sampler, compile_ahead

@@ -22,6 +22,13 @@ sys.path.insert(0, ROOT)
 from bench.bench_6b_flow import PROMPT, WRITE_ORIGINAL  # noqa: E402
 from bench.common import emit  # noqa: E402
 
+# device_sample.py with its load time and generation time logged (the tool itself logs only the mesh it chose).
+SAMPLE_LOGGED = """
+import logging, runpy, sys
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+sys.argv[0] = "device_sample.py"
+runpy.run_path("device_sample.py", run_name="__main__")
+"""
 STAGES = ("write", "data", "lora", "sample_bf16", "sample_int8")
 CONFIG = "configs/6B_roto_256.json"
 LORA_CONFIG = "configs/6B_lora_v5litepod-1.json"
@@ -120,7 +127,7 @@ def main() -> None:
             f"total_steps={args.lora_steps}", "--set", f"ckpt_every={args.lora_steps}", "--set", "wandb_project=null"],
             f"{logs}/lora.log")
         emit(bench="chip_flow", stage="lora_metrics", config=args.lora_config, **lora_metrics(model_dir))
-    sample = [py, "device_sample.py", "--ckpt", original, "--config", args.config, "--prompt", PROMPT,
+    sample = [py, "-c", SAMPLE_LOGGED, "--ckpt", original, "--config", args.config, "--prompt", PROMPT,
               "--max-new-tokens", "32", "--temperature", "0"]
     if "sample_bf16" in stages:
         stage("sample_bf16_from_original", [*sample, "--dtype", "bf16"], f"{logs}/sample_bf16.log")

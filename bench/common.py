@@ -63,6 +63,23 @@ def read_bandwidth_bytes_per_s(n_bytes: int, device: jax.Device | None = None) -
     return n_bytes / best_time_s(lambda: total(x).block_until_ready(), repeats=10)
 
 
+def copy_bandwidth_bytes_per_s(n_bytes: int, device: jax.Device | None = None, repeats: int = 5) -> float:
+    """The rate the device's memory streams a copy: a jitted x + 1 over a bf16 array of n_bytes (XLA cannot elide
+    it, and it has nothing to reduce), which reads n_bytes and writes n_bytes: 2 x n_bytes moved a call. Best of
+    `repeats` rounds of 10 calls, each call's output the next one's input (donated, so one array is alive, and
+    dispatch overlaps the copies)."""
+    step = jax.jit(lambda x: x + 1, donate_argnums=0)
+    x = step(jax.device_put(jnp.zeros(n_bytes // 2, jnp.bfloat16), device or jax.devices()[0]))
+
+    def ten_copies():
+        nonlocal x
+        for _ in range(10):
+            x = step(x)
+        x.block_until_ready()
+
+    return 10 * 2 * n_bytes / best_time_s(ten_copies, repeats=repeats)
+
+
 def train_flops_per_token(cfg: Config) -> float:
     """Forward + backward FLOPs per token: 6 x matmul params + attention scores/values (PaLM's convention)."""
     D, L, V, T = cfg.d_model, cfg.layers, cfg.n_vocab, cfg.seq

@@ -1,29 +1,39 @@
-"""One command that measures the device JAX finds (cpu, gpu, tpu) for the whole stack, in JSON lines on stdout.
+"""One command that measures the device JAX finds (cpu, gpu, tpu) for the whole stack, in JSON lines on stdout (and
+appended to `--out` too).
 
-- device: the measured matmul peak (bf16 on accelerators, f32 on CPU) and memory read bandwidth, next to the
-  datasheet figures where the device is known (DATASHEET);
-- train: tokens/s and MFU (against both peaks) of the train step of a GPT-J-style ~1.3B model (24 layers, d_model
-  2048, 16 heads, seq 2048, the compute dtype, f32 master params and Adam, remat);
+- meta (first): the git commit, the date (UTC), platform, device kind, JAX version, device memory and the sizes
+  the sections run at;
+- device: the measured matmul peak (bf16 on accelerators, f32 on CPU) and memory bandwidth (a copy: bytes read and
+  written), next to the datasheet figures where the device is known (DATASHEET);
+- train: tokens/s and MFU (against both peaks) of the train step of a GPT-J-style model (d_model 2048, 16 heads,
+  seq 2048, the compute dtype, f32 master params and Adam, remat) with as many layers as fit the device;
 - train_lora: the GPT-J-6B LoRA step (rank 16, base bf16);
-- decode: GPT-J-6B (random weights, compute dtype) tokens/s at batch 1, 16, 64 and 256 against the bandwidth
-  roofline (weight bytes + KV-cache bytes read per step / measured bandwidth); decode_int8: the same with the
-  layers' weights in int8 (model/quant.py);
-- serving: the continuous-batching engine at 64 concurrent requests against one at a time: tokens/s and time to
-  first token;
-- compile: the compile seconds of every program each section ran.
+- decode: GPT-J-6B (random weights, compute dtype) tokens/s at the batches whose KV cache fits, against the
+  bandwidth roofline (weight bytes + KV-cache bytes read per step over the datasheet's bandwidth, and over the
+  measured one); decode_int8: the same with the layers' weights in int8 (model/quant.py);
+- serving: the continuous-batching engine over GPT-J-6B's int8 weights, with as many slots as fit, at 64 concurrent
+  requests against one at a time: tokens/s and time to first token;
+- compile and memory, after each section: the compile seconds of every program it ran; the arrays still alive
+  after it (none should be) and the device's memory in use.
 
-Sizes are chosen by backend (SIZES); `--tiny` makes every model tiny and compiles without XLA's costly passes
-(CPU, the test suite: its figures only show that everything runs). A section that fails
-(out of device memory, say) emits an "error" record and the suite goes on; the whole suite is sized to take at
-most 6 minutes on one H200. One device is used.
+On an accelerator the sizes are fitted to the device's memory (`suite_parts.device_sizes`); the CPU has fixed
+ones (`suite_parts.SIZES`); `--tiny` makes every model tiny and compiles without XLA's costly passes (CPU, the test
+suite: its figures only show that everything runs). A section that fails (out of device memory, say) emits an
+"error" record and the suite goes on; the whole suite is sized to take about 6 minutes on one TPU v5e chip. One
+device is used. bench/results/ holds runs on real devices.
 
-    python bench/device_suite.py [--only device,train,train_lora,decode,decode_int8,serving] [--tiny]
+    python bench/device_suite.py [--only device,train,...] [--tiny] [--out bench/results/KIND-DATE.jsonl]
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
+import gc
+import json
 import os
+import platform
+import subprocess
 import sys
 import time
 import traceback
@@ -32,57 +42,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 
-from bench.common import emit, figure, matmul_peak_flop_per_s, read_bandwidth_bytes_per_s, train_flops_per_token
-from bench.suite_parts import (CompileLog, Peaks, decode_records, one_device_layout, random_decode_params,
-                               serving_records)
-from mesh_transformer.model import table
-from mesh_transformer import config
-from mesh_transformer.platforms import platform_setup
+from bench.common import copy_bandwidth_bytes_per_s, emit, figure, matmul_peak_flop_per_s, train_flops_per_token
+from bench.suite_parts import (SIZES, CompileLog, Peaks, Sizes, decode_records, device_sizes, error_text,
+                               model_config, one_device_layout, param_count, random_arrays, serving_records,
+                               train_bytes)
 from mesh_transformer.model import gptj
 from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.parallel.mesh import make_dp_mp
+from mesh_transformer.platforms import platform_setup
 from mesh_transformer.train import optim
 from mesh_transformer.train import state as state_lib
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (device_kind contains, dense bf16 TFLOP/s, memory TB/s), first match wins: the vendors' datasheets.
 DATASHEET = [("H200", 989, 4.8), ("H100 PCIe", 756, 2.0), ("H100", 989, 3.35), ("B200", 2250, 8.0),
-             ("A100", 312, 2.0), ("L40S", 362, 0.86), ("TPU v4", 275, 1.2), ("TPU v5 lite", 197, 0.82),
-             ("TPU v5e", 197, 0.82), ("TPU v5p", 459, 2.76), ("TPU v5", 459, 2.76), ("TPU v6 lite", 918, 1.64)]
-
-GPTJ_6B = {"layers": 28, "d_model": 4096, "n_heads": 16, "n_vocab": 50400, "pe_rotary_dims": 64}
-GPTJ_1P3B = {"layers": 24, "d_model": 2048, "n_heads": 16, "n_vocab": 50400, "pe_rotary_dims": 64, "seq": 2048}
-BENCH_MODEL = {"layers": 6, "d_model": 512, "n_heads": 8, "n_vocab": 50400, "pe_rotary_dims": 32, "seq": 256}
-TINY_MODEL = {"layers": 2, "d_model": 64, "n_heads": 4, "n_vocab": 256, "pe_rotary_dims": 8, "seq": 64}
-
-
-@dataclasses.dataclass(frozen=True)
-class Sizes:
-    """How big each section runs on one backend."""
-    matmul_n: int
-    bandwidth_bytes: int
-    train_model: dict
-    train_batch: int
-    lora_model: dict
-    decode_model: dict  # its seq is the cache length
-    decode_batches: tuple[int, ...]
-    decode_context: int  # positions already in the cache when the timed decode steps start
-    serving_clients: int
-    serving_one_at_a_time: int  # requests timed one after another
-    serving_prompt_len: int
-    serving_new_tokens: int
-    repeats: int  # timed train steps, and decode steps per batch x 4
-
-
-ACCELERATOR = Sizes(8192, 2 ** 30, GPTJ_1P3B, 8, {**GPTJ_6B, "seq": 2048}, {**GPTJ_6B, "seq": 256},
-                    (1, 16, 64, 256), 128, 64, 8, 32, 64, 5)
-SIZES = {
-    "gpu": ACCELERATOR,
-    "tpu": ACCELERATOR,
-    "cpu": Sizes(2048, 2 ** 29, BENCH_MODEL, 4, BENCH_MODEL, BENCH_MODEL, (1, 16, 64, 256), 128, 64, 4, 32, 16, 3),
-    "tiny": Sizes(256, 2 ** 24, TINY_MODEL, 2, TINY_MODEL, TINY_MODEL, (1, 4), 16, 8, 2, 8, 4, 2),
-}
+             ("A100", 312, 2.0), ("L40S", 362, 0.86), ("TPU v4", 275, 1.2), ("TPU v5 lite", 197, 0.819),
+             ("TPU v5e", 197, 0.819), ("TPU v5p", 459, 2.76), ("TPU v5", 459, 2.76), ("TPU v6 lite", 918, 1.64)]
+DEFAULT_BYTES_LIMIT = 16 * 2 ** 30  # an accelerator that does not say how much memory it has is planned as 16 GiB
 # --tiny only shows that everything runs, so it compiles without XLA's costly backend passes (half the time).
 TINY_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 SECTIONS = ("device", "train", "train_lora", "decode", "decode_int8", "serving")
@@ -97,70 +76,115 @@ def datasheet(device: jax.Device) -> tuple[float | None, float | None]:
     return None, None
 
 
+def memory_stats(device: jax.Device) -> dict:
+    """The device's allocator figures (bytes_limit, bytes_in_use, peak_bytes_in_use...), {} where it has none."""
+    try:
+        return device.memory_stats() or {}
+    except Exception:  # backends without them raise rather than return None
+        return {}
+
+
+def sizes_for(device: jax.Device, tiny: bool) -> Sizes:
+    """The sizes the sections run at: fixed on the CPU and with --tiny, else fitted to the device's memory."""
+    if tiny or device.platform == "cpu":
+        return SIZES["tiny" if tiny else "cpu"]
+    return device_sizes(device, memory_stats(device).get("bytes_limit", DEFAULT_BYTES_LIMIT))
+
+
+def git_commit() -> tuple[str, bool | None]:
+    """(HEAD's commit, whether tracked files differ from it), or ("unknown", None) outside a git checkout."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+                              timeout=30).stdout.strip()
+
+    try:
+        return git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", None
+
+
+def meta_record(device: jax.Device, sizes: Sizes, sections: list[str]) -> dict:
+    commit, dirty = git_commit()
+    return {"bench": "meta", "git_commit": commit, "git_dirty": dirty,
+            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "platform": device.platform, "device_kind": device.device_kind, "devices_present": jax.device_count(),
+            "bytes_limit": memory_stats(device).get("bytes_limit"), "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__, "python": platform.python_version(), "sections": sections,
+            "sizes": dataclasses.asdict(sizes)}
+
+
 def measure_device(device: jax.Device, sizes: Sizes) -> tuple[dict, Peaks]:
     """The device record, and the peaks the other sections are measured against."""
     dtype = jnp.float32 if device.platform == "cpu" else jnp.bfloat16
     flop_per_s = matmul_peak_flop_per_s(sizes.matmul_n, dtype, device)
-    bytes_per_s = read_bandwidth_bytes_per_s(sizes.bandwidth_bytes, device)
+    bytes_per_s = copy_bandwidth_bytes_per_s(sizes.copy_bytes, device)
     sheet_flop_per_s, sheet_bytes_per_s = datasheet(device)
     record = {"bench": "device", "platform": device.platform, "device_kind": device.device_kind,
-              "devices_present": jax.device_count(), "matmul_dtype": jnp.dtype(dtype).name,
-              "matmul_n": sizes.matmul_n, "measured_tflop_per_s": figure(flop_per_s / 1e12),
-              "measured_read_gb_per_s": figure(bytes_per_s / 1e9), "jax": jax.__version__}
+              "matmul_dtype": jnp.dtype(dtype).name, "matmul_n": sizes.matmul_n,
+              "measured_tflop_per_s": figure(flop_per_s / 1e12), "copy_gb": figure(sizes.copy_bytes / 1e9),
+              "measured_copy_gb_per_s": figure(bytes_per_s / 1e9)}
     if sheet_flop_per_s:
-        record.update(datasheet_bf16_tflop_per_s=sheet_flop_per_s / 1e12, datasheet_tb_per_s=sheet_bytes_per_s / 1e12,
+        record.update(datasheet_bf16_tflop_per_s=sheet_flop_per_s / 1e12, datasheet_gb_per_s=sheet_bytes_per_s / 1e9,
                       fraction_of_datasheet_flops=figure(flop_per_s / sheet_flop_per_s),
                       fraction_of_datasheet_bandwidth=figure(bytes_per_s / sheet_bytes_per_s))
     return record, Peaks(flop_per_s, bytes_per_s, sheet_flop_per_s, sheet_bytes_per_s)
 
 
-def model_config(model: dict, **overrides) -> config.Config:
-    """A single-device config of a model shape (`compute_dtype` auto unless overridden)."""
-    return config.from_dict({**model, "cores_per_replica": 1, "warmup_steps": 0, **overrides})
-
-
-def time_steps_s(step, state, batch, repeats: int, *extra) -> tuple[float, dict]:
-    """Best seconds per train step over `repeats` (after one untimed), and the state after them."""
+def time_steps_s(step, state, batch, repeats: int, *extra) -> float:
+    """Best seconds per train step over `repeats` (after one untimed)."""
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
         state, metrics = step(state, batch, *extra)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
-    return min(times[1:]), state
+    return min(times[1:])
 
 
-def train_record(name: str, cfg: config.Config, batch: int, repeats: int, peaks: Peaks, device: jax.Device,
-                 flops_per_token: float) -> dict:
-    """Tokens/s and MFU of the one train step on this config (with LoRA: over a random base in base_dtype),
-    compiled ahead and timed."""
+def compiled_bytes(compiled) -> int:
+    """A compiled program's device bytes by the compiler: arguments, outputs and temporaries, less what outputs
+    reuse of the arguments."""
+    mem = compiled.memory_analysis()
+    return (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+            - mem.alias_size_in_bytes)
+
+
+def train_record(name: str, cfg, repeats: int, peaks: Peaks, device: jax.Device, flops_per_token: float) -> dict:
+    """Tokens/s and MFU of the one train step on this config (with LoRA: over a random base in base_dtype), compiled
+    ahead from the arguments' shapes, then run on random params made leaf by leaf (`random_arrays`)."""
     layout = make_layout(cfg, mesh=make_dp_mp(1, 1, [device]))
+    cfg = layout.cfg  # "auto" resolved for the device
     opt = optim.make_optimizer(cfg)
-    state = state_lib.init_train_state(layout, opt, jax.random.PRNGKey(0))
-    base = {}
-    if cfg.lora_rank:
-        dtype = gptj.precision(cfg).frozen
-        base = jax.jit(lambda key: jax.tree.map(lambda x: x.astype(dtype), table.init_params(cfg, key)),
-                       out_shardings=layout.param_shardings())(jax.random.PRNGKey(1))
-    tokens = np.random.default_rng(0).integers(0, cfg.n_vocab, (1, batch, cfg.seq + 1)).astype(np.int32)
-    tokens = jax.device_put(tokens, layout.batch_sharding())
+    abstract_state, abstract_tokens, abstract_base = state_lib.abstract_step_args(layout, opt)
     start = time.perf_counter()
-    if base:  # as the trainer runs LoRA: the base in the layouts the step's compiler chose
+    if cfg.lora_rank:  # as the trainer runs LoRA: the base in the layouts the step's compiler chose
         step, formats = state_lib.compile_train_step(layout, opt, optim.lr_schedule(cfg))
-        base = state_lib.place_frozen(base, formats)
     else:
-        step = state_lib.make_train_step(layout, opt, optim.lr_schedule(cfg)).lower(state, tokens, base).compile()
+        step = state_lib.make_train_step(layout, opt, optim.lr_schedule(cfg)).lower(
+            abstract_state, abstract_tokens, abstract_base).compile(compiler_options=layout.policy.compiler_options())
     compile_s = time.perf_counter() - start
-    step_s, _ = time_steps_s(step, state, tokens, repeats, base)
-    tokens_per_s = batch * cfg.seq / step_s
+    params = random_arrays(abstract_state["params"], seed=1)
+    state = {"step": jax.device_put(jnp.zeros((), jnp.int32), layout.replicated), "params": params,
+             "opt_state": state_lib.init_opt_state(layout, params, opt)}
+    del params  # the state's now, donated to the step
+    base = state_lib.place_frozen(random_arrays(abstract_base, seed=1000), formats) if cfg.lora_rank else {}
+    tokens = np.random.default_rng(0).integers(0, cfg.n_vocab, abstract_tokens.shape).astype(np.int32)
+    tokens = jax.device_put(tokens, abstract_tokens.sharding)
+    step_s = time_steps_s(step, state, tokens, repeats, base)
+    batch, micro_batches = cfg.per_replica_batch, cfg.gradient_accumulation_steps
+    tokens_per_s = micro_batches * batch * cfg.seq / step_s
+    precision = gptj.precision(cfg)
     record = {"bench": name, "layers": cfg.layers, "d_model": cfg.d_model, "seq": cfg.seq, "batch": batch,
-              "compute_dtype": gptj.precision(cfg).compute.name, "remat": cfg.remat,
-              "join_projections": cfg.join_projections, "compile_s": figure(compile_s),
+              "micro_batches": micro_batches, "params": param_count(cfg), "compute_dtype": precision.compute.name,
+              "param_dtype": precision.params.name, "remat": cfg.remat, "join_projections": cfg.join_projections,
+              "compile_s": figure(compile_s), "compiled_gb": figure(compiled_bytes(step) / 1e9),
               "step_s": figure(step_s), "tokens_per_s": figure(tokens_per_s),
               "model_tflop_per_s": figure(tokens_per_s * flops_per_token / 1e12),
               "mfu_of_measured_peak": figure(tokens_per_s * flops_per_token / peaks.flop_per_s)}
     if cfg.lora_rank:
-        record.update(lora_rank=cfg.lora_rank, base_dtype=cfg.base_dtype)
+        record.update(lora_rank=cfg.lora_rank, base_dtype=precision.frozen.name)
+    else:
+        record["estimated_gb"] = figure(train_bytes(cfg, batch)["total"] / 1e9)
     if peaks.datasheet_flop_per_s:
         record["mfu_of_datasheet_peak"] = figure(tokens_per_s * flops_per_token / peaks.datasheet_flop_per_s)
     return record
@@ -169,41 +193,56 @@ def train_record(name: str, cfg: config.Config, batch: int, repeats: int, peaks:
 def train_lora_record(sizes: Sizes, peaks: Peaks, device: jax.Device) -> dict:
     """The GPT-J-6B LoRA step (rank 16, all targets, base bf16, remat). Its FLOPs: the full step's less the base's
     weight gradients (a third of the matmul work), adapters' own work ignored."""
-    cfg = model_config(sizes.lora_model, remat=True, lora_rank=16, base_dtype="bfloat16")
+    cfg = model_config(sizes.lora_model, remat=True, lora_rank=16, base_dtype="bfloat16", per_replica_batch=1)
     full = train_flops_per_token(cfg)
     matmul_params = cfg.layers * (4 * cfg.d_model ** 2 + 2 * cfg.d_model * cfg.d_ff) + cfg.d_model * cfg.n_vocab
-    return train_record("train_lora_6b", cfg, 1, sizes.repeats, peaks, device, full - 2 * matmul_params)
+    return train_record("train_lora_6b", cfg, sizes.repeats, peaks, device, full - 2 * matmul_params)
 
 
-def run_section(name: str, device: jax.Device, sizes: Sizes, state: dict) -> list[dict]:
-    """The records of one section; `state` carries the peaks from the device section to the others."""
+def run_section(name: str, device: jax.Device, sizes: Sizes, peaks: Peaks | None) -> tuple[list[dict], Peaks]:
+    """The records of one section, and the peaks the others are measured against (the device section's, else
+    measured here)."""
     if name == "device":
-        record, state["peaks"] = measure_device(device, sizes)
-        return [record]
-    peaks = state.get("peaks") or measure_device(device, sizes)[1]
+        record, peaks = measure_device(device, sizes)
+        return [record], peaks
+    peaks = peaks or measure_device(device, sizes)[1]
     if name == "train":
-        cfg = model_config(sizes.train_model, remat=True)
-        return [train_record("train_1p3b", cfg, sizes.train_batch, sizes.repeats, peaks, device,
-                             train_flops_per_token(cfg))]
+        cfg = model_config(sizes.train_model, remat=True, per_replica_batch=sizes.train_batch,
+                           gradient_accumulation_steps=sizes.train_micro_batches)
+        return [train_record("train", cfg, sizes.repeats, peaks, device, train_flops_per_token(cfg))], peaks
     if name == "train_lora":
-        return [train_lora_record(sizes, peaks, device)]
+        return [train_lora_record(sizes, peaks, device)], peaks
+    if name == "decode":
+        layout = one_device_layout(model_config(sizes.decode_model), device)
+        return decode_records(layout, sizes.decode_batches, sizes, peaks), peaks
     if name == "decode_int8":  # int8 weights (model/quant.py): the bytes a step reads, about halved
         layout = one_device_layout(model_config(sizes.decode_model, weight_dtype="int8"), device)
-        return decode_records(layout, random_decode_params(layout), sizes, peaks)
-    if name not in ("decode", "serving"):
-        raise ValueError(name)
-    layout = one_device_layout(model_config(sizes.decode_model), device)
-    if "decode_params" not in state:  # made once for decode and serving: on a 6B model that is worth it
-        state["decode_params"] = random_decode_params(layout)
-    if name == "decode":
-        return decode_records(layout, state["decode_params"], sizes, peaks)
-    return serving_records(layout, state["decode_params"], sizes)
+        return decode_records(layout, sizes.decode_int8_batches, sizes, peaks), peaks
+    if name == "serving":
+        return serving_records(one_device_layout(model_config(sizes.serving_model), device), sizes), peaks
+    raise ValueError(name)
+
+
+def memory_record(name: str, device: jax.Device) -> dict:
+    """What is left on the device after a section, its programs and references dropped: the arrays still alive
+    (none should be) and the allocator's bytes in use and peak so far, where the device reports them."""
+    gc.collect()  # the engine's thread and closures hold params in reference cycles
+    jax.clear_caches()
+    arrays = jax.live_arrays()
+    stats = memory_stats(device)
+    record = {"bench": "memory", "section": name, "live_arrays": len(arrays),
+              "live_bytes": sum(x.nbytes for x in arrays)}
+    for key in ("bytes_in_use", "peak_bytes_in_use"):
+        if key in stats:
+            record[key] = stats[key]
+    return record
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"sections to run, of {','.join(SECTIONS)}")
     parser.add_argument("--tiny", action="store_true", help="tiny models and sizes (CPU, the test suite)")
+    parser.add_argument("--out", help="also append every JSON line to this file (bench/results/, say)")
     args = parser.parse_args()
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
@@ -211,22 +250,35 @@ def main() -> None:
         parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
     if args.tiny:  # before JAX starts its backend, which reads XLA_FLAGS
         os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *TINY_XLA_FLAGS]).strip()
+    out = open(args.out, "a") if args.out else None
+
+    def write(record: dict) -> None:
+        emit(**record)
+        if out:
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+
     device = jax.devices()[0]
-    sizes = SIZES["tiny" if args.tiny else device.platform]
-    compiles, state = CompileLog(), {}
+    sizes = sizes_for(device, args.tiny)
+    write(meta_record(device, sizes, sections))
+    compiles, peaks = CompileLog(), None
     for name in sections:
         start = time.perf_counter()
         compiles.start()
         try:
-            records = run_section(name, device, sizes, state)
+            records, peaks = run_section(name, device, sizes, peaks)
         except Exception as e:  # one failed section (out of memory, say) must not cost the others their figures
-            records = [{"bench": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}]
+            records = [{"bench": name, "error": error_text(e)}]
             traceback.print_exc(file=sys.stderr)
         for record in records:
-            emit(**record)
+            write(record)
         compiled = compiles.summary()
         if compiled:
-            emit(bench="compile", section=name, section_wall_s=figure(time.perf_counter() - start), **compiled)
+            write({"bench": "compile", "section": name, "section_wall_s": figure(time.perf_counter() - start),
+                   **compiled})
+        write(memory_record(name, device))
+    if out:
+        out.close()
 
 
 if __name__ == "__main__":

@@ -1,24 +1,31 @@
-"""The decode and serving sections of bench/device_suite.py, and what they share with it: the measured peaks and
-the compile-time log."""
+"""What bench/device_suite.py's sections are made of: the sizes each runs at (fixed on the CPU, fitted to an
+accelerator's memory by `device_sizes`), random models made leaf by leaf in their final form, the decode and serving
+sections, the measured peaks and the compile-time log."""
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
 import threading
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from bench.common import figure
-from mesh_transformer.model import table
-from mesh_transformer.config import Config
+from mesh_transformer import config
+from mesh_transformer.aot import shard_bytes
 from mesh_transformer.infer.choose import fill_sampling
 from mesh_transformer.infer.decode import Steps, block_sizes, default_block
+from mesh_transformer.infer.params import abstract_params, make_inference_layout
 from mesh_transformer.infer.programs import Programs
-from mesh_transformer.infer.params import make_inference_layout, place_params
-from mesh_transformer.model import gptj
+from mesh_transformer.model import gptj, quant, table
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import make_dp_mp
+from mesh_transformer.platforms import for_devices
 from mesh_transformer.serve.completion import Event, GenerationRequest
 from mesh_transformer.serve.engine import Engine
 
@@ -26,9 +33,193 @@ BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src
 SERVING_GOAL_SPEEDUP = 20
 REQUEST_TIMEOUT_S = 600
 
+GPTJ_6B = {"layers": 28, "d_model": 4096, "n_heads": 16, "n_vocab": 50400, "pe_rotary_dims": 64}
+GPTJ_TRAIN = {"d_model": 2048, "n_heads": 16, "n_vocab": 50400, "pe_rotary_dims": 64, "seq": 2048}  # layers: fitted
+BENCH_MODEL = {"layers": 6, "d_model": 512, "n_heads": 8, "n_vocab": 50400, "pe_rotary_dims": 32, "seq": 256}
+TINY_MODEL = {"layers": 2, "d_model": 64, "n_heads": 4, "n_vocab": 256, "pe_rotary_dims": 8, "seq": 64}
+INT8 = {"weight_dtype": "int8"}
 
+# An accelerator's sections plan to fill this share of its memory limit; an inference program's temporaries beside
+# its arguments (a layer's products, the logits, a 16-row prefill's activations) are given WORKSPACE_BYTES of it.
+HEADROOM = 0.9
+WORKSPACE_BYTES = 1 << 30
+# The batches decode picks from: 1 and the two largest that fit (each is a program to compile: 20-29 s for GPT-J-6B
+# on one TPU v5e's host).
+DECODE_BATCHES = (1, 8, 16, 32, 64, 128, 256)
+SERVING_SEQ = 512  # a serving slot's context: a 256-token prompt and 128 new tokens, with room to spare
+WEIGHT_STD = 0.02  # random float weights' spread; int8 ones span [-127, 127] with scales that give about the same
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """How big each section runs on one device."""
+    matmul_n: int
+    copy_bytes: int  # the array the bandwidth copy reads, and writes again
+    train_model: dict
+    train_batch: int  # sequences per micro-batch
+    train_micro_batches: int  # micro-batches accumulated into each step
+    lora_model: dict
+    decode_model: dict  # its seq is the cache length
+    decode_batches: tuple[int, ...]
+    decode_int8_batches: tuple[int, ...]
+    decode_context: int  # positions already in the cache when the timed decode steps start
+    serving_model: dict  # its seq is each slot's context
+    serving_slots: int
+    serving_clients: int  # requests submitted together
+    serving_one_at_a_time: int  # requests timed one after another
+    serving_prompt_len: int
+    serving_new_tokens: int
+    repeats: int  # timed train steps, and decode steps per batch x 4
+
+
+SIZES = {
+    "cpu": Sizes(2048, 2 ** 29, BENCH_MODEL, 4, 1, BENCH_MODEL, BENCH_MODEL, (1, 16, 64, 256), (1, 16, 64, 256), 128,
+                 {**BENCH_MODEL, **INT8}, 64, 64, 4, 32, 16, 3),
+    "tiny": Sizes(256, 2 ** 24, TINY_MODEL, 2, 1, TINY_MODEL, TINY_MODEL, (1, 4), (1, 4), 16, {**TINY_MODEL, **INT8},
+                  8, 8, 2, 8, 4, 2),
+}
+
+
+def model_config(model: dict, **overrides) -> config.Config:
+    """A single-device config of a model shape (`compute_dtype` auto unless overridden)."""
+    return config.from_dict({**model, "cores_per_replica": 1, "warmup_steps": 0, **overrides})
+
+
+def one_device_layout(cfg: config.Config, device: jax.Device) -> Layout:
+    return make_inference_layout(cfg, mesh=make_dp_mp(1, 1, [device]))
+
+
+# ------------------------------------------------------------------------------------------------------ sizes
+def device_sizes(device: jax.Device, bytes_limit: int, compute_dtype: str = "auto") -> Sizes:
+    """An accelerator's sizes, fitted to `bytes_limit` bytes of device memory (HEADROOM of it): GPT-J-6B decode at
+    the batches whose KV cache fits beside its weights (bf16, then int8), as many int8 serving slots of SERVING_SEQ
+    positions as fit, and the GPT-J-style train model (`GPTJ_TRAIN`) with as many layers as fit. `compute_dtype`
+    stands in for "auto" (to plan for another device from this one, bf16 from a CPU)."""
+    plan = HEADROOM * bytes_limit
+
+    def fit(model: dict) -> int:
+        return slots_that_fit(one_device_layout(model_config(model, compute_dtype=compute_dtype), device), plan)
+
+    decode_model, serving_model = {**GPTJ_6B, "seq": 256}, {**GPTJ_6B, "seq": SERVING_SEQ, **INT8}
+    clients, slots = 64, fit(serving_model)
+    slots = max(1, min(clients, slots if slots < 8 else slots // 8 * 8))
+    train_batch = 1  # a micro-batch of one 2048-token row: the more layers fit
+    dtype = compute_dtype if compute_dtype != "auto" else for_devices([device]).compute_dtype
+    layers = train_layers_that_fit(model_config({**GPTJ_TRAIN, "layers": 1}, compute_dtype=dtype), train_batch, plan)
+    return Sizes(matmul_n=8192, copy_bytes=2 ** 30, train_model={**GPTJ_TRAIN, "layers": max(1, layers)},
+                 train_batch=train_batch, train_micro_batches=4, lora_model={**GPTJ_6B, "seq": 2048},
+                 decode_model=decode_model, decode_batches=_batches(fit(decode_model)),
+                 decode_int8_batches=_batches(fit({**decode_model, **INT8})), decode_context=128,
+                 serving_model=serving_model, serving_slots=slots, serving_clients=clients, serving_one_at_a_time=4,
+                 serving_prompt_len=256, serving_new_tokens=128, repeats=3)
+
+
+def _batches(rows_that_fit: int) -> tuple[int, ...]:
+    """1 and the two largest of DECODE_BATCHES that fit (1 alone when none does: its error then says so)."""
+    fitting = [b for b in DECODE_BATCHES if b <= rows_that_fit]
+    return tuple(sorted({1, *fitting[-2:]}))
+
+
+def decode_bytes(layout: Layout, n_slots: int) -> dict[str, int]:
+    """What decoding on this layout holds on a device: the params in the decode programs' form, a KV cache of n_slots
+    slots of cfg.seq positions, and WORKSPACE_BYTES for the programs' temporaries."""
+    params = shard_bytes(abstract_params(layout))
+    cache = shard_bytes(Programs(layout).abstract_cache(n_slots, [layout.cfg.seq]))
+    return {"params": params, "kv_cache": cache, "workspace": WORKSPACE_BYTES,
+            "total": params + cache + WORKSPACE_BYTES}
+
+
+def slots_that_fit(layout: Layout, plan_bytes: float) -> int:
+    """How many slots of cfg.seq positions fit beside the params in `plan_bytes` (`decode_bytes`)."""
+    empty, one = decode_bytes(layout, 0)["total"], decode_bytes(layout, 1)["kv_cache"]
+    return max(0, int((plan_bytes - empty) // one))
+
+
+def param_count(cfg: config.Config) -> int:
+    return sum(math.prod(s.shape) for s in jax.tree.leaves(table.param_shapes(cfg)))
+
+
+def train_bytes(cfg: config.Config, batch: int) -> dict[str, int]:
+    """Estimated device bytes of the full train step (remat, one micro-batch of `batch` rows at a time): 16 a param
+    (f32 master, Adam's two moments, the gradient sum), 4 more a param outside the layers (a micro-batch's own
+    embedding and head gradients before they are added), and the activations: each layer's input, kept for the
+    backward, and one layer recomputed (its attention scores and probabilities and their gradient in f32, the MLP's
+    four [T, F] arrays, a dozen [T, D] ones) and the head's f32 logits, their softmax less the targets and the
+    gradient's operand, all per row. On one TPU v5e (10 layers, 1 row, 4 micro-batches): 14.55 GB, where the
+    compiler said 14.77."""
+    L, T, D, F, H, V = cfg.layers, cfg.seq, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_vocab
+    c = gptj.precision(cfg).compute.itemsize
+    params = param_count(cfg)
+    outside = params - L * sum(math.prod(s.shape[1:]) for s in jax.tree.leaves(table.param_shapes(cfg)["layers"]))
+    activations = batch * T * (L * D * c + 3 * H * T * 4 + 4 * F * c + 12 * D * c + 3 * V * 4)
+    return {"params": params, "state": 16 * params + 4 * outside, "activations": activations,
+            "total": 16 * params + 4 * outside + activations}
+
+
+def train_layers_that_fit(cfg: config.Config, batch: int, plan_bytes: float, most: int = 256) -> int:
+    """The most layers of cfg's shape whose train step (`train_bytes`) fits in `plan_bytes` (0 when none does)."""
+    fitting = [n for n in range(1, most + 1)
+               if train_bytes(dataclasses.replace(cfg, layers=n), batch)["total"] <= plan_bytes]
+    return max(fitting, default=0)
+
+
+# ----------------------------------------------------------------------------------------------- random models
+def random_arrays(abstract: Any, seed: int = 0) -> Any:
+    """Random arrays for a tree of sharded ShapeDtypeStructs, each leaf made by its own small program straight into
+    its sharding and dtype: no device ever holds a stacked copy beside the tree, nor a leaf in another dtype. Float
+    leaves uniform with spread WEIGHT_STD; int8 ones uniform in [-127, 127]; int8 weights' scales (model/quant.py)
+    small positive floats that give them about the same spread. The numbers are a hash of each element's index
+    (`_hashed_bits`), not jax.random's: XLA:TPU took 1-4 s to compile each leaf's threefry (GPT-J-6B's int8 decode
+    params: 42 s), and a few integer operations compile at once."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    leaves = [_leaf_program(_leaf_kind(path, s.dtype), s.shape, np.dtype(s.dtype), s.sharding)(np.uint32(seed + i))
+              for i, (path, s) in enumerate(flat)]
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _leaf_kind(path: tuple, dtype: Any) -> str:
+    """"int8", "scale" (an int8 weight's scale: model/quant.py's SCALE_AXES, the head's HEAD_SCALE_AXES) or
+    "float"."""
+    if np.dtype(dtype) == np.int8:
+        return "int8"
+    return "scale" if quant.is_scale(path) else "float"
+
+
+def _hashed_bits(seed: jax.Array, shape: tuple) -> jax.Array:
+    """32 well-mixed bits [shape] of each element's flat index and the seed (Wellons' lowbias32 hash), computed
+    element by element, so a program writes them straight into its output."""
+    index = jnp.zeros(shape, jnp.uint32)
+    for axis, stride in enumerate(np.cumprod((1, *shape[::-1]))[-2::-1]):  # wraps past 2^32 elements: harmless
+        index = index + lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride % 2 ** 32)
+    x = index ^ (seed.astype(jnp.uint32) * jnp.uint32(0x9E3779B9))
+    for shift, multiplier in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+        x = (x ^ (x >> shift)) * jnp.uint32(multiplier)
+    return x ^ (x >> 16)
+
+
+@functools.cache  # one program per leaf shape: a 6B model's 28 layers share theirs
+def _leaf_program(kind: str, shape: tuple, dtype: np.dtype, sharding: jax.sharding.Sharding):
+    def make(seed):
+        bits = _hashed_bits(seed, shape)
+        if kind == "int8":
+            return jnp.maximum((bits >> 24).astype(jnp.int32) - 128, -127).astype(dtype)
+        unit = (bits >> 8).astype(jnp.float32) * 2.0 ** -24  # uniform in [0, 1)
+        if kind == "scale":
+            return ((0.5 + unit) * (2 * WEIGHT_STD / 127)).astype(dtype)
+        return ((2 * unit - 1) * (WEIGHT_STD * 3 ** 0.5)).astype(dtype)
+
+    return jax.jit(make, out_shardings=sharding)
+
+
+def random_decode_params(layout: Layout) -> dict:
+    """Random params in the decode programs' form (`infer.params.abstract_params`: layers joined, in the compute
+    dtype or int8 with scales), made leaf by leaf on the devices."""
+    return random_arrays(abstract_params(layout))
+
+
+# --------------------------------------------------------------------------------------------- peaks, compiles
 class Peaks(NamedTuple):
-    """The device's measured matmul rate and read bandwidth, and its datasheet ones (None when not known)."""
+    """The device's measured matmul rate and copy bandwidth, and its datasheet ones (None when not known)."""
     flop_per_s: float
     bytes_per_s: float
     datasheet_flop_per_s: float | None
@@ -60,66 +251,70 @@ class CompileLog:
                 "compile_s": {name: figure(s) for name, s in sorted(by_program.items(), key=lambda kv: -kv[1])}}
 
 
-def random_decode_params(layout: Layout) -> dict:
-    """Random weights in the compute dtype, made on the devices and put in the decode programs' form."""
+# ------------------------------------------------------------------------------------------------------ decode
+def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks: Peaks) -> list[dict]:
+    """Decode tokens/s of random weights (`random_decode_params`) at each batch against the bandwidth roofline: the
+    bytes a step reads over the datasheet's bandwidth where it is known (else the measured copy's), and over the
+    measured copy's too. A step almost only reads, where the copy reads and writes alike, so it can beat the copy
+    (one TPU v5e: 695 GB/s against 645, fraction_of_measured_roofline 1.07): the datasheet's is the primary figure.
+    One program per batch, compiled ahead (one after another: compiled at once on one TPU v5e's host they took as
+    long in all), each run for sizes.repeats x 4 steps from sizes.decode_context cached positions. A batch that
+    fails (out of memory, say) gives an "error" record and ends the section: the larger ones would too."""
     cfg = layout.cfg
-    shapes = table.param_shapes(cfg, gptj.precision(cfg).compute)
-
-    def make(key):
-        leaves, treedef = jax.tree.flatten(shapes)
-        keys = jax.random.split(key, len(leaves))
-        return jax.tree.unflatten(treedef, [0.02 * jax.random.normal(k, s.shape, s.dtype)
-                                            for k, s in zip(keys, leaves)])
-
-    return place_params(jax.jit(make, out_shardings=layout.param_shardings())(jax.random.PRNGKey(0)), layout)
-
-
-def one_device_layout(cfg: Config, device: jax.Device) -> Layout:
-    return make_inference_layout(cfg, mesh=make_dp_mp(1, 1, [device]))
-
-
-def decode_records(layout: Layout, params: dict, sizes, peaks: Peaks) -> list[dict]:
-    """Decode tokens/s at each batch against the bandwidth roofline: one program per batch, compiled ahead, run
-    for sizes.repeats x 4 steps from sizes.decode_context cached positions."""
-    cfg = layout.cfg
+    params = random_decode_params(layout)
     programs = Programs(layout)
     blocks = block_sizes(cfg.seq, default_block(cfg.seq))
     n_steps = 4 * sizes.repeats
     n_blocks = min(len(blocks), -(-(sizes.decode_context + n_steps + 2) // blocks[0]))
     span = sum(blocks[:n_blocks])
-    n_slots = max(sizes.decode_batches)
+    n_slots = max(batches)
     cache, last_N = programs.new_cache(n_slots, blocks), programs.new_slots(n_slots)
-    itemsize = gptj.precision(cfg).compute.itemsize
+    zeros = np.zeros(n_slots, np.int32)
+    precision = gptj.precision(cfg)
     # Every weight is read once a step, but of the embedding only a row per token; each row reads its keys and
     # values of the span in every layer.
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) - params["embed"]["wte"].nbytes
-    kv_bytes_per_row = cfg.layers * 2 * span * cfg.n_heads * cfg.head_dim * itemsize
+    kv_bytes_per_row = cfg.layers * 2 * span * cfg.n_heads * cfg.head_dim * precision.compute.itemsize
+    sheet_bytes_per_s = peaks.datasheet_bytes_per_s or peaks.bytes_per_s
+    base = {"bench": "decode", "layers": cfg.layers, "d_model": cfg.d_model, "dtype": precision.compute.name,
+            "weight_dtype": precision.weights.name, "cache_slots": n_slots, "cached_positions_read": span}
     records = []
-    for batch in sizes.decode_batches:
-        zeros = np.zeros(n_slots, np.int32)
+    for batch in batches:
         steps = Steps(zeros + sizes.decode_context, zeros, fill_sampling(n_slots, []))
-        start = time.perf_counter()
-        step = programs.lower("decode", params, cache, last_N, steps, rows=batch, n_blocks=n_blocks).compile()
-        compile_s = time.perf_counter() - start
-        _, _, last_N, steps, cache = step(params, cache, last_N, steps)
-        jax.block_until_ready(last_N)
-        start = time.perf_counter()
-        for _ in range(n_steps):
-            tokens, _, last_N, steps, cache = step(params, cache, last_N, steps)
-        jax.block_until_ready(tokens)
-        step_s = (time.perf_counter() - start) / n_steps
+        try:
+            start = time.perf_counter()
+            step = programs.lower("decode", params, cache, last_N, steps, rows=batch, n_blocks=n_blocks).compile()
+            compile_s = time.perf_counter() - start
+            _, _, last_N, steps, cache = step(params, cache, last_N, steps)
+            jax.block_until_ready(last_N)
+            start = time.perf_counter()
+            for _ in range(n_steps):
+                _, _, last_N, steps, cache = step(params, cache, last_N, steps)
+            jax.block_until_ready(last_N)
+            step_s = (time.perf_counter() - start) / n_steps
+        except Exception as e:  # the cache may be donated to the failed step: no later batch can run
+            records.append({**base, "batch": batch, "error": error_text(e)})
+            break
         bytes_per_step = weight_bytes + batch * kv_bytes_per_row
-        roofline = batch * peaks.bytes_per_s / bytes_per_step
-        records.append({"bench": "decode", "layers": cfg.layers, "d_model": cfg.d_model, "batch": batch,
-                        "dtype": gptj.precision(cfg).compute.name, "weight_dtype": cfg.weight_dtype,
-                        "cached_positions_read": span,
-                        "compile_s": figure(compile_s), "step_s": figure(step_s),
+        roofline, measured_roofline = (batch * rate / bytes_per_step for rate in (sheet_bytes_per_s,
+                                                                                  peaks.bytes_per_s))
+        records.append({**base, "batch": batch, "compile_s": figure(compile_s), "step_s": figure(step_s),
                         "tokens_per_s": figure(batch / step_s), "gb_read_per_step": figure(bytes_per_step / 1e9),
+                        "read_gb_per_s": figure(bytes_per_step / step_s / 1e9),
+                        "roofline_bandwidth": "datasheet" if peaks.datasheet_bytes_per_s else "measured_copy",
                         "roofline_tokens_per_s": figure(roofline),
-                        "fraction_of_roofline": figure(batch / step_s / roofline)})
+                        "fraction_of_roofline": figure(batch / step_s / roofline),
+                        "measured_roofline_tokens_per_s": figure(measured_roofline),
+                        "fraction_of_measured_roofline": figure(batch / step_s / measured_roofline)})
     return records
 
 
+def error_text(e: BaseException) -> str:
+    """An exception as one line of at most 300 characters, for an "error" record."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+
+
+# ----------------------------------------------------------------------------------------------------- serving
 class _CharPerToken:
     """A stand-in tokenizer, one character per token: every token streams at once and no BPE runs on the host, so
     the figures are the engine's and the device's."""
@@ -168,13 +363,14 @@ def _serving_record(mode: str, runs: list[tuple[float, list[float], int]], new_t
             "ttft_p95_s": figure(float(np.percentile(ttft_s, 95)))}
 
 
-def serving_records(layout: Layout, params: dict, sizes) -> list[dict]:
-    """The engine with sizes.serving_clients requests submitted together, against requests one at a time. A warm
-    pass of each kind first compiles the programs the timed ones use (one cache block: one decode program per
-    row count)."""
+def serving_records(layout: Layout, sizes: Sizes) -> list[dict]:
+    """The engine (sizes.serving_slots slots, random weights, no prefix cache: every prompt is new) with
+    sizes.serving_clients requests submitted together (those beyond the slots wait in its queue), against requests
+    one at a time. A warm pass of each kind first compiles the programs the timed ones use, and only those (one
+    cache block: one decode program per row count; the engine's own warm-up would compile every one)."""
     cfg = layout.cfg
-    engine = Engine(layout, params, _CharPerToken(), max_batch=sizes.serving_clients,
-                    max_queue=2 * sizes.serving_clients, stop_token_ids=(), min_span=cfg.seq)
+    engine = Engine(layout, random_decode_params(layout), _CharPerToken(), max_batch=sizes.serving_slots,
+                    max_queue=2 * sizes.serving_clients, stop_token_ids=(), min_span=cfg.seq, prefix_cache=False)
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, cfg.n_vocab, (sizes.serving_clients, sizes.serving_prompt_len)).tolist()
     new_tokens = sizes.serving_new_tokens
@@ -186,10 +382,11 @@ def serving_records(layout: Layout, params: dict, sizes) -> list[dict]:
                                                   for p in prompts[:sizes.serving_one_at_a_time]], new_tokens)
     finally:
         engine.close()
+    precision = gptj.precision(cfg)
     for record in (together, alone):
-        record.update(clients=sizes.serving_clients, prompt_len=sizes.serving_prompt_len, layers=cfg.layers,
-                      d_model=cfg.d_model)
+        record.update(clients=sizes.serving_clients, slots=engine.n_slots, prompt_len=sizes.serving_prompt_len,
+                      seq=cfg.seq, layers=cfg.layers, d_model=cfg.d_model, dtype=precision.compute.name,
+                      weight_dtype=precision.weights.name)
     speedup = together["tokens_per_s"] / alone["tokens_per_s"]
     return [together, alone, {"bench": "serving_speedup", "concurrent_over_one_at_a_time": figure(speedup),
                               "goal": SERVING_GOAL_SPEEDUP, "met": speedup >= SERVING_GOAL_SPEEDUP}]
-

@@ -1,11 +1,18 @@
 """bench/device_suite.py --tiny runs on CPU inside the test suite, so the suite that is run when an accelerator
-appears cannot rot unseen."""
+appears cannot rot unseen; its sizing for an accelerator is checked against a 16 GiB chip's memory."""
+import dataclasses
 import json
 import math
 
+import jax
+
+from bench.suite_parts import (GPTJ_6B, HEADROOM, INT8, decode_bytes, device_sizes, model_config, one_device_layout,
+                               train_bytes)
 from tests.helpers import run_script
 
-SECTIONS = {"device", "train_1p3b", "train_lora_6b", "decode", "serving", "serving_speedup", "compile"}
+RECORDS = {"meta", "device", "train", "train_lora_6b", "decode", "serving", "serving_speedup", "compile", "memory"}
+SECTIONS = {"device", "train", "train_lora", "decode", "decode_int8", "serving"}
+V5E_BYTES_LIMIT = 16_909_336_064  # what one TPU v5e chip's memory_stats() says
 
 
 def numbers(record):
@@ -17,17 +24,42 @@ def numbers(record):
             yield value
 
 
-def test_tiny_suite_emits_every_record_with_finite_positive_figures():
-    result = run_script("bench/device_suite.py", "--tiny")
+def test_tiny_suite_emits_every_record_with_finite_positive_figures(tmp_path):
+    out = tmp_path / "run.jsonl"
+    result = run_script("bench/device_suite.py", "--tiny", "--out", str(out))
     assert result.returncode == 0, result.stderr[-2000:]
     records = [json.loads(line) for line in result.stdout.splitlines()]
-    assert {r["bench"] for r in records} == SECTIONS
+    assert [json.loads(line) for line in out.read_text().splitlines()] == records
+    assert {r["bench"] for r in records} == RECORDS
     assert not [r for r in records if "error" in r]
+    meta = records[0]
+    assert meta["bench"] == "meta" and meta["git_commit"] and meta["date_utc"] and meta["device_kind"] == "cpu"
     for record in records:
-        figures = list(numbers(record))
-        assert figures and all(math.isfinite(x) and x > 0 for x in figures), record
-    for weights in ("compute", "int8"):
+        if record["bench"] not in ("meta", "memory"):
+            figures = list(numbers(record))
+            assert figures and all(math.isfinite(x) and x > 0 for x in figures), record
+    for weights in ("float32", "int8"):
         assert sorted(r["batch"] for r in records if r["bench"] == "decode" and r["weight_dtype"] == weights) == [1, 4]
     assert {r["mode"] for r in records if r["bench"] == "serving"} == {"concurrent", "one_at_a_time"}
-    assert {r["section"] for r in records if r["bench"] == "compile"} == {"device", "train", "train_lora", "decode",
-                                                                                   "decode_int8", "serving"}
+    assert {r["section"] for r in records if r["bench"] == "compile"} == SECTIONS
+    memory = [r for r in records if r["bench"] == "memory"]
+    assert {r["section"] for r in memory} == SECTIONS
+    assert all(r["live_arrays"] == 0 and r["live_bytes"] == 0 for r in memory), memory
+
+
+def test_sizes_for_a_16_gib_chip_fit_its_memory():
+    device = jax.devices("cpu")[0]
+    sizes = device_sizes(device, V5E_BYTES_LIMIT, compute_dtype="bfloat16")
+    plan = HEADROOM * V5E_BYTES_LIMIT
+    assert sizes.decode_batches == (1, 8, 16) and sizes.decode_int8_batches == (1, 32, 64)
+    assert sizes.serving_slots == 32 and sizes.serving_model["seq"] == 512
+    assert sizes.train_model["layers"] == 10
+    for model, batches in ((sizes.decode_model, sizes.decode_batches),
+                           ({**sizes.decode_model, **INT8}, sizes.decode_int8_batches),
+                           (sizes.serving_model, (sizes.serving_slots,))):
+        layout = one_device_layout(model_config({**GPTJ_6B, **model}, compute_dtype="bfloat16"), device)
+        assert decode_bytes(layout, max(batches))["total"] <= plan
+        assert decode_bytes(layout, 2 * max(batches))["total"] > plan  # the next batch up would not fit
+    cfg = model_config(sizes.train_model, compute_dtype="bfloat16")
+    assert train_bytes(cfg, sizes.train_batch)["total"] <= plan
+    assert train_bytes(dataclasses.replace(cfg, layers=cfg.layers + 1), sizes.train_batch)["total"] > plan

@@ -75,13 +75,18 @@ def _rounded(w: Any, inv: Any, xp) -> Any:
     return xp.clip(xp.round(w.astype(xp.float32) * inv), -127, 127).astype(xp.int8)
 
 
+def is_scale(path: tuple) -> bool:
+    """Whether the leaf at a key path of the decode programs' params is an int8 weight's f32 scale (a layer's
+    `SCALE_AXES`, the head's `HEAD_SCALE_AXES`)."""
+    names = [getattr(key, "key", None) for key in path]
+    return names[-1] in SCALE_AXES or (names[-1] in HEAD_SCALE_AXES and "lm_head" in names)
+
+
 def cast(tree: Any, dtype: Any) -> Any:
     """The tree's arrays in `dtype`, except int8 weights and their f32 scales, which their products take as they
     are (`by_rows`, `layers.head`)."""
     def leaf(path, x):
-        names = [getattr(key, "key", None) for key in path]
-        held = x.dtype == jnp.int8 or names[-1] in SCALE_AXES or (names[-1] == "scale" and "lm_head" in names)
-        return x if held else x.astype(dtype)
+        return x if x.dtype == jnp.int8 or is_scale(path) else x.astype(dtype)
 
     return jax.tree_util.tree_map_with_path(leaf, tree)
 
