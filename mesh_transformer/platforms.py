@@ -111,13 +111,18 @@ def expected_platform() -> str:
     return CPU
 
 
+# JAX_PLATFORMS for the platform JAX will start on: that backend and the CPU's (the host's own arrays), no other.
+JAX_PLATFORMS = {CPU: "cpu", TPU: "tpu,cpu", GPU: "cuda,cpu"}
+
+
 def pin_platform() -> None:
-    """Make a machine without an accelerator a CPU machine, whatever plugins are installed (called when the package
-    is imported). JAX would try libtpu or the CUDA plugin first, print their start-up failures and fall back: so
-    JAX_PLATFORMS=cpu unless set already, and where a CUDA plugin is installed without a GPU, JAX's plugin
+    """Start JAX on the platform this machine has and the CPU, whatever plugins are installed (called when the
+    package is imported). JAX would try libtpu or the CUDA plugin where no such device is attached (the dev install
+    has both, for compile-only targets), print their start-up failures and fall back: so JAX_PLATFORMS is set
+    (`JAX_PLATFORMS`) unless the user set it, and where a CUDA plugin is installed without a GPU, JAX's plugin
     discovery (whose import of the plugin prints "could not find cuda drivers" lines) runs with stderr held."""
-    if "JAX_PLATFORMS" not in os.environ and expected_platform() == CPU:
-        os.environ["JAX_PLATFORMS"] = CPU
+    if "JAX_PLATFORMS" not in os.environ:
+        os.environ["JAX_PLATFORMS"] = JAX_PLATFORMS[expected_platform()]
     if "jax" in sys.modules or os.path.exists("/dev/nvidiactl") or not any(installed(m) for m in CUDA_PLUGINS):
         return
     with quiet_stderr():

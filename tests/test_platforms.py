@@ -99,3 +99,18 @@ def test_host_memory_returned_gives_freed_blocks_back_inside_the_kept_memory_pro
     kept, returned = map(int, subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                                              check=True, timeout=60).stdout.split())
     assert kept >= 200 and returned <= 16, (kept, returned)
+
+
+def test_jax_starts_on_the_attached_platform_and_the_cpu_only(monkeypatch):
+    # A TPU VM with the dev install (the CUDA plugin too) must not have JAX try CUDA and print its failure.
+    from mesh_transformer import platforms
+
+    for platform, wanted in ((platforms.TPU, "tpu,cpu"), (platforms.GPU, "cuda,cpu"), (platforms.CPU, "cpu")):
+        monkeypatch.delenv("JAX_PLATFORMS")
+        monkeypatch.setattr(platforms, "expected_platform", lambda platform=platform: platform)
+        platforms.pin_platform()
+        assert os.environ["JAX_PLATFORMS"] == wanted
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setattr(platforms, "expected_platform", lambda: platforms.TPU)
+    platforms.pin_platform()
+    assert os.environ["JAX_PLATFORMS"] == "cpu"  # the user's choice stands
