@@ -28,8 +28,16 @@ from mesh_transformer import errors, flags
 from mesh_transformer.parallel.layout import MODES
 
 
+EXAMPLES = """\
+examples:
+  python aot_check.py --config configs/6B_lora_v5litepod-1.json --topology v5litepod-1
+  python aot_check.py --config configs/6B_roto_256.json --topology v3-8 --mode all
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     flags.add_config_args(parser)
     parser.add_argument("--mode", choices=("shard_map", *MODES, "all"),
                         help="parallelism (default: the config's); all: every mode's train step")

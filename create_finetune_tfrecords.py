@@ -9,9 +9,18 @@ import logging
 import sys
 
 
+EXAMPLES = """\
+examples:
+  python create_finetune_tfrecords.py corpus/ mydata --output-dir data --seq 2048 --files-per 10000
+  python create_finetune_tfrecords.py demo_out/corpus/val val --output-dir demo_out/data --seq 64 \\
+      --preserve-data-order
+"""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, with the original tool's flags."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input_path", help="a .txt, .jsonl or .zst (compressed jsonl or txt) file, or a folder of them "
                                       "(searched recursively, sorted)")
     p.add_argument("name", help="output name: files are {name}_{i}_{n_records}.tfrecords, the index {name}.index")

@@ -20,8 +20,16 @@ def stdlib_sources() -> list[str]:
     return sorted(paths, key=lambda p: os.path.relpath(p, root))
 
 
+EXAMPLES = """\
+examples:
+  python demo_corpus.py demo_out/corpus
+  python demo_corpus.py corpus --train-bytes 30000000 --val-bytes 1000000
+"""
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
     parser.add_argument("--train-bytes", type=int, default=3_000_000)
     parser.add_argument("--val-bytes", type=int, default=200_000)

@@ -18,6 +18,14 @@ from mesh_transformer.platforms import platform_setup
 DEFAULT_SEEDS = "0,1234,1234,1234"  # lm_eval's: python random, numpy, torch, few-shot sampling
 
 
+EXAMPLES = """\
+examples:
+  python device_eval.py --ckpt gptj_1shard --tasks lambada_openai,hellaswag --limit 100
+  python device_eval.py --hf gpt-j-6B/ --dtype int8 --tasks hellaswag --num_fewshot 0 --output_path results/ \\
+      --log_samples
+"""
+
+
 def _seeds(value: str) -> list[int | None]:
     """lm_eval's --seed: one integer for all four seeds, or four comma-separated integers or None."""
     items = [None if v.strip().lower() == "none" else int(v) for v in value.split(",")]
@@ -30,7 +38,8 @@ def _seeds(value: str) -> list[int | None]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (lm_eval's own flag names for the evaluation); raises ConfigError on a bad one."""
-    p = Parser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_inference_args(p)
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     p.add_argument("--include_path", help="a directory of extra task YAML files")

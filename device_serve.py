@@ -15,9 +15,17 @@ from mesh_transformer.flags import Parser, add_inference_args
 from mesh_transformer.platforms import platform_setup
 
 
+EXAMPLES = """\
+examples:
+  python device_serve.py --ckpt gptj_1shard --port 5000 --dtype bf16
+  python device_serve.py --hf gpt-j-6B/ --dtype int8 --max-batch 16 --warm-up --api-key KEY
+"""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line; raises ConfigError on a bad one."""
-    p = Parser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_inference_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=5000, help="port (default 5000)")

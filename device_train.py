@@ -11,8 +11,17 @@ import sys
 from mesh_transformer import errors, flags, platforms
 
 
+EXAMPLES = """\
+examples:
+  python device_train.py --config configs/demo.json
+  python device_train.py --config configs/6B_lora_v5litepod-1.json --tune-model-path step_383500/ \\
+      --set train_set=data/mydata.index
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     flags.add_config_args(parser)
     flags.add_distributed_args(parser)
     parser.add_argument("--tune-model-path", help="start from this checkpoint's params, with a fresh schedule")

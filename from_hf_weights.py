@@ -13,8 +13,16 @@ import sys
 from mesh_transformer import errors
 
 
+EXAMPLES = """\
+examples:
+  python from_hf_weights.py --hf-model gptj_hf --output-ckpt gptj_from_hf
+  python from_hf_weights.py --hf-model gpt-j-6B/ --output-ckpt gptj_mp8 --cores-per-replica 8 --dtype bf16
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf-model", required=True, help="HF GPT-J directory: config.json + safetensors (or gs://)")
     parser.add_argument("--output-ckpt", required=True, help="checkpoint root to write step_0 under (local or gs://)")
     parser.add_argument("--cores-per-replica", type=int, default=1,

@@ -7,8 +7,16 @@ import sys
 from mesh_transformer.train.metrics import MetricsError, plot_loss
 
 
+EXAMPLES = """\
+examples:
+  python plot_metrics.py demo_out/model
+  python plot_metrics.py gs://my-bucket/lora_6B_v5litepod-1 --out loss.png
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", help="run directory, local or gs://, holding metrics.jsonl")
     parser.add_argument("--out", help="where to write the PNG (default: MODEL_DIR/loss.png)")
     args = parser.parse_args(argv)

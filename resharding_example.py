@@ -15,8 +15,16 @@ import sys
 from mesh_transformer import errors, flags
 
 
+EXAMPLES = """\
+examples:
+  python resharding_example.py --input-ckpt step_383500/ --config configs/6B_roto_256.json \\
+      --output-ckpt gptj_1shard --cores-per-replica 1 --slim --dtype bf16
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     flags.add_convert_args(parser)
     parser.add_argument("--cores-per-replica", type=int, help="model-parallel layout of the output (default: the "
                                                               "config's cores_per_replica)")

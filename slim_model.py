@@ -15,8 +15,17 @@ import sys
 from mesh_transformer import errors, flags
 
 
+EXAMPLES = """\
+examples:
+  python slim_model.py --input-ckpt runs/6B/step_1000 --config configs/6B_roto_256.json --output-ckpt runs/6B_slim
+  python slim_model.py --input-ckpt step_383500/ --config configs/6B_roto_256.json --output-ckpt gptj_int8 \\
+      --dtype int8
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     flags.add_convert_args(parser)
     parser.add_argument("--dtype", choices=flags.CONVERT_DTYPES, default="bf16",
                         help="dtype of the params (default: bf16; int8: see above)")

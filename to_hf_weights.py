@@ -19,10 +19,18 @@ import sys
 from mesh_transformer import errors, flags
 
 
+EXAMPLES = """\
+examples:
+  python to_hf_weights.py --input-ckpt gptj_1shard --output-path gptj_hf --dtype fp16
+  python to_hf_weights.py --input-ckpt lora_6B_v5litepod-1 --output-path lora_adapter --peft
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     from mesh_transformer.config import parse_size
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input-ckpt", required=True,
                         help="our checkpoint (root or step dir), an original step_N dir, or an HF directory")
     flags.add_config_args(parser, required=False)

@@ -6,19 +6,19 @@ The cache holds N slots of S positions, per layer for keys and for values a list
 only the first blocks, as many as the furthest busy slot needs, in place: slicing a span out of one array per layer
 costs a strided copy per layer per step. A block is [N, S_j, H, K] with its axes in the order the platform policy
 names (`block_shape`): positions last on the CPU, the layout XLA's CPU dot wants for one-token attention; positions
-second for XLA:TPU, which copied every [N, H, K, S] block into that layout around the sampler's decode loop (6.77 GiB
-of GPT-J-6B's 8 slots on a v5e chip); heads before positions for XLA:GPU (the least it copies). Both programs
-run per device (the Layout's shard_map) with the same forward as training, the layers unrolled over unstacked params
-(`params.place_params`): a scan over stacked layers would copy each layer's weights out of the stack at every token.
-Each row's token is chosen by `choose.choose`.
+second for XLA:TPU, which otherwise copies every block into that layout around the sampler's decode loop (6.77 GiB
+for GPT-J-6B's 8 slots on a v5e chip: aot_check.py); heads before positions for XLA:GPU (the least it copies).
+Both programs run per device (the Layout's shard_map) with the same forward as training, the layers unrolled over
+unstacked params (`params.place_params`): a scan over stacked layers would copy each layer's weights out of the
+stack at every token. Each row's token is chosen by `choose.choose`.
 
 A prompt is written from position 0 of its slot (right-padded to its bucket), its rotary positions are its own, and
 its queries see only keys at or before their own position. A prompt whose first tokens are cached already (the
 server's prefix cache, serve/prefix.py) has only the rest computed (`extend_local`): after the cached keys, held in
-its own slot or copied in from another of its dp group. The compiled programs over these functions:
-programs.py. Token i of a request is drawn with key
-fold_in(PRNGKey(seed), i), so a completion does not depend on what else is batched. Shape letters: the legend in
-model/layers.py (here N cache slots, R of them computed in a step, S cache length, T prompt bucket).
+its own slot or copied in from another of its dp group. The compiled programs over these functions: programs.py.
+Token i of a request is drawn with key fold_in(PRNGKey(seed), i), so a completion does not depend on what else is
+batched. Shape letters: the legend in model/layers.py (here N cache slots, R of them computed in a step, S cache
+length, T prompt bucket).
 """
 from __future__ import annotations
 
@@ -113,10 +113,11 @@ def _after_reads(h_RxTxD: jax.Array, dtype) -> jax.Array:
 # ------------------------------------------------------------------------------------------------------- programs
 def cache_dtype(cfg: Config, policy: Policy) -> jnp.dtype:
     """What the cache stores: compute-dtype values, or where the policy says (CPU) the bits of 16-bit ones, as
-    unsigned integers of the same width. XLA's CPU scatter has no bf16 kernel: on bf16 values it rewrote each whole
+    unsigned integers of the same width. XLA's CPU scatter has no bf16 kernel: on bf16 values it rewrites each whole
     block in f32 where only the new positions change; on integers a write touches only its positions. But reading a
     block of bits as values is a copy of the block on that backend, every step: f32 values, which its scatter
-    handles, are stored as they are (bits cost the bench config's batch-32 decode a third of its speed)."""
+    handles, are stored as they are (as bits they would cost a third of the decode speed: bench/bench_sampling.py,
+    batch 32)."""
     dtype = gptj.precision(cfg).compute
     return jnp.dtype(f"uint{8 * dtype.itemsize}") if policy.cache_bits and dtype.itemsize < 4 else dtype
 

@@ -74,9 +74,9 @@ def dense(x: jax.Array, w, policy: Policy) -> jax.Array:
 def _matmul(x: jax.Array, w_DxF: jax.Array) -> jax.Array:
     """x @ w with a hand-written backward: the weight's gradient as x^T dy, or as (dy^T x)^T where x is the wider.
     XLA's CPU backend transposes the left side of such a product into a copy; JAX's own transpose of x @ w always
-    computes (dy^T x)^T, so XLA copied dy (for fc_in the wider side) and ran a slower product. On a 2-core CPU at
-    1024 tokens, forward + backward of a [512, 2048] projection took 0.65 of autodiff's time, [512, 512] 0.66,
-    [2048, 512] 0.93; the bench model's fwd + bwd 0.97 (0.93 without its head). The CPU policy's dense backward.
+    computes (dy^T x)^T, so XLA would copy dy (for fc_in the wider side) and run a slower product. Forward +
+    backward on a 2-core CPU at 1024 tokens, against autodiff's: a [512, 2048] projection 0.65 of the time,
+    [512, 512] 0.66, [2048, 512] 0.93; the whole model 0.97 (bench/bench_model.py). The CPU policy's dense backward.
     """
     return x @ w_DxF
 
@@ -191,7 +191,7 @@ def fuse_layer(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None) ->
     then reads each layer's weights in two matrix products instead of six.
 
     The joined matrices are stored one row per output ([N, K]): XLA's CPU matrix-vector products over such rows
-    use both cores of a 2-core machine where [K, N] mostly used one. Under tensor parallelism each device must hold
+    use both cores of a 2-core machine, over [K, N] mostly one. Under tensor parallelism each device must hold
     its own heads and MLP columns side by side, so the matrices carry a device axis: "in" [tp, 3*D/tp + F/tp, D]
     and "out" [tp, D, D/tp + F/tp], split on it. `xp` is jax.numpy, or numpy to join a layer on the host. An int8 layer
     (`quant.quantize_layer`) comes with its groups' `scales`, joined alongside as "in_scale" [tp, 3*D/tp + F/tp]
@@ -257,7 +257,7 @@ def _fused(p: dict, policy: Policy) -> Projections:
     def output(attn_BxTxW, act_BxTxF):
         return product(jnp.concatenate([attn_BxTxW, act_BxTxF], -1), p["out"].reshape(d, -1), scales[1])
     # Inference only, so forward only: on CPU prefill keeps XLA's attention, whose programs compile faster: the
-    # blocked one took 1.2-2.2 s more per 6B prefill program (the serving warm-up compiles 17 of them).
+    # blocked one adds 1.2-2.2 s to each GPT-J-6B prefill program (the serving warm-up compiles 17 of them).
     return Projections(inputs, output, p["out_bias"], "xla" if policy.attention == "blocked" else policy.attention)
 
 

@@ -16,8 +16,8 @@ from mesh_transformer.platforms import Policy
 
 def in_turn(h: jax.Array, weights: Any, policy: Policy) -> Any:
     """The weights, where the policy orders converts (CPU) with the bf16/fp16 matrices made to depend on h. XLA's
-    CPU dot has no bf16 kernel, so it converts such operands to f32 first; nothing ordered those converts, and the
-    scheduler ran all of them up front, every layer's f32 copy alive at once (2x the model in temporaries; an
+    CPU dot has no bf16 kernel, so it converts such operands to f32 first; left unordered, the scheduler runs all
+    those converts up front, every layer's f32 copy alive at once (2x the model in temporaries; an
     optimization_barrier does not help, it is converted too). A select on a value of h, fused into the convert, makes
     each layer's copy wait for the layer before, so one is alive at a time. Accelerators have bf16 dots: nothing is
     done there."""
@@ -47,7 +47,7 @@ def in_pieces(product, w: jax.Array, scale: jax.Array | None, axis: int, policy:
     one piece's f32 copy is alive at a time instead of the matrix's (GPT-J-6B: 0.47 GB for a layer's joined input
     matrix, 0.83 GB for the head). Only for products over at most `dot_piece_tokens` tokens (decode steps, short
     prompts), where the weights outweigh the activations: a long prefill's are larger than one matrix anyway, and
-    pieces made each 6B program compile 1.4-1.9x longer."""
+    pieces make each GPT-J-6B program compile 1.4-1.9x longer."""
     n, tokens = w.shape[axis], x.size // x.shape[-1]
     narrow, short = w.dtype.itemsize < 4, tokens <= policy.dot_piece_tokens
     count = _piece_count(n, w.size // n * 4, policy.dot_piece_bytes) if narrow and short else 1

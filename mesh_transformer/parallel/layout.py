@@ -333,7 +333,8 @@ def gspmd_mappings(cfg: Config) -> Mappings:
 def make_layout(cfg: Config, devices: Sequence[jax.Device] | None = None, mesh: Mesh | None = None) -> Layout:
     """The Layout of cfg.parallelism: on `mesh` when given, else on a mesh built from the devices (by default all)
     by the config: shard_map mp = cores_per_replica (fitted to the devices present: `config.fit_devices`), GSPMD
-    fsdp = mesh_fsdp and tensor = mesh_tensor, the remaining devices data parallel. The platform policy is the mesh's devices'; compute_dtype "auto" becomes the policy's."""
+    fsdp = mesh_fsdp and tensor = mesh_tensor, the remaining devices data parallel. The platform policy is the
+    mesh's devices'; compute_dtype "auto" becomes the policy's."""
     if mesh is None:
         devices = list(jax.devices() if devices is None else devices)
         fitted = fit_devices(cfg, len(devices))

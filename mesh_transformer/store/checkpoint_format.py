@@ -235,7 +235,7 @@ class PieceReader:
         self._directory = directory
         self._loaded: dict[str, np.ndarray] = {}
         # Local files already hashed: mapped again without hashing. A reader taking one layer of every stacked leaf
-        # at a time (inference loading) otherwise hashed the whole checkpoint once per layer (6B: 12 s a layer).
+        # at a time (inference loading) would otherwise hash the whole checkpoint once per layer (6B: 12 s a layer).
         self._verified: set[str] = set()
 
     def forget(self) -> None:

@@ -96,7 +96,7 @@ def compile_train_step(layout: Layout, optimizer: optax.GradientTransformation, 
     """(the train step compiled ahead, the frozen tree's formats): the frozen tree (LoRA's base) taken in the
     layouts the compiler chooses, which `place_frozen` puts it in. In default layouts XLA:TPU copies GPT-J's whole
     stacked q, k and v base into the transposed layout its products want, before the layer loop: 2.63 GiB of
-    temporaries in GPT-J-6B's LoRA step on one v5e chip (4.42 GiB with the copy, 1.79 without)."""
+    temporaries in GPT-J-6B's LoRA step on one v5e chip (aot_check.py --topology v5litepod-1)."""
     split = split or split_of(layout.cfg)
     step = make_train_step(layout, optimizer, schedule, split, frozen_formats=auto_frozen_formats(layout, split))
     options = layout.policy.compiler_options() if compiler_options is None else compiler_options
