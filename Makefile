@@ -17,7 +17,7 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 	touch $@
 
 # Two pytest workers: most of a test is one process compiling, which leaves the second core idle (on 2 cores the
-# suite took 672 s in one process, 502 s in two).
+# suite takes about three quarters of its one-process time).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 tests
 

@@ -248,3 +248,23 @@ def test_a_machine_with_the_plugins_and_no_accelerator_is_a_cpu_machine():
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0 and result.stdout.strip() == "cpu"
     assert result.stderr == ""
+
+
+def test_the_estimate_counts_device_memory_traffic_once():
+    # An asynchronous slice moves its slice once (its done moves nothing); arrays in a TPU core's VMEM (S(1)) are
+    # not device-memory traffic, but what a slice reads into VMEM is.
+    hlo = """HloModule m
+
+ENTRY %main (p: bf16[16,64]) -> f32[4,64] {
+  %p = bf16[16,64]{1,0} parameter(0)
+  %slice-start.1 = ((bf16[16,64]{1,0}), bf16[4,64]{1,0:S(1)}, s32[]{:S(2)}) slice-start(%p), slice={[0:4], [0:64]}
+  %slice-done.1 = bf16[4,64]{1,0:S(1)} slice-done(%slice-start.1)
+  ROOT %convert.1 = f32[4,64]{1,0} convert(%slice-done.1)
+}
+"""
+    module = estimate._Module(hlo)
+    _, _, memory_s = module.times_s(1.0, 1.0)
+    read = 4 * 64 * 2 + 4  # the slice (and the start's s32 counter)
+    assert memory_s == read + 4 * 64 * 4  # the slice, then the convert's f32 result (its VMEM operand is free)
+    assert estimate._bytes("bf16[4,64]{1,0:T(8,128)(2,1)S(1)}") == 0
+    assert estimate._bytes("bf16[4,64]{1,0:T(8,128)(2,1)S(1)}", vmem=True) == estimate._bytes("bf16[4,64]{1,0}") == 512

@@ -79,7 +79,7 @@ def is_placed(params: dict) -> bool:
     return isinstance(params["layers"], list) and "fused" in params["layers"][0]
 
 
-# Made once per shape and placement: a jit made afresh on every call compiled again (each eval during training).
+# Made once per shape and placement: a jit made afresh on every call would compile again (each eval in training).
 @functools.cache
 def _splitter(n_layers: int, one: NamedSharding):
     """A stacked leaf [L, ...] -> L leaves, each placed by `one`."""
@@ -307,8 +307,8 @@ def _place_layer(reader: Any, read_int8: Any, stacked: list, i: int, *, dtype: n
                  shardings: dict) -> dict:
     """Layer i read, joined and placed one half at a time (`layers.fuse_inputs`: q, k, v, fc_in and ln_1; then
     `fuse_outputs`: out and fc_out), each half quantized on the host where `int8` and the checkpoint holds floats.
-    The host holds one half's parts and its joined copy at most (GPT-J-6B in bf16: 2 x 235 MB, where the whole
-    layer's parts and its joined copy were 2 x 402 MB), each freed before the next half is read."""
+    The host holds one half's parts and its joined copy at most (GPT-J-6B in bf16: 2 x 235 MB; a whole layer's
+    would be 2 x 402 MB), each freed before the next half is read."""
     placed: dict = {"fused": {}}
     for fuse in (layers.fuse_inputs, layers.fuse_outputs):
         half = [path for path in stacked if (path[1:] in _OUTPUTS) == (fuse is layers.fuse_outputs)]
