@@ -214,8 +214,8 @@ class _Module:
             return 0.0, 0.0
         if opcode == "slice-start":  # its result tuple holds the whole operand (aliased) and the slice it reads
             return 0.0, max(0, _bytes(shape, vmem=True) - _bytes(shapes.get(operands[0], ""), vmem=True))
-        if opcode == "copy-start":
-            return 0.0, 2.0 * _bytes(shapes.get(operands[0], ""))
+        if opcode == "copy-start":  # (destination, source, context): the source read, the destination written
+            return 0.0, float(_bytes(shape))  # where it is device memory (a prefetch into VMEM writes none)
         if opcode == "dynamic-update-slice":
             return 0.0, 2.0 * _bytes(shapes.get(operands[1], ""))
         if opcode != "fusion":
@@ -308,9 +308,9 @@ def step_estimate(compiled, peak_flops: float, bandwidth: float, tokens: int, mo
     The step's time is the sum over its scheduled instructions of max(FLOPs / peak, bytes / bandwidth), an
     instruction's bytes being those it moves in device memory (not a TPU core's VMEM; an asynchronous slice or copy
     counted once, at its start). Against one v5e chip (bench/device_suite.py, bench/results/) it read 0.87 of the
-    measured GPT-J-6B LoRA step at 1 x 2048 tokens (0.456 s for 0.523), 0.82 of a 10-layer d_model 2048 train
-    step at 4 x 2048 (0.367 s for 0.446), and 0.85-1.06 of GPT-J-6B decode steps (bf16 at batch 1 and 16, int8
-    at batch 1); it overstates int8 decode at batch 64 (1.7x). `estimated_compute_s` and `estimated_memory_s` are
+    measured GPT-J-6B LoRA step at 1 x 2048 tokens (0.456 s for 0.523), 0.83 of a 10-layer d_model 2048 train
+    step at 4 x 2048 (0.370 s for 0.446), and 0.85 / 1.06 of the GPT-J-6B bf16 decode step at batch 1 / 16; int8
+    decode it models poorly (0.68 at batch 1, 1.53 at batch 64). `estimated_compute_s` and `estimated_memory_s` are
     the two sums apart."""
     module = _Module(compiled.as_text())
     weighted, once = module.weighted()

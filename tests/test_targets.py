@@ -266,5 +266,16 @@ ENTRY %main (p: bf16[16,64]) -> f32[4,64] {
     _, _, memory_s = module.times_s(1.0, 1.0)
     read = 4 * 64 * 2 + 4  # the slice (and the start's s32 counter)
     assert memory_s == read + 4 * 64 * 4  # the slice, then the convert's f32 result (its VMEM operand is free)
+    prefetch = """HloModule m
+
+ENTRY %main (p: bf16[16,64]) -> f32[16,64] {
+  %p = bf16[16,64]{1,0} parameter(0)
+  %copy-start.1 = (bf16[16,64]{1,0:S(1)}, bf16[16,64]{1,0}, u32[]{:S(2)}) copy-start(%p)
+  %copy-done.1 = bf16[16,64]{1,0:S(1)} copy-done(%copy-start.1)
+  ROOT %convert.1 = f32[16,64]{1,0} convert(%copy-done.1)
+}
+"""
+    # A prefetch into VMEM reads its source once and writes no device memory.
+    assert estimate._Module(prefetch).times_s(1.0, 1.0)[2] == (16 * 64 * 2 + 4) + 16 * 64 * 4
     assert estimate._bytes("bf16[4,64]{1,0:T(8,128)(2,1)S(1)}") == 0
     assert estimate._bytes("bf16[4,64]{1,0:T(8,128)(2,1)S(1)}", vmem=True) == estimate._bytes("bf16[4,64]{1,0}") == 512
