@@ -12,11 +12,8 @@ import sys
 from functools import partial
 
 from mesh_transformer.errors import run_main
-from mesh_transformer.flags import Parser, add_inference_args
+from mesh_transformer.flags import EVAL_SEEDS, Parser, add_inference_args, parse_seeds
 from mesh_transformer.platforms import platform_setup
-
-DEFAULT_SEEDS = "0,1234,1234,1234"  # lm_eval's: python random, numpy, torch, few-shot sampling
-
 
 EXAMPLES = """\
 examples:
@@ -24,16 +21,6 @@ examples:
   python device_eval.py --hf gpt-j-6B/ --dtype int8 --tasks hellaswag --num_fewshot 0 --output_path results/ \\
       --log_samples
 """
-
-
-def _seeds(value: str) -> list[int | None]:
-    """lm_eval's --seed: one integer for all four seeds, or four comma-separated integers or None."""
-    items = [None if v.strip().lower() == "none" else int(v) for v in value.split(",")]
-    if len(items) == 1:
-        items *= 4
-    if len(items) != 4:
-        raise ValueError(value)
-    return items
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,8 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_gen_toks", type=int, default=256, help="new tokens at most where a task sets none")
     p.add_argument("--output_path", help="where lm_eval's results JSON (and samples JSONL) go")
     p.add_argument("--log_samples", action="store_true", help="also write each sample's inputs and outputs")
-    p.add_argument("--seed", type=_seeds, default=_seeds(DEFAULT_SEEDS),
-                   help=f"python, numpy, torch and few-shot seeds, or one for all (default {DEFAULT_SEEDS})")
+    p.add_argument("--seed", type=parse_seeds, default=parse_seeds(EVAL_SEEDS),
+                   help=f"python, numpy, torch and few-shot seeds, or one for all (default {EVAL_SEEDS})")
     args = p.parse_args(argv)
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not args.tasks:

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> int:
         from mesh_transformer.config import ConfigError, parse_overrides
-        from mesh_transformer.store import adapters, convert
+        from mesh_transformer.store import adapters, convert, hf_export
 
         if args.peft:
             files = adapters.export_peft(args.input_ckpt, args.output_path)
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             args.input_ckpt, **parse_overrides(args.overrides))
         if cfg is None:
             raise ConfigError(f"{args.input_ckpt} carries no config: give --config")
-        files = convert.write_hf(args.input_ckpt, cfg, args.output_path, dtype=args.dtype,
+        files = hf_export.write_hf(args.input_ckpt, cfg, args.output_path, dtype=args.dtype,
                                  max_shard_bytes=args.max_shard_size)
         print(f"wrote {args.output_path}: {', '.join(files)}", flush=True)
         return 0

@@ -98,6 +98,19 @@ def check_sampling_args(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.error(str(e))
 
 
+EVAL_SEEDS = "0,1234,1234,1234"  # lm_eval's: python random, numpy, torch, few-shot sampling
+
+
+def parse_seeds(value: str) -> list[int | None]:
+    """lm_eval's --seed: one integer for all four seeds, or four comma-separated integers or None."""
+    items = [None if v.strip().lower() == "none" else int(v) for v in value.split(",")]
+    if len(items) == 1:
+        items *= 4
+    if len(items) != 4:
+        raise ValueError(value)
+    return items
+
+
 def stdin_lines() -> Iterator[str]:
     """Lines typed (or piped) on stdin, prompted with '> ' on a terminal; blank lines are skipped."""
     while True:

@@ -25,7 +25,7 @@ from mesh_transformer.config import Config, ConfigError, model_parallel_widths
 from mesh_transformer.model import gptj, layers, lora, quant, table
 from mesh_transformer.parallel.layout import SHARD_MAP, Layout, make_layout
 from mesh_transformer.parallel.mesh import DP, MP, make_mesh
-from mesh_transformer.store import convert
+from mesh_transformer.store import convert, placing
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ def read_params(layout: Layout, source: str, lora: str | None = None) -> dict:
     Where the layer is joined, converted and quantized is the platform policy's (`host_loading`): on the CPU, on
     the host (`_place_layer`: its params placed from the file's mapping where they can be, `_read_whole`); on an
     accelerator the host only reads, and each layer's parts go to the devices as stored, where one program per layer
-    shape converts, quantizes and joins them (`_place_layer_on_devices`). Both give the same params bit for bit."""
+    shape converts, quantizes and joins them (`_layer_placer`). Both give the same params bit for bit."""
     cfg = layout.cfg
     precision = gptj.precision(cfg)
     dtype, int8 = precision.compute, precision.int8
@@ -228,11 +228,11 @@ def read_params(layout: Layout, source: str, lora: str | None = None) -> dict:
                                         on_host, layout)
         read_int8 = getattr(reader, "read_int8", None) if int8 else None
         if on_host:
-            place = partial(_place_layer, reader, read_int8, stacked, dtype=dtype, tp_size=layout.mesh.shape[MP],
-                            int8=int8)
+            place = partial(_place_layer, dtype=dtype, tp_size=layout.mesh.shape[MP], int8=int8,
+                            shardings=shardings["layers"][0])
         else:
-            place = partial(_place_layer_on_devices, reader, read_int8, stacked, layout=layout)
-        params["layers"] = [place(i, shardings=shardings["layers"][i])
+            place = _layer_placer(layout)
+        params["layers"] = [place(reader, read_int8, stacked, i)
                             for i in tqdm(range(cfg.layers), desc="loading layers", unit="layer", leave=False)]
     return params
 
@@ -266,30 +266,32 @@ def _head_quantizer(shardings: dict, dtype: Any):
 
 
 def _put(tree: Any, shardings: Any) -> Any:
-    """A tree of host arrays on the devices by `shardings`, each device given only its slice (on every process)."""
-    return jax.tree.map(lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index, x=x: x[index]),
-                        tree, shardings)
+    """A tree of host arrays on the devices by `shardings` (`placing.put_host`)."""
+    return jax.tree.map(placing.put_host, tree, shardings)
 
 
-def _place_layer_on_devices(reader: Any, read_int8: Any, stacked: list, i: int, layout: Layout,
-                            shardings: dict) -> dict:
-    """Layer i read as stored (int8 with its scales from an int8 checkpoint), its parts put on the devices as the
-    training layout splits them, then converted, quantized and joined there by one program (`_fuser`; the scales
-    of a quantization from the host, `_host_scales`); the host holds one layer's parts at a time."""
-    cfg = layout.cfg
-    precision = gptj.precision(cfg)
-    layer, scales = _read_layer(reader, read_int8, stacked, i, None)
-    stacked_shardings = layout.param_shardings()["layers"]
-    part_shardings = jax.tree.map(lambda s, _: NamedSharding(layout.mesh, P(*s.spec[1:])),
-                                  stacked_shardings, layer)
-    parts = _put(layer, part_shardings)
-    del layer
-    inverses = None
-    if precision.int8 and scales is None:  # quantized here, from scales the host computes as it would
-        scales, inverses = _host_scales(_amax_of(precision.compute, layout.replicated)(parts))
-    spec_leaves, spec_tree = jax.tree.flatten(layout.placed_specs()["layers"][i], is_leaf=lambda x: isinstance(x, P))
+def _layer_placer(layout: Layout):
+    """(reader, read_int8, stacked, i) -> layer i read as stored (int8 with its scales from an int8 checkpoint), its
+    parts put on the devices as the training layout splits them, then converted, quantized and joined there by one
+    program (`_fuser`; the scales of a quantization from the host, `_host_scales`); the host holds one layer's parts
+    at a time. The shardings and programs are made once, for every layer."""
+    precision = gptj.precision(layout.cfg)
+    part_shardings = jax.tree.map(lambda s: NamedSharding(layout.mesh, P(*s.spec[1:])),
+                                  layout.param_shardings()["layers"])
+    spec_leaves, spec_tree = jax.tree.flatten(layout.placed_specs()["layers"][0], is_leaf=lambda x: isinstance(x, P))
     fuse = _fuser(layout.mesh, tuple(spec_leaves), spec_tree, 0.0, precision.int8, precision.compute)
-    return jax.block_until_ready(fuse(parts, None, scales, inverses))
+    amax = _amax_of(precision.compute, layout.replicated)
+
+    def place(reader: Any, read_int8: Any, stacked: list, i: int) -> dict:
+        layer, scales = _read_layer(reader, read_int8, stacked, i, None)
+        parts = _put(layer, part_shardings)
+        del layer
+        inverses = None
+        if precision.int8 and scales is None:  # quantized here, from scales the host computes as it would
+            scales, inverses = _host_scales(amax(parts))
+        return jax.block_until_ready(fuse(parts, None, scales, inverses))
+
+    return place
 
 
 def _read_whole(reader: Any, path: tuple, dtype: np.dtype) -> np.ndarray:

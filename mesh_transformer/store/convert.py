@@ -1,5 +1,5 @@
 """Checkpoint interchange: read the params of any checkpoint one array at a time, place them on a mesh, or write them
-as our checkpoint (for any cores_per_replica, slim or not) or as an HF GPT-J directory.
+as our checkpoint (for any cores_per_replica, slim or not); hf_export.py writes them as an HF GPT-J directory.
 
 Sources: our checkpoints (a root holding step_N, or one step directory), original mesh-transformer-jax checkpoints
 (mtj_v1.py) and HF GPT-J directories with safetensors weights (pytorch_model.bin is pickle and is never loaded).
@@ -12,12 +12,9 @@ import contextlib
 import itertools
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import jax
 import numpy as np
 from tqdm import tqdm
 
@@ -164,7 +161,7 @@ class HFReader:
         for (param, layer), (name, transpose) in self._names.items():
             if name not in self._files:
                 raise checkpoint.CorruptCheckpointError(f"HF checkpoint {path} lacks weight '{name}'")
-            want = _hf_shape(self._shapes[param].shape, layer, transpose)
+            want = hf_shape(self._shapes[param].shape, layer, transpose)
             if self._files.shape(name) != want:
                 raise ConfigError(f"HF weight {name} in {path} has shape {self._files.shape(name)}, the config needs "
                                   f"{want}")
@@ -180,7 +177,7 @@ class HFReader:
         self._files.close()
 
 
-def _hf_shape(shape: tuple[int, ...], layer: int | None, transpose: bool) -> tuple[int, ...]:
+def hf_shape(shape: tuple[int, ...], layer: int | None, transpose: bool) -> tuple[int, ...]:
     shape = tuple(shape[1:] if layer is not None else shape)
     return shape[::-1] if transpose else shape
 
@@ -251,8 +248,7 @@ def load_params(layout: Layout, source: str, dtype: Any = None) -> dict:
             if path[0] == "layers":  # one layer on the host at a time, converted on the devices
                 array = placing.put_layers(like.shape, dtype, sharding, lambda i, p=path: reader.read(p, i))
             else:
-                host = read_array(reader, path, like.shape, dtype)
-                array = jax.make_array_from_callback(like.shape, sharding, lambda index, a=host: a[index])
+                array = placing.put_host(read_array(reader, path, like.shape, dtype), sharding)
             set_path(params, path, array)
     return params
 
@@ -367,42 +363,3 @@ def import_hf(hf_dir: str, output: str, *, cores_per_replica: int = 1, dtype: An
     cfg = source_config(hf_dir, cores_per_replica=cores_per_replica)
     step_dir, config_path, _ = _write_with_config(hf_dir, cfg, output, dtype=dtype, slim=True)
     return f"wrote {step_dir} and {config_path}"
-
-
-def write_hf(source: str, cfg: Config, output: str, *, dtype: Any = "fp16", max_shard_bytes: int = 5 * 10**9,
-             tokenizer: str | None = None) -> list[str]:
-    """Writes a checkpoint of any format as an HF GPT-J directory (safetensors, config.json, tokenizer files).
-
-    Weights larger in total than `max_shard_bytes` are split over several files with an index. config.json comes
-    last, so a directory from an interrupted export does not load. Returns the names of the files written.
-    """
-    dtype = table.dtype_named(dtype)
-    layout = hf.hf_layout(cfg.layers)
-    shapes = dict(param_paths(cfg))
-    entries = [(name, _hf_shape(shapes[path].shape, layer, transpose), dtype)
-               for path, layer, name, transpose in layout]
-    with open_params(source, cfg) as reader:
-        def arrays() -> Iterator[tuple[str, np.ndarray]]:
-            for path, layer, name, transpose in tqdm(layout, desc=f"writing {output}", unit="tensor"):
-                array = reader.read(path, layer)
-                yield name, np.ascontiguousarray(array.T if transpose else array, dtype=dtype)
-
-        files = safetensors_io.write_dir(output, entries, arrays(), max_shard_bytes)
-    files += _write_tokenizer(output, tokenizer or cfg.tokenizer)
-    hf_config = {**hf.hf_config(cfg), "torch_dtype": dtype.name}
-    storage.write_bytes_atomic(storage.join(output, "config.json"), json.dumps(hf_config, indent=2).encode())
-    log.info("wrote HF GPT-J directory %s (%d weight files)", output, len(files))
-    return [*files, "config.json"]
-
-
-def _write_tokenizer(output: str, name: str) -> list[str]:
-    """The tokenizer's files (saved by transformers) copied into `output`, local or gs://."""
-    from mesh_transformer.tokenizer import load_tokenizer
-
-    with tempfile.TemporaryDirectory() as tmp:
-        load_tokenizer(name).save_pretrained(tmp)
-        names = sorted(os.listdir(tmp))
-        for file_name in names:
-            with open(os.path.join(tmp, file_name), "rb") as f:
-                storage.write_bytes_atomic(storage.join(output, file_name), f.read())
-    return names

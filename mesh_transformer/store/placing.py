@@ -45,6 +45,11 @@ def put(shape: tuple[int, ...], dtype, sharding: Sharding, read: Callable[[tuple
     return out
 
 
+def put_host(x: np.ndarray, sharding: Sharding) -> jax.Array:
+    """A global host array on the devices by `sharding`, each device given only its slice (on every process)."""
+    return put(x.shape, x.dtype, sharding, lambda index: x[index])
+
+
 def put_layers(shape: tuple[int, ...], dtype, sharding: Sharding, read_layer: Callable[[int], np.ndarray]) -> jax.Array:
     """A stacked [L, ...] array placed one layer at a time from `read_layer(i)` (a whole layer on the host, in any
     dtype), converted to `dtype` on the devices. Where the layers are split over devices, the layers are stacked on

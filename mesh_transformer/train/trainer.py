@@ -6,7 +6,6 @@ import math
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 

@@ -13,7 +13,7 @@ from mesh_transformer.config import ConfigError
 from mesh_transformer.infer import params as infer_params
 from mesh_transformer.infer.sampler import Sampler
 from mesh_transformer.model import layers, table
-from mesh_transformer.store import checkpoint, convert, hf
+from mesh_transformer.store import checkpoint, convert, hf, hf_export
 from tests.helpers import original_shards, random_params, run_scripts, write_mtj_v1
 
 # 2 layers, D 64, 8 heads, V 256, trained at mp 4.
@@ -143,7 +143,7 @@ def sources(tmp_path_factory):
     ours = str(tmp / "ours")
     checkpoint.save(ours, 1, {"step": np.int32(1), "params": params}, {"config": BIG.to_dict()}, blocking=True)
     hf_dir = str(tmp / "hf")
-    convert.write_hf(ours, BIG, hf_dir, dtype="fp32")
+    hf_export.write_hf(ours, BIG, hf_dir, dtype="fp32")
     original = tmp / "original"
     write_mtj_v1(str(original / "step_1"), original_shards(params, BIG, 4, np.random.default_rng(0)), 1, full=False)
     (original / "config.json").write_text(json.dumps(BIG.to_dict()))

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, GPTJForCausalLM
 
 from mesh_transformer.model import table
 from mesh_transformer import storage
-from mesh_transformer.store import checkpoint, convert
+from mesh_transformer.store import checkpoint, convert, hf_export
 from mesh_transformer import config
 from mesh_transformer.parallel import mesh
 from mesh_transformer.parallel.layout import make_layout
@@ -98,7 +98,7 @@ def test_slim_model_keeps_params_only_cast(trained, tmp_path):
 
 
 def _export(source: str, out: str, **options) -> None:
-    convert.write_hf(source, config.load(CONFIG), out, **options)
+    hf_export.write_hf(source, config.load(CONFIG), out, **options)
 
 
 def test_hf_round_trip_is_bit_exact_in_f32(trained, tmp_path):
