@@ -34,18 +34,26 @@ CONFIG = "configs/6B_roto_256.json"
 LORA_CONFIG = "configs/6B_lora_v5litepod-1.json"
 
 
-def meta() -> dict:
-    import mesh_transformer  # noqa: F401  (pins a machine without an accelerator to the CPU before JAX starts)
-    import jax
+META = """
+import json, resource, mesh_transformer, jax
+d = jax.devices()[0]
+print(json.dumps({"platform": d.platform, "device_kind": d.device_kind, "devices": jax.device_count(),
+                  "jax": jax.__version__, "backend_peak_rss_gb": round(resource.getrusage(
+                      resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 2)}))
+"""
 
+
+def meta() -> dict:
+    """The run's first record. JAX starts in a child of its own: a process that holds the chip keeps the stages'
+    children off it, and a child forked from a large process reports that process's peak memory as its own. Its
+    peak host memory (`backend_peak_rss_gb`) is what the backend alone takes: the stages' peaks include it."""
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                 check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = os.environ.get("MTJ_COMMIT", "unknown")
-    device = jax.devices()[0]
-    return {"bench": "meta", "script": "chip_flow", "commit": commit, "platform": device.platform,
-            "device_kind": device.device_kind, "devices": jax.device_count(), "jax": jax.__version__,
+    devices = subprocess.run([sys.executable, "-c", META], cwd=ROOT, capture_output=True, text=True, check=True)
+    return {"bench": "meta", "script": "chip_flow", "commit": commit, **json.loads(devices.stdout.splitlines()[-1]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 

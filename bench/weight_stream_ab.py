@@ -1,0 +1,150 @@
+"""A/B of the forms a decode step's weight products can take on the device this machine has: GPT-J-6B's two joined
+matrices of a layer (`layers.fuse_layer`: in [3D + F, D], out [D, D + F]) for a few layers, run as decode runs them
+(each layer's input product, then its output product, one batch of rows), in bf16 and int8, the weights held
+[outputs, inputs] (as now) or [inputs, outputs], the int8 ones converted before XLA's dot, given to the dot as they
+are, or read by a Pallas kernel that converts a block at a time. Each record: the step time, the weight bytes it read
+over that time, and that rate over the datasheet's bandwidth where one is known.
+
+    python bench/weight_stream_ab.py [--layers 8] [--batches 1,16,32,64] [--variants all]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import best_time_s, emit, figure
+
+D, F = 4096, 16384
+F32, BF16 = jnp.float32, jnp.bfloat16
+DATASHEET_BYTES_PER_S = {"TPU v5 lite": 819e9, "TPU v5e": 819e9}
+
+
+def _nt(x, w_NxK):
+    return lax.dot_general(x, w_NxK, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=F32)
+
+
+def _nn(x, w_KxN):
+    return lax.dot_general(x, w_KxN, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=F32)
+
+
+def plain(x, w, s, nk):
+    return (_nt if nk else _nn)(x, w)
+
+
+def convert(x, w, s, nk):
+    return (_nt if nk else _nn)(x, w.astype(x.dtype)) * s[None]
+
+
+def mixed(x, w, s, nk):
+    return (_nt if nk else _nn)(x, w) * s[None]
+
+
+def pallas_nt(x, w_NxK, s_N, block_bytes: int, interpret: bool = False):
+    """x @ w.T * s with w int8 [N, K]: a grid over blocks of rows of w, each converted to x's dtype in the kernel."""
+    from jax.experimental import pallas as pl
+
+    n, k = w_NxK.shape
+    b = x.shape[0]
+    bn = max(128, min(n, (block_bytes // k) // 128 * 128))
+    while n % bn:
+        bn -= 128
+
+    def kernel(x_ref, w_ref, s_ref, o_ref):
+        acc = lax.dot_general(x_ref[...], w_ref[...].astype(x_ref.dtype), (((1,), (1,)), ((), ())),
+                              preferred_element_type=F32)
+        o_ref[...] = acc * s_ref[...]
+
+    return pl.pallas_call(
+        kernel, grid=(n // bn,),
+        in_specs=[pl.BlockSpec((b, k), lambda j: (0, 0)), pl.BlockSpec((bn, k), lambda j: (j, 0)),
+                  pl.BlockSpec((1, bn), lambda j: (0, j))],
+        out_specs=pl.BlockSpec((b, bn), lambda j: (0, j)),
+        out_shape=jax.ShapeDtypeStruct((b, n), F32), interpret=interpret)(x, w_NxK, s_N.reshape(1, n))
+
+
+# name: (weight dtype, [N, K] held, product)
+VARIANTS = {
+    "bf16_nk": (BF16, True, plain), "bf16_kn": (BF16, False, plain),
+    "int8_nk_convert": (jnp.int8, True, convert), "int8_kn_convert": (jnp.int8, False, convert),
+    "int8_nk_mixed": (jnp.int8, True, mixed), "int8_kn_mixed": (jnp.int8, False, mixed),
+    "int8_nk_pallas2m": (jnp.int8, True, lambda x, w, s, nk: pallas_nt(x, w, s, 2 << 20)),
+    "int8_nk_pallas4m": (jnp.int8, True, lambda x, w, s, nk: pallas_nt(x, w, s, 4 << 20)),
+}
+
+
+def make_weights(dtype, nk: bool, layers: int) -> list:
+    """Each layer's two matrices, values from a hash of their position (made on the device, fast at any size)."""
+    shapes = [(3 * D + F, D), (D, D + F)]  # [N, K] of in and out
+    out = []
+    for i in range(layers):
+        layer = []
+        for j, (n, k) in enumerate(shapes):
+            shape = (n, k) if nk else (k, n)
+            w = jax.jit(functools.partial(_hashed, shape, dtype, 2 * i + j))()
+            layer.append((w, jnp.full((n,), 0.02 / 127 if dtype == jnp.int8 else 1.0, F32)))
+        out.append(layer)
+    return out
+
+
+def _hashed(shape, dtype, salt: int):
+    bits = (lax.broadcasted_iota(jnp.uint32, shape, 0) * jnp.uint32(2654435761)
+            + lax.broadcasted_iota(jnp.uint32, shape, 1) * jnp.uint32(40503) + jnp.uint32(salt * 7919)) >> 24
+    q = bits.astype(jnp.int32) - 128
+    return q.clip(-127, 127).astype(jnp.int8) if dtype == jnp.int8 else (q.astype(F32) * 1.5e-4).astype(dtype)
+
+
+def step(product, nk: bool, x, weights):
+    for (w_in, s_in), (w_out, s_out) in weights:
+        y = product(x, w_in, s_in, nk).astype(x.dtype)
+        o = product(y[:, :D + F], w_out, s_out, nk).astype(x.dtype)
+        x = x + o * 1e-3
+    return x
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--variants", default="all")
+    args = ap.parse_args()
+    names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
+    device = jax.devices()[0]
+    datasheet = DATASHEET_BYTES_PER_S.get(device.device_kind)
+    emit(bench="meta", script="weight_stream_ab", device_kind=device.device_kind, jax=jax.__version__,
+         commit=os.environ.get("MTJ_COMMIT", "unknown"), layers=args.layers)
+    batches = [int(b) for b in args.batches.split(",")]
+    for name in names:
+        try:
+            for record in measure(name, args.layers, batches, datasheet):
+                emit(**record)
+        except Exception as e:  # a variant the compiler refuses is a result too
+            emit(bench="weight_stream", variant=name, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+
+
+def measure(name: str, layers: int, batches: list[int], datasheet: float | None):
+    """One variant's records, a batch at a time."""
+    dtype, nk, product = VARIANTS[name]
+    weights = make_weights(dtype, nk, layers)
+    n_bytes = sum(w.nbytes + s.nbytes for layer in weights for w, s in layer)
+    fn = jax.jit(functools.partial(step, product, nk))
+    for b in batches:
+        start = time.perf_counter()
+        x = jax.random.normal(jax.random.PRNGKey(b), (b, D), F32).astype(BF16)
+        t = best_time_s(lambda x=x: fn(x, weights).block_until_ready(), repeats=10, warmup=2)
+        rate = n_bytes / t
+        yield dict(bench="weight_stream", variant=name, batch=b, step_ms=figure(t * 1e3),
+                   weight_gb=figure(n_bytes / 1e9), bytes_per_s=figure(rate),
+                   fraction_of_datasheet=None if datasheet is None else figure(rate / datasheet, 3),
+                   wall_s=round(time.perf_counter() - start, 1))
+
+if __name__ == "__main__":
+    main()

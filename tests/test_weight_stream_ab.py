@@ -1,0 +1,19 @@
+"""bench/weight_stream_ab.py compares forms of one product: each must compute what the plain bf16 product does."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import weight_stream_ab as ab
+
+
+def test_every_form_of_the_int8_product_computes_the_same_values():
+    x = jax.random.normal(jax.random.PRNGKey(0), (8, 512)).astype(jnp.bfloat16)
+    w_NxK = ab._hashed((1024, 512), jnp.int8, 3)
+    s_N = jnp.linspace(0.01, 0.02, 1024, dtype=jnp.float32)
+    want = ab.plain(x, w_NxK.astype(jnp.bfloat16), None, True) * s_N[None]
+    forms = {"convert_nk": ab.convert(x, w_NxK, s_N, True), "convert_kn": ab.convert(x, w_NxK.T, s_N, False),
+             "mixed_nk": ab.mixed(x, w_NxK, s_N, True),
+             "pallas": ab.pallas_nt(x, w_NxK, s_N, 128 * 512, interpret=True)}
+    for name, got in forms.items():
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-3, err_msg=name)
+    assert int(jnp.abs(w_NxK.astype(jnp.int32)).max()) == 127 and len(np.unique(np.asarray(w_NxK))) > 200
