@@ -73,6 +73,7 @@ class Config:
     # Inference: what the layers' matrices are held in, "compute" (the compute dtype) or "int8" (model/quant.py).
     weight_dtype: str = "compute"
     quantize_head: bool = False  # with int8 weights, the LM head in int8 too (the embedding stays in compute dtype)
+    kv_cache_dtype: str = "compute"  # the paged KV cache: in the compute dtype, or "int8" (infer/paged.py)
 
     @property
     def head_dim(self) -> int:
@@ -101,6 +102,7 @@ _CHOICES = {
     "parallelism": ("shard_map", "dp", "fsdp", "tp", "fsdp_tp"),
     "base_dtype": ("float32", "bfloat16"),
     "weight_dtype": ("compute", "int8"),
+    "kv_cache_dtype": ("compute", "int8"),
 }
 
 

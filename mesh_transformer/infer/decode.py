@@ -103,7 +103,7 @@ def _starts(blocks: list, order: tuple) -> list[int]:
     return starts
 
 
-def _after_reads(h_RxTxD: jax.Array, dtype) -> jax.Array:
+def after_reads(h_RxTxD: jax.Array, dtype) -> jax.Array:
     """Zeros [R, 1, 1, 1] computed from a layer's output h: added to what a layer writes into the cache, they order
     the write after attention's reads of it (which h comes from). Unordered, XLA keeps the two apart by copying the
     whole cache. (Not zero only where h is NaN, which the row's output would be anyway.)"""
@@ -177,7 +177,7 @@ class _DecodeKV(NamedTuple):
 
     def write(self, state, k_Rx1xHxK, v_Rx1xHxK, h_Rx1xD):
         # Only the one new key and value per slot go back, so the cache is updated in place, after attention's reads.
-        after_Rx1x1x1 = _after_reads(h_Rx1xD, k_Rx1xHxK.dtype)
+        after_Rx1x1x1 = after_reads(h_Rx1xD, k_Rx1xHxK.dtype)
         return tuple(self._written(blocks, (new + after_Rx1x1x1)[:, 0].astype(self.dtype))
                      for blocks, new in zip(state, (k_Rx1xHxK, v_Rx1xHxK)))
 
@@ -213,7 +213,7 @@ class _ExtendKV(NamedTuple):
     def write(self, state, k_RxTxHxK, v_RxTxHxK, h_RxTxD):
         # The prefix copied in and the new keys, both after attention's reads of the slot (unordered: a copy of every
         # block of the cache, 192 MiB of the bench config's 32 slots).
-        after_Rx1x1x1 = _after_reads(h_RxTxD, k_RxTxHxK.dtype)
+        after_Rx1x1x1 = after_reads(h_RxTxD, k_RxTxHxK.dtype)
         return tuple(self._written(blocks, new + after_Rx1x1x1, after_Rx1x1x1)
                      for blocks, new in zip(state, (k_RxTxHxK, v_RxTxHxK)))
 
@@ -231,17 +231,18 @@ class _ExtendKV(NamedTuple):
         return written
 
 
-def _run_cached(params: dict, cache: KVCache, ids_RxT: jax.Array, positions_RxT: jax.Array, kv, cfg: Config,
+def run_cached(params: dict, cache: KVCache, ids_RxT: jax.Array, positions_RxT: jax.Array, kv, cfg: Config,
                 tp_axis: str | None, policy: Policy, **kw) -> tuple[jax.Array, KVCache]:
     """`gptj.run` over the cache's layers with the KV hook `kv`; the logits of its one column per row, over the whole
-    vocab [R, V], and the cache written."""
+    vocab [R, V], and the cache written. The cache is a NamedTuple of per-layer lists (`KVCache`, or the paged
+    cache's); each layer's state is its fields' entries for that layer."""
     def head(params, h_Rx1xD):
         lm_head = weights_in_turn(h_Rx1xD, params["lm_head"], policy)
         return layers.gather_shards(layers.head(h_Rx1xD, params["ln_f"], lm_head, policy)[:, 0], tp_axis)
 
     logits_RxV, states = gptj.run(params, ids_RxT, positions_RxT, cfg, policy=policy, tp_axis=tp_axis, kv=kv,
-                                  kv_states=list(zip(cache.k, cache.v)), head=head, **kw)
-    return logits_RxV, KVCache([k for k, _ in states], [v for _, v in states])
+                                  kv_states=list(zip(*cache)), head=head, **kw)
+    return logits_RxV, type(cache)(*map(list, zip(*states)))
 
 
 def prefill_logits(params: dict, cache: KVCache, ids_RxT: jax.Array, length_R: jax.Array, slot_R: jax.Array,
@@ -250,7 +251,7 @@ def prefill_logits(params: dict, cache: KVCache, ids_RxT: jax.Array, length_R: j
     (a slot of -1 is a padding row, written nowhere), and return the logits after each prompt's last token [R, V]."""
     target_R = jnp.where(slot_R >= 0, slot_R, cache.k[0][0].shape[0])  # past the end: the scatter drops it
     kv = _PrefillKV(target_R, gptj.precision(cfg).compute, policy.cache_order)
-    return _run_cached(params, cache, ids_RxT, gptj.positions(ids_RxT), kv, cfg, tp_axis, policy,
+    return run_cached(params, cache, ids_RxT, gptj.positions(ids_RxT), kv, cfg, tp_axis, policy,
                        columns_BxC=(length_R - 1)[:, None])
 
 
@@ -265,7 +266,7 @@ def extend_logits(params: dict, cache: KVCache, ids_RxT: jax.Array, start_R: jax
     kv = _ExtendKV(target_R, source_R, (slot_R >= 0) & (source_R != slot_R), start_R, gptj.precision(cfg).compute,
                    policy.cache_order)
     positions_RxT = start_R[:, None] + gptj.positions(ids_RxT)
-    return _run_cached(params, cache, ids_RxT, positions_RxT, kv, cfg, tp_axis, policy,
+    return run_cached(params, cache, ids_RxT, positions_RxT, kv, cfg, tp_axis, policy,
                        columns_BxC=(length_R - 1)[:, None])
 
 
@@ -274,7 +275,7 @@ def decode_logits(params: dict, cache: KVCache, token_R: jax.Array, position_R: 
     """Feed one token to each of the first R slots: write its key at the slot's own position, attend to the cache
     positions in the first `n_blocks` blocks (keys after a slot's own position are masked), return logits [R, V]."""
     kv = _DecodeKV(position_R, n_blocks, gptj.precision(cfg).compute, policy)
-    return _run_cached(params, cache, token_R[:, None], position_R[:, None], kv, cfg, tp_axis, policy,
+    return run_cached(params, cache, token_R[:, None], position_R[:, None], kv, cfg, tp_axis, policy,
                        mask_BxTxS=jnp.ones((token_R.shape[0], 1, 1), bool))
 
 
@@ -298,10 +299,10 @@ def prefill_local(params, cache, slots_N: Slots, ids_RxT, length_R, slot_R, samp
     likely), the `Slots` with these rows' written into theirs (the next decode step's input; counts and bias
     restarted), and the cache. Per dp group: its own rows, its own slots."""
     logits_RxV, cache = prefill_logits(params, cache, ids_RxT, length_R, slot_R, cfg, tp_axis, policy=policy)
-    return _first_tokens(logits_RxV, cache, slots_N, slot_R, sampling_R, top)
+    return first_tokens(logits_RxV, cache, slots_N, slot_R, sampling_R, top)
 
 
-def _first_tokens(logits_RxV, cache, slots_N: Slots, slot_R, sampling_R, top):
+def first_tokens(logits_RxV, cache, slots_N: Slots, slot_R, sampling_R, top):
     """Each prefilled row's first token, chosen with its bias, and written into its slot with the bias and the
     token's count."""
     rows, vocab = logits_RxV.shape
@@ -320,7 +321,7 @@ def extend_local(params, cache, slots_N: Slots, ids_RxT, start_R, length_R, slot
     """`prefill_local` of prompt tails after cached prefixes (`extend_logits`)."""
     logits_RxV, cache = extend_logits(params, cache, ids_RxT, start_R, length_R, slot_R, source_R, cfg, tp_axis,
                                       policy=policy)
-    return _first_tokens(logits_RxV, cache, slots_N, slot_R, sampling_R, top)
+    return first_tokens(logits_RxV, cache, slots_N, slot_R, sampling_R, top)
 
 
 def decode_local(params, cache, slots_N: Slots, steps_N: Steps, *, cfg, policy, rows: int, n_blocks: int,
@@ -332,6 +333,12 @@ def decode_local(params, cache, slots_N: Slots, steps_N: Steps, *, cfg, policy, 
     restarts them); without, the program never touches the counts and bias."""
     logits_RxV, cache = decode_logits(params, cache, slots_N.last[:rows], steps_N.position[:rows], cfg, n_blocks,
                                       tp_axis, policy=policy)
+    return next_tokens(logits_RxV, cache, slots_N, steps_N, rows, top, penalized)
+
+
+def next_tokens(logits_RxV, cache, slots_N: Slots, steps_N: Steps, rows: int, top: int, penalized: bool):
+    """A decode step's tokens from its logits: chosen by each row's sampling (with its penalties where
+    `penalized`), written into the first `rows` slots, the steps advanced; `decode_local`'s results."""
     sampling_R = jax.tree.map(lambda x: x[:rows], steps_N.sampling)
     penalties = (slots_N.counts[:rows], slots_N.bias[:rows]) if penalized else None
     token_R, logprob_R = choose(logits_RxV, sampling_R, steps_N.index[:rows], top, penalties)

@@ -12,8 +12,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from mesh_transformer.infer import paged
 from mesh_transformer.infer.choose import Logprobs
 from mesh_transformer.infer.decode import (KVCache, Slots, block_axes, block_shape, cache_dtype, decode_local,
                                            extend_local, generate_local, new_slots, prefill_local)
@@ -50,11 +51,21 @@ class Programs:
                        "decode": jax.jit(self._decode, static_argnames=("rows", "n_blocks", "top", "penalized"),
                                          donate_argnums=(1, 2)),
                        "generate": jax.jit(self._generate, static_argnames=("rows", "n_blocks", "out_len"),
-                                           donate_argnums=(1,))}
+                                           donate_argnums=(1,)),
+                       "paged_prefill": jax.jit(self._paged_prefill, static_argnames=("n_read", "top"),
+                                                donate_argnums=(1, 2)),
+                       "paged_decode": jax.jit(self._paged_decode, static_argnames=("rows", "n_read", "top",
+                                                                                    "penalized"),
+                                               donate_argnums=(1, 2))}
         self._executables: dict[tuple, Any] = {}
         self._lock = threading.Lock()
         # One jit kept for every cache shape, so each shape compiles once: a jit made per cache would compile anew.
         self._zeros = jax.jit(self._zero_cache, static_argnums=(0, 1), out_shardings=self.cache_sharding)
+        self.page_specs = paged.cache_specs(layout)
+        self._zero_pages = jax.jit(partial(paged.zero_cache, cfg=layout.cfg, policy=layout.policy),
+                                   static_argnums=(0, 1),
+                                   out_shardings=paged.PagedCache(*(NamedSharding(layout.mesh, spec)
+                                                                    for spec in self.page_specs)))
 
     def prefill(self, params, cache, slots_N, ids_RxT, length_R, slot_R, sampling_R, *, top: int = 0):
         return self._run("prefill", (params, cache, slots_N, ids_RxT, length_R, slot_R, sampling_R), {"top": top})
@@ -73,6 +84,19 @@ class Programs:
                  out_len: int):
         return self._run("generate", (params, cache, slots_N, steps_N, live_N, stop_S, n_steps),
                          {"rows": rows, "n_blocks": n_blocks, "out_len": out_len})
+
+    def paged_prefill(self, params, cache, slots_N, ids_RxT, start_R, length_R, table_RxM, slot_R, sampling_R, *,
+                      n_read: int, top: int = 0):
+        """Prompts, or prompt tails after cached prefixes, into the paged cache (`paged.prefill_local`): R rows split
+        over dp like the slots, each row's table of its group's pages, its slot one of its group's."""
+        return self._run("paged_prefill", (params, cache, slots_N, ids_RxT, start_R, length_R, table_RxM, slot_R,
+                                           sampling_R), {"n_read": n_read, "top": top})
+
+    def paged_decode(self, params, cache, slots_N, steps_N, table_NxM, *, rows: int, n_read: int, top: int = 0,
+                     penalized: bool = False):
+        """One decode step of the first `rows` slots of each group over the paged cache (`paged.decode_local`)."""
+        return self._run("paged_decode", (params, cache, slots_N, steps_N, table_NxM),
+                         {"rows": rows, "n_read": n_read, "top": top, "penalized": penalized})
 
     def lower(self, name: str, *args, **static):
         """The jitted program `name` lowered for these arguments (arrays or ShapeDtypeStructs); nothing runs."""
@@ -135,6 +159,10 @@ class Programs:
 
         return zeros(), zeros()
 
+    def new_pages(self, n_pages: int, page: int) -> paged.PagedCache:
+        """An empty paged cache of n_pages pages of `page` positions (n_pages / dp a group), made in its shards."""
+        return paged.PagedCache(*self._zero_pages(n_pages, page))
+
     def new_slots(self, n_slots: int) -> Slots:
         """The `decode.Slots` of n_slots empty slots, made in their shards."""
         return jax.device_put(new_slots(n_slots, self.layout.cfg.n_vocab), self.row_sharding)
@@ -182,9 +210,31 @@ class Programs:
                                                                             stop_S, n_steps)
 
 
+    def _paged_prefill(self, params, cache, slots_N, ids_RxT, start_R, length_R, table_RxM, slot_R, sampling_R, *,
+                       n_read: int, top: int = 0):
+        params_spec, _, row = self._specs()
+        pages = self.page_specs
+        fn = partial(paged.prefill_local, cfg=self.layout.cfg, policy=self.layout.policy, n_read=n_read, top=top,
+                     tp_axis=self.layout.tp_axis)
+        rows_x = self.layout.spec(("batch", "length"))
+        in_specs = (params_spec, pages, row, rows_x, row, row, rows_x, row, row)
+        return self.layout.per_device(fn, in_specs, (row, self._logprobs_spec(), row, pages))(
+            params, cache, slots_N, ids_RxT, start_R, length_R, table_RxM, slot_R, sampling_R)
+
+    def _paged_decode(self, params, cache, slots_N, steps_N, table_NxM, *, rows: int, n_read: int, top: int = 0,
+                      penalized: bool = False):
+        params_spec, _, row = self._specs()
+        pages = self.page_specs
+        fn = partial(paged.decode_local, cfg=self.layout.cfg, policy=self.layout.policy, rows=rows, n_read=n_read,
+                     top=top, penalized=penalized, tp_axis=self.layout.tp_axis)
+        in_specs = (params_spec, pages, row, row, self.layout.spec(("batch", "length")))
+        return self.layout.per_device(fn, in_specs, (row, self._logprobs_spec(), row, row, pages))(
+            params, cache, slots_N, steps_N, table_NxM)
+
+
 def _signature(name: str, args: tuple, static: dict) -> tuple:
     """What picks a program's executable: its name, static values, the cache's block shapes (the params' shapes are
     the layout's) and the shapes and dtypes of the other arguments."""
     cache = args[1]
     rest = tuple((x.shape, x.dtype) for x in jax.tree.leaves(args[2:]))  # arrays and numpy scalars
-    return name, tuple(sorted(static.items())), tuple(b.shape for b in cache.k[0]), rest
+    return name, tuple(sorted(static.items())), tuple(b.shape for b in jax.tree.leaves(cache.k[0])), rest
