@@ -19,6 +19,7 @@ EXAMPLES = """\
 examples:
   python device_serve.py --ckpt gptj_1shard --port 5000 --dtype bf16
   python device_serve.py --hf gpt-j-6B/ --dtype int8 --max-batch 16 --warm-up --api-key KEY
+  python device_serve.py --hf gpt-j-6B/ --dtype int8 --max-batch 64 --kv-pages 1536 --kv-cache-dtype int8
 """
 
 
@@ -40,10 +41,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compute every prompt whole (default: reuse the cached keys of a prompt prefix a slot holds)")
     p.add_argument("--warm-up", action="store_true", help="compile every program before listening: a slower start, "
                                                           "no compile pauses while serving")
+    p.add_argument("--kv-pages", type=int, default=None,
+                   help="a paged KV cache of this many pages, shared by the --max-batch slots: a request holds the "
+                        "pages its prompt and max_tokens fill, and waits for them (default: a whole context per slot)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page of --kv-pages (default 16)")
+    p.add_argument("--kv-cache-dtype", choices=("compute", "int8"), default=None,
+                   help="the paged cache's keys and values: the compute dtype, or int8 with a scale per token and "
+                        "head (half the bytes); needs --kv-pages")
     args = p.parse_args(argv)
     if not 0 <= args.port <= 65535:
         p.error(f"--port must be in [0, 65535], got {args.port}")
-    for flag in ("max_batch", "max_queue"):
+    if args.kv_cache_dtype and not args.kv_pages:
+        p.error("--kv-cache-dtype needs --kv-pages (the slot cache holds the compute dtype)")
+    if args.kv_cache_dtype:
+        args.overrides.append(f"kv_cache_dtype={args.kv_cache_dtype}")
+    for flag in ("max_batch", "max_queue", "page_size") + (("kv_pages",) if args.kv_pages is not None else ()):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.api_key == "":
@@ -65,7 +77,8 @@ def _main(argv: list[str] | None) -> int:
     layout, tokenizer, params = load_for_inference(args)
     cfg = layout.cfg
     engine = Engine(layout, params, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
-                    warm_up=args.warm_up, prefix_cache=args.prefix_cache)
+                    warm_up=args.warm_up, prefix_cache=args.prefix_cache, n_pages=args.kv_pages,
+                    page_size=args.page_size)
     app = server.create_app(engine, tokenizer, model_name=args.model_name or cfg.name, api_key=args.api_key,
                             chat_template=chat_template)
     logging.info("serving %s with %d slots on http://%s:%d", cfg.name, engine.n_slots, args.host, args.port)

@@ -6,6 +6,7 @@ tokens. Every program is compiled before timing (the engine's warm-up), so the f
 server runs in a process of its own, as it would in use, so the clients' work does not hold its interpreter lock.
 
     python bench/bench_serving.py [--config configs/bench.json] [--clients 32] [--new-tokens 64] [--prompt-len 32]
+                                  [--kv-pages 192 --page-size 16]
 """
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def summary(mode: str, results: list[dict], wall_s: float, **extra) -> dict:
     return record
 
 
-def run_server(config_path: str, slots: int, ready: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
+def run_server(config_path: str, slots: int, ready: multiprocessing.Queue, stop: multiprocessing.Event,
+               paged: dict) -> None:
     """The server process: random weights, every program compiled, then serving on a free port until `stop`."""
     cfg = config.load(config_path, ["cores_per_replica=1"])
     params = jax.tree.map(np.asarray, table.init_unsharded(cfg, jax.random.PRNGKey(0)))
@@ -100,9 +102,9 @@ def run_server(config_path: str, slots: int, ready: multiprocessing.Queue, stop:
     start_s = time.perf_counter()
     layout = make_inference_layout(cfg, mesh=make_dp_mp(1, 1))
     engine = serving.Engine(layout, params, tokenizer, max_batch=slots, max_queue=2 * slots, stop_token_ids=(),
-                            warm_up=True)
-    setup = {"slots": engine.n_slots, "warm_up_s": round(time.perf_counter() - start_s, 1), "layers": cfg.layers,
-             "d_model": cfg.d_model, "seq": cfg.seq, "devices": jax.device_count(),
+                            warm_up=True, **paged)
+    setup = {"slots": engine.n_slots, **paged, "warm_up_s": round(time.perf_counter() - start_s, 1),
+             "layers": cfg.layers, "d_model": cfg.d_model, "seq": cfg.seq, "devices": jax.device_count(),
              "platform": jax.devices()[0].platform}
     try:
         with server.BackgroundServer(server.create_app(engine, tokenizer, model_name=cfg.name)) as running:
@@ -118,10 +120,14 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--kv-pages", type=int, default=None, help="a paged KV cache of this many pages (default: "
+                                                                    "slots of a whole context)")
+    parser.add_argument("--page-size", type=int, default=16)
     args = parser.parse_args()
+    paged = {"n_pages": args.kv_pages, "page_size": args.page_size} if args.kv_pages else {}
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or JAX state inherited
     ready, stop = context.Queue(), context.Event()
-    process = context.Process(target=run_server, args=(args.config, args.clients, ready, stop), daemon=True)
+    process = context.Process(target=run_server, args=(args.config, args.clients, ready, stop, paged), daemon=True)
     process.start()
     try:
         url, setup = ready.get(timeout=1800)

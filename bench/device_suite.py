@@ -13,6 +13,9 @@ appended to `--out` too).
   measured one); decode_int8: the same with the layers' weights in int8 (model/quant.py);
 - serving: the continuous-batching engine over GPT-J-6B's int8 weights, with as many slots as fit, at 64 concurrent
   requests against one at a time: tokens/s and time to first token;
+- serving_paged: the engine over a paged int8 KV cache (int8 weights), a slot per client and the pages they need:
+  tokens/s and time to first token at 1, 8, 32, 64 and 128 concurrent requests, and how many it holds in flight
+  beside the slot engine's slots;
 - compile and memory, after each section: the compile seconds of every program it ran; the arrays still alive
   after it (none should be) and the device's memory in use.
 
@@ -47,8 +50,8 @@ import numpy as np
 
 from bench.common import copy_bandwidth_bytes_per_s, emit, figure, matmul_peak_flop_per_s, train_flops_per_token
 from bench.suite_parts import (SIZES, CompileLog, Peaks, Sizes, decode_records, device_sizes, error_text,
-                               model_config, one_device_layout, param_count, random_arrays, serving_records,
-                               train_bytes)
+                               model_config, one_device_layout, param_count, random_arrays, serving_paged_records,
+                               serving_records, train_bytes)
 from mesh_transformer.model import gptj
 from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.parallel.mesh import make_dp_mp
@@ -64,7 +67,7 @@ DATASHEET = [("H200", 989, 4.8), ("H100 PCIe", 756, 2.0), ("H100", 989, 3.35), (
 DEFAULT_BYTES_LIMIT = 16 * 2 ** 30  # an accelerator that does not say how much memory it has is planned as 16 GiB
 # --tiny only shows that everything runs, so it compiles without XLA's costly backend passes (half the time).
 TINY_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
-SECTIONS = ("device", "train", "train_lora", "decode", "decode_int8", "serving")
+SECTIONS = ("device", "train", "train_lora", "decode", "decode_int8", "serving", "serving_paged")
 
 
 def datasheet(device: jax.Device) -> tuple[float | None, float | None]:
@@ -220,6 +223,9 @@ def run_section(name: str, device: jax.Device, sizes: Sizes, peaks: Peaks | None
         return decode_records(layout, sizes.decode_int8_batches, sizes, peaks), peaks
     if name == "serving":
         return serving_records(one_device_layout(model_config(sizes.serving_model), device), sizes), peaks
+    if name == "serving_paged":  # int8 weights and an int8 paged cache
+        cfg = model_config(sizes.serving_model, kv_cache_dtype="int8")
+        return serving_paged_records(one_device_layout(cfg, device), sizes), peaks
     raise ValueError(name)
 
 

@@ -390,3 +390,42 @@ def serving_records(layout: Layout, sizes: Sizes) -> list[dict]:
     speedup = together["tokens_per_s"] / alone["tokens_per_s"]
     return [together, alone, {"bench": "serving_speedup", "concurrent_over_one_at_a_time": figure(speedup),
                               "goal": SERVING_GOAL_SPEEDUP, "met": speedup >= SERVING_GOAL_SPEEDUP}]
+
+
+PAGE = 16  # tokens per page of the paged serving section
+PAGED_LEVELS = (1, 8, 32, 64, 128)  # concurrent requests the paged section times (those up to twice its slots)
+PAGED_GOAL_RATIO = 6  # requests in flight at once over the slot engine's slots, in the same memory (issue goal)
+
+
+def serving_paged_records(layout: Layout, sizes: Sizes) -> list[dict]:
+    """The engine over a paged cache (the layout's kv_cache_dtype) with serving_clients slots and the pages they
+    need together (each request holds ceil((prompt + new) / PAGE) pages), no prefix cache: requests submitted
+    together at each of PAGED_LEVELS (those beyond the slots wait for one), a warm pass first at each; and how many
+    requests it holds at once beside the slot engine's slots (`serving_slots`)."""
+    cfg = layout.cfg
+    per_request = -(-(sizes.serving_prompt_len + sizes.serving_new_tokens) // PAGE)
+    n_pages = sizes.serving_clients * per_request
+    engine = Engine(layout, random_decode_params(layout), _CharPerToken(), max_batch=sizes.serving_clients,
+                    max_queue=4 * sizes.serving_clients, stop_token_ids=(), prefix_cache=False, n_pages=n_pages,
+                    page_size=PAGE)
+    rng = np.random.default_rng(0)
+    levels = [n for n in PAGED_LEVELS if n <= 2 * sizes.serving_clients]
+    prompts = rng.integers(0, cfg.n_vocab, (max(levels), sizes.serving_prompt_len)).tolist()
+    new_tokens, records = sizes.serving_new_tokens, []
+    try:
+        for n in levels:
+            _run_together(engine, prompts[:n], 2)
+            record = _serving_record("paged", [_run_together(engine, prompts[:n], new_tokens)], new_tokens)
+            records.append({**record, "bench": "serving_paged", "concurrent": n})
+        pages = engine.stats()["pages"]
+    finally:
+        engine.close()
+    precision = gptj.precision(cfg)
+    for record in records:
+        record.update(slots=engine.n_slots, pages=pages["total"], page_size=PAGE, prompt_len=sizes.serving_prompt_len,
+                      seq=cfg.seq, layers=cfg.layers, d_model=cfg.d_model, dtype=precision.compute.name,
+                      weight_dtype=precision.weights.name, kv_cache_dtype=cfg.kv_cache_dtype)
+    ratio = engine.n_slots / sizes.serving_slots
+    return records + [{"bench": "serving_paged_capacity", "requests_in_flight": engine.n_slots,
+                       "slot_engine_slots": sizes.serving_slots, "ratio": figure(ratio), "goal": PAGED_GOAL_RATIO,
+                       "met": ratio >= PAGED_GOAL_RATIO}]

@@ -10,8 +10,9 @@ from bench.suite_parts import (GPTJ_6B, HEADROOM, INT8, decode_bytes, device_siz
                                train_bytes)
 from tests.helpers import run_script
 
-RECORDS = {"meta", "device", "train", "train_lora_6b", "decode", "serving", "serving_speedup", "compile", "memory"}
-SECTIONS = {"device", "train", "train_lora", "decode", "decode_int8", "serving"}
+RECORDS = {"meta", "device", "train", "train_lora_6b", "decode", "serving", "serving_speedup", "serving_paged",
+           "serving_paged_capacity", "compile", "memory"}
+SECTIONS = {"device", "train", "train_lora", "decode", "decode_int8", "serving", "serving_paged"}
 V5E_BYTES_LIMIT = 16_909_336_064  # what one TPU v5e chip's memory_stats() says
 
 
@@ -41,6 +42,8 @@ def test_tiny_suite_emits_every_record_with_finite_positive_figures(tmp_path):
     for weights in ("float32", "int8"):
         assert sorted(r["batch"] for r in records if r["bench"] == "decode" and r["weight_dtype"] == weights) == [1, 4]
     assert {r["mode"] for r in records if r["bench"] == "serving"} == {"concurrent", "one_at_a_time"}
+    paged = [r for r in records if r["bench"] == "serving_paged"]
+    assert [r["concurrent"] for r in paged] == [1, 8] and {r["kv_cache_dtype"] for r in paged} == {"int8"}
     assert {r["section"] for r in records if r["bench"] == "compile"} == SECTIONS
     memory = [r for r in records if r["bench"] == "memory"]
     assert {r["section"] for r in memory} == SECTIONS

@@ -36,6 +36,7 @@ from mesh_transformer.infer.score import MAX_TOP
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import DP
 from mesh_transformer.serve.completion import Completion, Event, GenerationRequest
+from mesh_transformer.serve.pages import PagedCacheBook, pages_for
 from mesh_transformer.serve.prefix import Placement, PrefixIndex
 from mesh_transformer.serve.schedule import Schedule
 from mesh_transformer.tokenizer import EOS_ID
@@ -70,11 +71,18 @@ class Engine:
     program. With `warm_up`, the constructor compiles every program first (ahead of time: none is run), so no
     request waits for a compile. With `prefix_cache`, a request reuses the cached keys of its longest prompt prefix
     held by a slot (serve/prefix.py) and computes only the rest.
+
+    With `n_pages`, the cache is paged (infer/paged.py): n_pages pages of `page_size` positions, shared by the slots
+    of each dp group, so a slot costs only the pages its request fills. A request is admitted when a slot is free
+    and its group has pages for its prompt and max_tokens (serve/pages.py; it waits in the queue until then, never
+    fails), holds them until it ends, and reuses the cached pages of its prompt's longest prefix (`prefix_cache`). A
+    step reads the pages up to the furthest busy slot's position (a power of two of them, as blocks above).
     """
 
     def __init__(self, layout: Layout, params: dict, tokenizer: Any, *, max_batch: int = 8, max_queue: int = 64,
                  stop_token_ids: Sequence[int] = (EOS_ID,), min_span: int | None = None, warm_up: bool = False,
-                 programs: Programs | None = None, prefix_cache: bool = True):
+                 programs: Programs | None = None, prefix_cache: bool = True, n_pages: int | None = None,
+                 page_size: int = 16):
         if max_batch < 1 or max_queue < 1:
             raise ValueError(f"max_batch and max_queue must be at least 1, got {max_batch} and {max_queue}")
         self.layout, self.cfg, self.tokenizer, self.max_queue = layout, layout.cfg, tokenizer, max_queue
@@ -83,21 +91,31 @@ class Engine:
         self.stop_token_ids = frozenset(stop_token_ids)
         self._dp = layout.mesh.shape[DP]
         self.n_slots = -(-max_batch // self._dp) * self._dp
+        if n_pages is not None and (n_pages < self._dp or n_pages % self._dp or page_size < 1):
+            raise config.ConfigError(f"a paged cache needs a positive multiple of the data-parallel size {self._dp} "
+                                     f"pages (--kv-pages) of at least one token, got {n_pages} of {page_size}")
         self.params = place_params(params, layout)
         self._programs = programs or Programs(layout)
-        self.schedule = Schedule(self.n_slots, self._dp, cfg.seq,
-                                 tuple(block_sizes(cfg.seq, min(self.min_span, cfg.seq))))
-        self._cache = self._programs.new_cache(self.n_slots, list(self.schedule.block_sizes))
+        self._book = PagedCacheBook(n_pages, page_size, self._dp) if n_pages else None
+        block = page_size if n_pages else min(self.min_span, cfg.seq)
+        self.schedule = Schedule(self.n_slots, self._dp, cfg.seq, tuple(block_sizes(cfg.seq, block)))
+        if self._book:
+            self._cache = self._programs.new_pages(n_pages, page_size)
+        else:
+            self._cache = self._programs.new_cache(self.n_slots, list(self.schedule.block_sizes))
         # Each slot's last token (the next decode step's input), token counts and logit bias, kept on the device.
         self._slot_state = self._programs.new_slots(self.n_slots)
         self._slots: list[Completion | None] = [None] * self.n_slots
-        self._prefix = PrefixIndex(self.n_slots, self.schedule.n_local) if prefix_cache else None
+        self._prefix = PrefixIndex(self.n_slots, self.schedule.n_local) if prefix_cache and not n_pages else None
+        self._reuse_pages = bool(n_pages and prefix_cache)
+        self._table_width = pages_for(cfg.seq, page_size)
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
         self._calls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
         self.error: str | None = None
         self.counts = {"completed": 0, "cancelled": 0}
+        self._page_counts = [0, 0]  # paged: prompt tokens asked of the prefix cache, and found there
         if warm_up:
             self._warm_up()
         self._thread = threading.Thread(target=self._run, name="serving-engine", daemon=True)
@@ -125,6 +143,12 @@ class Engine:
             raise ValueError(f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) must fit "
                              f"the context of {seq} tokens, with max_tokens at least 1")
         config.check_sampling([request.temperature], [request.top_k], [request.top_p])
+        if self._book:
+            needed, held = pages_for(len(request.prompt) + request.max_tokens, self._book.page), self._book.pools[0]
+            if needed > held.n_pages:
+                raise ValueError(f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) need "
+                                 f"{needed} cache pages of {self._book.page} tokens; the cache has {held.n_pages}"
+                                 f" per dp group")
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run `fn` on the engine thread between two decode steps (other programs on the same devices, such as
@@ -152,11 +176,15 @@ class Engine:
         with self._cond:
             busy = sum(slot is not None for slot in self._slots)
             prefix = self._prefix
-            return {"slots": {"total": self.n_slots, "busy": busy, "free": self.n_slots - busy},
-                    "queue": {"waiting": len(self._waiting), "max": self.max_queue}, "requests": dict(self.counts),
-                    "prefix_cache": {"enabled": prefix is not None,
-                                     "queried_tokens": prefix.queried_tokens if prefix else 0,
-                                     "hit_tokens": prefix.hit_tokens if prefix else 0}}
+            stats = {"slots": {"total": self.n_slots, "busy": busy, "free": self.n_slots - busy},
+                     "queue": {"waiting": len(self._waiting), "max": self.max_queue}, "requests": dict(self.counts),
+                     "prefix_cache": {"enabled": prefix is not None or self._reuse_pages,
+                                      "queried_tokens": prefix.queried_tokens if prefix else self._page_counts[0],
+                                      "hit_tokens": prefix.hit_tokens if prefix else self._page_counts[1]}}
+            if self._book:
+                stats["pages"] = {"total": sum(pool.n_pages for pool in self._book.pools),
+                                  "available": self._book.available(), "page_size": self._book.page}
+            return stats
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the device loop; requests still waiting or running get an error event."""
@@ -198,6 +226,8 @@ class Engine:
         """Pop waiting requests into free slots: where the prefix cache says, else lowest local row first so decode
         steps compute fewer rows. Returns {slot: its placement}."""
         free = self.schedule.admission_order([i for i, slot in enumerate(self._slots) if slot is None])
+        if self._book:
+            return self._take_paged_admissions(free)
         admitted, pinned = {}, set()
         while free and self._waiting:
             prompt = self._waiting[0].prompt
@@ -217,6 +247,30 @@ class Engine:
                 self._prefix.hold(slot, self._slots[slot].request.prompt)
         return admitted
 
+    def _take_paged_admissions(self, free: list[int]) -> dict[int, Placement]:
+        """Pop waiting requests into free slots whose dp group has pages for their prompt and max_tokens, first come
+        first served: the group holding the longest cached prefix, else the one with the most pages free, the
+        group's first free slot in admission order. Returns {slot: its placement}."""
+        admitted, n_local = {}, self.schedule.n_local
+
+        def first_free(group: int) -> int:
+            return next(slot for slot in free if slot // n_local == group)
+
+        while free and self._waiting:
+            prompt = self._waiting[0].prompt
+            groups = sorted({slot // n_local for slot in free})
+            # Without prefix reuse no page is ever named (`_commit_pages`), so none matches.
+            allocation = self._book.place_in(groups, first_free, prompt, self._waiting[0].max_tokens)
+            if allocation is None:  # it waits for pages; so do the requests after it (first come, first served)
+                break
+            slot = next(s for s in free if s in self._book.group_of)  # the free slot just given pages
+            free.remove(slot)
+            self._page_counts[0] += len(prompt) if self._reuse_pages else 0
+            self._page_counts[1] += allocation.reused
+            self._slots[slot] = Completion(self._waiting.popleft())
+            admitted[slot] = Placement(slot, slot, allocation.reused)
+        return admitted
+
     def _prefills(self, admitted: dict[int, Placement]) -> list[_Step]:
         """Dispatch the admitted requests' prefills: of whole prompts, and of the rest after a cached prefix."""
         fresh = {slot: len(self._slots[slot].request.prompt) for slot, p in admitted.items() if not p.reused}
@@ -232,6 +286,8 @@ class Engine:
         state = (self.params, self._cache, self._slot_state)
         shapes = [(width, n * self._dp) for width, group_rows in self.schedule.prefill_rows.items()
                   for n in group_rows]
+        if self._book:
+            return self._paged_programs(state, shapes)
         prefills = [("prefill", (*state, np.zeros((r, width), np.int32), np.ones(r, np.int32),
                                  np.full(r, -1, np.int32), fill_sampling(r, [], bias=True)), {"top": MAX_TOP})
                     for width, r in shapes]
@@ -247,11 +303,30 @@ class Engine:
                    for p in (False, True)]
         return prefills + decodes
 
+    def _paged_programs(self, state: tuple, shapes: list[tuple[int, int]]) -> list[tuple[str, tuple, dict]]:
+        """`programs` of the paged cache: each prompt bucket x row count reading no pages (whole prompts) and,
+        with prefix reuse, the whole table (tails); each decode row count x page count read."""
+        def table(rows: int) -> np.ndarray:
+            return np.full((rows, self._table_width), self._book.pad_page, np.int32)
+
+        reads = [0, self._table_width] if self._reuse_pages else [0]
+        prefills = [("paged_prefill", (*state, np.zeros((r, width), np.int32), np.zeros(r, np.int32),
+                                       np.ones(r, np.int32), table(r), np.full(r, -1, np.int32),
+                                       fill_sampling(r, [], bias=True)), {"n_read": n_read, "top": MAX_TOP})
+                    for width, r in shapes for n_read in reads]
+        zeros = np.zeros(self.n_slots, np.int32)
+        steps = Steps(zeros, zeros, fill_sampling(self.n_slots, []))
+        decodes = [("paged_decode", (*state, steps, table(self.n_slots)),
+                    {"rows": rows, "n_read": count, "top": MAX_TOP, "penalized": p})
+                   for rows in self.schedule.decode_rows for count in self.schedule.block_counts
+                   for p in (False, True)]
+        return prefills + decodes
+
     def _warm_up(self) -> None:
         """Compile every program ahead of time (nothing runs), a few at once."""
         programs = self.programs()
         log.info("compiling %d programs (%d prefill, %d decode)", len(programs),
-                 sum(name != "decode" for name, _, _ in programs), sum(name == "decode" for name, _, _ in programs))
+                 sum("decode" not in name for name, _, _ in programs), sum("decode" in name for name, _, _ in programs))
         start_s = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
             list(pool.map(lambda program: self._programs.compile(*program), programs))
@@ -265,6 +340,16 @@ class Engine:
             penalized=penalized)
         return tokens, logprobs
 
+    def _run_paged_decode(self, steps: Steps, rows: int, n_read: int, penalized: bool) -> tuple[jax.Array, Logprobs]:
+        """`_run_decode` on the paged cache: every slot's page table (a free slot's padding), the first `n_read`
+        pages of each read."""
+        table = self._book.table([i if slot is not None else None for i, slot in enumerate(self._slots)],
+                                 self._table_width)
+        tokens, logprobs, self._slot_state, _, self._cache = self._programs.paged_decode(
+            self.params, self._cache, self._slot_state, steps, table, rows=rows, n_read=n_read, top=MAX_TOP,
+            penalized=penalized)
+        return tokens, logprobs
+
     def _prefill(self, rows_per_group: int, width: int, batch: list[tuple[int, int]],
                  placements: dict[int, Placement] | None = None) -> _Step:
         """Dispatch the prefill of one batch of admitted requests, (slot, input row) each, in one program of prompts
@@ -274,12 +359,32 @@ class Engine:
                                                                         placements or {})
         sampling = fill_sampling(len(length), [(row, self._slots[slot].request) for slot, row in batch], bias=True)
         state = (self.params, self._cache, self._slot_state)
-        if placements is None:
+        if self._book:
+            out = self._paged_prefill(state, batch, ids_RxT, start, length, local_slot, sampling)
+        elif placements is None:
             out = self._programs.prefill(*state, ids_RxT, length, local_slot, sampling, top=MAX_TOP)
         else:
             out = self._programs.extend(*state, ids_RxT, start, length, local_slot, source, sampling, top=MAX_TOP)
         tokens, chosen, self._slot_state, self._cache = out
         return _Step(tokens, chosen, [(slot, self._slots[slot], row) for slot, row in batch])
+
+    def _paged_prefill(self, state: tuple, batch: list[tuple[int, int]], ids_RxT, start, length, local_slot,
+                       sampling) -> tuple:
+        """`_prefill` on the paged cache: each row's tokens from its start (after its reused pages) written
+        through its page table, the whole table read where some row reuses pages (masked to them: one program per
+        prompt shape, however long the prefix, as the slot cache's extend); then its prompt's full pages are named
+        for later requests to share (the device runs programs in order, so they see them written)."""
+        rows = [None] * len(length)
+        for slot, row in batch:
+            rows[row] = slot
+        table = self._book.table(rows, self._table_width)
+        n_read = self._table_width if start.any() else 0
+        out = self._programs.paged_prefill(*state, ids_RxT, start, length, table, local_slot, sampling,
+                                           n_read=n_read, top=MAX_TOP)
+        if self._reuse_pages:
+            for slot, _ in batch:
+                self._book.commit(slot, self._slots[slot].request.prompt)
+        return out
 
     def _prefill_rows(self, rows_per_group: int, width: int, batch: list[tuple[int, int]],
                       placements: dict[int, Placement]) -> tuple[np.ndarray, ...]:
@@ -310,7 +415,11 @@ class Engine:
             position[i], index[i] = slot.position, slot.dispatched
             slot.dispatched += 1
         penalized = any(_penalized(self._slots[i].request) for i in live)
-        tokens, chosen = self._run_decode(Steps(position, index, sampling), rows, n_blocks, penalized)
+        steps = Steps(position, index, sampling)
+        if self._book:
+            tokens, chosen = self._run_paged_decode(steps, rows, n_blocks, penalized)
+        else:
+            tokens, chosen = self._run_decode(steps, rows, n_blocks, penalized)
         return _Step(tokens, chosen, [(i, self._slots[i], out_rows[i]) for i in live])
 
     def _read_back(self, step: _Step) -> None:
@@ -330,15 +439,24 @@ class Engine:
                 if event.finish_reason is not None:
                     if self._prefix:  # its slot holds the keys of every token fed to it
                         self._prefix.hold(i, completion.request.prompt + completion.tokens[:-1])
+                    self._release_pages(i, completion.request.prompt + completion.tokens[:-1])
                     with self._cond:
                         self._slots[i] = None
                         self.counts["completed"] += 1
                 self._emit(completion.request, event)
 
+    def _release_pages(self, slot: int, written: list[int] | None = None) -> None:
+        """A paged slot's pages given back, its `written` tokens' full pages named first (kept cached for reuse)."""
+        if self._book and slot in self._book.group_of:
+            if written is not None and self._reuse_pages:
+                self._book.commit(slot, written)
+            self._book.release(slot)
+
     def _drop_cancelled(self) -> None:
         with self._cond:
             for i, slot in enumerate(self._slots):
                 if slot is not None and slot.request.cancelled.is_set():
+                    self._release_pages(i)
                     self._slots[i] = None
                     self.counts["cancelled"] += 1
 
@@ -352,6 +470,9 @@ class Engine:
     def _fail_all(self, message: str) -> None:
         with self._cond:
             requests = [slot.request for slot in self._slots if slot is not None] + list(self._waiting)
+            for i, slot in enumerate(self._slots):
+                if slot is not None:
+                    self._release_pages(i)
             self._slots = [None] * self.n_slots
             self._waiting.clear()
             calls, self._calls = list(self._calls), collections.deque()

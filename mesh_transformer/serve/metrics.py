@@ -3,8 +3,8 @@
 Read from the engine when scraped (`engine.stats()`):
 - vllm:num_requests_running      gauge: requests in slots (prefilling or decoding)
 - vllm:num_requests_waiting      gauge: requests queued for a slot
-- vllm:gpu_cache_usage_perc      gauge: the fraction (0 to 1, as vLLM's) of KV-cache slots busy; a slot holds one
-                                 request's whole context, so this is the share of slots, not of cache blocks
+- vllm:gpu_cache_usage_perc      gauge: the fraction (0 to 1, as vLLM's) of KV-cache slots busy (a slot holds one
+                                 request's whole context), or with a paged cache of its pages held by requests
 - vllm:gpu_prefix_cache_queries  counter: prompt tokens looked up in the prefix cache (when the engine has one)
 - vllm:gpu_prefix_cache_hits     counter: of those, tokens whose cached keys were reused
 
@@ -58,8 +58,10 @@ class EngineCollector:
                            slots["busy"])
         yield self._family(GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting for a slot.",
                            stats["queue"]["waiting"])
+        pages = stats.get("pages")  # a paged cache: the pages held by requests, else the slots busy
+        usage = (1 - pages["available"] / pages["total"]) if pages else slots["busy"] / max(1, slots["total"])
         yield self._family(GaugeMetricFamily, "vllm:gpu_cache_usage_perc",
-                           "Fraction of KV-cache slots busy (1 means all).", slots["busy"] / max(1, slots["total"]))
+                           "Fraction of the KV cache in use: pages held, or slots busy (1 means all).", usage)
         prefix = stats.get("prefix_cache")
         if prefix is not None:
             yield self._family(CounterMetricFamily, "vllm:gpu_prefix_cache_queries",

@@ -194,20 +194,26 @@ class PagedCacheBook:
     def place(self, seq_id: Hashable, tokens: Sequence[int], reserve: int = 0) -> tuple[int, Allocation] | None:
         """Admit a sequence into a group: of those it fits in, the one holding its longest cached prefix, else the one
         with the most available pages (the lowest group on ties). None, with nothing changed, when none fits."""
-        if seq_id in self.group_of:
+        allocation = self.place_in(range(len(self.pools)), seq_id, tokens, reserve)
+        return None if allocation is None else (self.group_of[seq_id], allocation)
+
+    def place_in(self, groups: Sequence[int], seq_id: Hashable, tokens: Sequence[int],
+                 reserve: int = 0) -> Allocation | None:
+        """`place` among these groups only (those with a free slot, say): a callable returning the sequence's
+        id in the group chosen may stand for `seq_id` (the slot is known once the group is). Returns the allocation
+        (the group is `group_of[seq_id]`), or None with nothing changed."""
+        if not callable(seq_id) and seq_id in self.group_of:
             raise ValueError(f"sequence {seq_id!r} is already live in group {self.group_of[seq_id]}: release it first")
         names = _reusable_names(tokens, self.page)  # hashed once for every group
-        best, best_key = None, None
-        for group, pool in enumerate(self.pools):
-            matched = pool._match(names)
-            key = (len(matched), pool.available(), -group)
-            if pool._fits(tokens, reserve, matched) and (best_key is None or key > best_key):
-                best, best_key = group, key
-        if best is None:
+        fitting = [(len(pool._match(names)), pool.available(), -g) for g in groups
+                   if (pool := self.pools[g])._fits(tokens, reserve, pool._match(names))]
+        if not fitting:
             return None
-        allocation = self.pools[best]._allocate(seq_id, tokens, reserve, names)
-        self.group_of[seq_id] = best
-        return best, allocation
+        group = -max(fitting)[2]
+        seq_id = seq_id(group) if callable(seq_id) else seq_id
+        allocation = self.pools[group]._allocate(seq_id, tokens, reserve, names)
+        self.group_of[seq_id] = group
+        return allocation
 
     def grow(self, seq_id: Hashable, length: int) -> bool:
         """Make sure a sequence has pages for `length` tokens (PagePool.grow)."""
@@ -222,9 +228,14 @@ class PagedCacheBook:
         self._pool(seq_id).release(seq_id)
         del self.group_of[seq_id]
 
-    def table(self, seq_ids: Sequence[Hashable], width: int) -> np.ndarray:
-        """The page table of these sequences, int32 [len(seq_ids), width]: each row's ids are local to its group."""
-        return page_table([self._pool(s).pages_of(s) for s in seq_ids], width, self.pad_page)
+    def table(self, seq_ids: Sequence[Hashable | None], width: int) -> np.ndarray:
+        """The page table of these sequences, int32 [len(seq_ids), width]: each row's ids are local to its group; a
+        None row is padding (no pages)."""
+        return page_table([[] if s is None else self._pool(s).pages_of(s) for s in seq_ids], width, self.pad_page)
+
+    def available(self) -> int:
+        """Pages that can be taken now, over every group."""
+        return sum(pool.available() for pool in self.pools)
 
     def _pool(self, seq_id: Hashable) -> PagePool:
         if seq_id not in self.group_of:

@@ -518,11 +518,13 @@ def test_streamable_length_holds_back_stop_prefixes_and_partial_characters():
     assert streamable_length("", ["a"]) == 0
 
 
-def test_device_serve_bad_flag_is_a_one_line_error():
-    result = subprocess.run([sys.executable, "device_serve.py", "--config", "configs/bench.json", "--bogus"],
+@pytest.mark.parametrize("flags, named", [(["--bogus"], "--bogus"), (["--kv-cache-dtype", "int8"], "--kv-pages"),
+                                          (["--kv-pages", "0"], "--kv-pages")])
+def test_device_serve_bad_flag_is_a_one_line_error(flags, named):
+    result = subprocess.run([sys.executable, "device_serve.py", "--config", "configs/bench.json", *flags],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
-    assert result.stderr.strip().count("\n") == 0 and "--bogus" in result.stderr
+    assert result.stderr.strip().count("\n") == 0 and named in result.stderr
 
 
 def test_slots_at_different_positions_across_uneven_cache_blocks_match_offline(params, tokenizer, programs):
@@ -611,16 +613,18 @@ def test_1000_hostile_requests_get_4xx_json_and_the_server_stays_well(http, offl
     assert response.status_code == 200 and response.json()["completion"] == offline[0].text
 
 
-def test_warm_up_compiles_every_program_ahead_and_serving_compiles_no_more(params, tokenizer, offline):
+@pytest.mark.parametrize("cache", ["slots", "pages"])
+def test_warm_up_compiles_every_program_ahead_and_serving_compiles_no_more(params, tokenizer, offline, cache):
     """A warmed-up engine (its own programs, so the count starts at 0) serves prompts of every bucket, one at a
-    time and many together, across both cache blocks, whole and after a cached prefix (the long prompts share one),
-    without compiling again; its greedy answers are the offline sampler's."""
+    time and many together, across both cache blocks (or 1 to 4 pages), whole and after a cached prefix (the long
+    prompts share one), without compiling again; its greedy answers are the offline sampler's."""
     programs = Programs(layout())
-    engine = serving.Engine(layout(), params, tokenizer, programs=programs, max_batch=4, warm_up=True)
+    paged = {"n_pages": 32, "page_size": 16} if cache == "pages" else {}
+    engine = serving.Engine(layout(), params, tokenizer, programs=programs, max_batch=4, warm_up=True, **paged)
     compiled = programs.traces
-    # Prefill: rows {1, 2} x buckets {16, 32, 64}, whole and after a cached prefix; decode: rows x blocks {1, 2},
-    # with penalties and without.
-    assert compiled == len(engine.programs()) == 2 * 3 * 2 + 2 * 2 * 2
+    # Prefill: rows {1, 2} x buckets {16, 32, 64}, whole and after a cached prefix; decode: rows x blocks {1, 2}
+    # (pages read {1, 2, 4}), with penalties and without.
+    assert compiled == len(engine.programs()) == 2 * 3 * 2 + 2 * (3 if paged else 2) * 2
     prompts = [tokenizer.encode(p) for p in PROMPTS[:5]]
     long_prompts = [list(range(100, 100 + n)) for n in (20, 40, 63)]
     got, done = {}, threading.Semaphore(0)
@@ -643,3 +647,30 @@ def test_warm_up_compiles_every_program_ahead_and_serving_compiles_no_more(param
     assert programs.traces == compiled
     assert [tokenizer.decode(got[i]) for i in range(5)] == [r.text for r in offline[:5]]
     assert [len(got[5 + i]) for i in range(3)] == [CFG.seq - len(p) for p in long_prompts]
+    if paged:  # every page back: free, or cached under its name
+        assert engine.stats()["pages"] == {"total": 32, "available": 32, "page_size": 16}
+
+
+def test_paged_engine_waits_for_pages_reuses_shared_prefix_pages_and_keeps_the_greedy_output(params, tokenizer,
+                                                                                           programs):
+    """On dp2 x mp4 with pages for only a few requests at once: ten requests sharing a 37-token prefix (two full
+    pages of 16) wait for pages rather than fail, reuse the prefix's pages in the group that holds them, and make
+    the offline sampler's greedy tokens; a request that could never get its pages is refused at once."""
+    rng = random.Random(0)
+    shared = [rng.randrange(1, 1000) for _ in range(37)]
+    first = [shared + [rng.randrange(1, 1000) for _ in range(1 + i % 5)] for i in range(10)]
+    expected = sampling.Sampler(layout(), params, programs=programs).generate(first, 8, temperature=0.0)
+    # 8 pages a group: a 38-42 + 8 token request holds 4 pages alone, 2 more beside one sharing its prefix.
+    engine = serving.Engine(layout(), params, tokenizer, programs=programs, max_batch=8, max_queue=len(first),
+                            n_pages=16, page_size=16)
+    assert run_engine(engine, first[:1], 8) == [expected[0].tokens]
+    assert run_engine(engine, first[1:], 8) == [r.tokens for r in expected[1:]]
+    stats = engine.stats()
+    assert stats["prefix_cache"]["hit_tokens"] >= 32 * 5 and stats["pages"]["available"] == 16
+    engine.close()
+    small = serving.Engine(layout(), params, tokenizer, programs=programs, n_pages=4, page_size=16)
+    with pytest.raises(ValueError, match="need 4 cache pages of 16 tokens; the cache has 2 per dp group"):
+        small.submit([GenerationRequest([1] * 60, 4, lambda event: None)])
+    small.close()
+    with pytest.raises(config.ConfigError, match="multiple of the data-parallel size 2"):
+        serving.Engine(layout(), params, tokenizer, programs=programs, n_pages=5)
