@@ -202,7 +202,8 @@ def train_lora_record(sizes: Sizes, peaks: Peaks, device: jax.Device) -> dict:
     return train_record("train_lora_6b", cfg, sizes.repeats, peaks, device, full - 2 * matmul_params)
 
 
-def run_section(name: str, device: jax.Device, sizes: Sizes, peaks: Peaks | None) -> tuple[list[dict], Peaks]:
+def run_section(name: str, device: jax.Device, sizes: Sizes, peaks: Peaks | None,
+                paged_attention: str | None = None) -> tuple[list[dict], Peaks]:
     """The records of one section, and the peaks the others are measured against (the device section's, else
     measured here)."""
     if name == "device":
@@ -224,8 +225,11 @@ def run_section(name: str, device: jax.Device, sizes: Sizes, peaks: Peaks | None
     if name == "serving":
         return serving_records(one_device_layout(model_config(sizes.serving_model), device), sizes), peaks
     if name == "serving_paged":  # int8 weights and an int8 paged cache
-        cfg = model_config(sizes.serving_model, kv_cache_dtype="int8")
-        return serving_paged_records(one_device_layout(cfg, device), sizes), peaks
+        layout = one_device_layout(model_config(sizes.serving_model, kv_cache_dtype="int8"), device)
+        if paged_attention:  # the platform policy's choice, replaced for an A/B
+            layout = dataclasses.replace(layout, policy=dataclasses.replace(layout.policy,
+                                                                            paged_attention=paged_attention))
+        return serving_paged_records(layout, sizes), peaks
     raise ValueError(name)
 
 
@@ -249,6 +253,8 @@ def main() -> None:
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"sections to run, of {','.join(SECTIONS)}")
     parser.add_argument("--tiny", action="store_true", help="tiny models and sizes (CPU, the test suite)")
     parser.add_argument("--out", help="also append every JSON line to this file (bench/results/, say)")
+    parser.add_argument("--paged-attention", choices=("gather", "kernel"), default=None,
+                        help="serving_paged's decode attention, for an A/B (default: the platform policy's)")
     args = parser.parse_args()
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
@@ -272,7 +278,7 @@ def main() -> None:
         start = time.perf_counter()
         compiles.start()
         try:
-            records, peaks = run_section(name, device, sizes, peaks)
+            records, peaks = run_section(name, device, sizes, peaks, args.paged_attention)
         except Exception as e:  # one failed section (out of memory, say) must not cost the others their figures
             records = [{"bench": name, "error": error_text(e)}]
             traceback.print_exc(file=sys.stderr)

@@ -424,7 +424,8 @@ def serving_paged_records(layout: Layout, sizes: Sizes) -> list[dict]:
     for record in records:
         record.update(slots=engine.n_slots, pages=pages["total"], page_size=PAGE, prompt_len=sizes.serving_prompt_len,
                       seq=cfg.seq, layers=cfg.layers, d_model=cfg.d_model, dtype=precision.compute.name,
-                      weight_dtype=precision.weights.name, kv_cache_dtype=cfg.kv_cache_dtype)
+                      weight_dtype=precision.weights.name, kv_cache_dtype=cfg.kv_cache_dtype,
+                      paged_attention=layout.policy.paged_attention)
     ratio = engine.n_slots / sizes.serving_slots
     return records + [{"bench": "serving_paged_capacity", "requests_in_flight": engine.n_slots,
                        "slot_engine_slots": sizes.serving_slots, "ratio": figure(ratio), "goal": PAGED_GOAL_RATIO,

@@ -42,6 +42,7 @@ class Policy:
     dot_piece_bytes: int = 0  # inference products over bf16/int8 weights in pieces of this many f32 bytes (0: whole)
     dot_piece_tokens: int = 0  # ... where they are over at most this many tokens (`model.order.in_pieces`)
     host_loading: bool = False  # a checkpoint's layers joined, converted and quantized on the host, else on the devices
+    paged_attention: str = "gather"  # decode over a paged cache: "gather" its pages (pure JAX) or "kernel" (TPU Pallas)
 
     def compiler_options(self) -> dict:
         """XLA options of this policy's programs."""

@@ -208,7 +208,8 @@ def test_the_programs_that_place_gpt_j_6b_s_lora_base_compile_for_one_v5e_chip()
     devices = targets.target("v5litepod-1").devices()
     programs = aot.training_programs(cfg, "shard_map", devices, None)
     record = aot._loading_record(programs, {})
-    matrices = [x for x in jax.tree.leaves(programs["frozen"]) if x.ndim >= 2]  # each made, then written a layer at a time
+    # each made, then written a layer at a time
+    matrices = [x for x in jax.tree.leaves(programs["frozen"]) if x.ndim >= 2]
     assert record["programs"] == 2 * len(matrices) + 1 and "refused" not in record, record  # + the fingerprint
     assert record["temp_bytes"] < 2 ** 20
     strided = jax.jit(lambda p: p["embed"]["wte"][::12600, ::1024])

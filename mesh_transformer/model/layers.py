@@ -99,7 +99,10 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def _attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask_BxTxT, past, causal) -> jax.Array:
-    """`causal` attention when the mask is None and there is no cache; else `attend` (the block cache)."""
+    """`causal` attention when the mask is None and there is no cache; else `attend` (the block cache), or a
+    cache's own attention where `past` is one (a callable of q, k, v: `infer/paged.py`'s kernel)."""
+    if callable(past):
+        return past(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK)
     if mask_BxTxT is None and past is None:
         return causal(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK)
     mask_BxTxT = causal_mask(q_BxTxHxK.shape[1]) if mask_BxTxT is None else mask_BxTxT

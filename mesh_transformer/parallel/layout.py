@@ -217,9 +217,10 @@ class Layout:
         return self.sharding(("accumulation",) * accumulated + ACTIVATION_AXES["tokens"])
 
     # ------------------------------------------------------------------------------------------------ functions
-    def per_device(self, fn: Callable, in_specs, out_specs) -> Callable:
-        """fn run per device under shard_map on this mesh, its arguments and results split by these specs."""
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
+    def per_device(self, fn: Callable, in_specs, out_specs, check_vma: bool = True) -> Callable:
+        """fn run per device under shard_map on this mesh, its arguments and results split by these specs (JAX
+        checking how each value varies over the mesh axes, unless `check_vma` is False)."""
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
 
     def _constrain(self, x: jax.Array, logical_axes: Sequence[str]) -> jax.Array:
         return lax.with_sharding_constraint(x, self.sharding(logical_axes))

@@ -1,5 +1,7 @@
 """The paged KV cache computes what the slot cache does: the same logits for prompts, decode steps and prompt tails
 after a prefix whose pages are shared, on one device and split over dp 2 x mp 4."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,7 +56,7 @@ def slot_run(layout, params, prompts, steps):
     for _ in range(steps):
         logits, cache = step(params, cache, np.asarray(logits).argmax(-1).astype(np.int32), position)
         out.append(np.asarray(logits))
-        position += 1
+        position = position + 1  # a new array: the step may still read the old one
     return out
 
 
@@ -70,7 +72,7 @@ def paged_run(layout, params, prompts, steps, table):
         token = np.asarray(logits).argmax(-1).astype(np.int32)[:, None]
         logits, cache = run(params, cache, token, position, np.ones_like(position), table, n_read(position))
         out.append(np.asarray(logits))
-        position += 1
+        position = position + 1  # a new array: the step may still read the old one
     return out, cache
 
 
@@ -151,14 +153,13 @@ def test_an_int8_cache_keeps_the_greedy_choices_of_the_compute_dtype_cache():
     random tiny model the logits stay close and the tokens mostly agree."""
     cfg8 = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "remat=false", "kv_cache_dtype=int8"])
     params = random_params(CFG, 0)
-    logits = {}
+    logits, table = {}, random_tables(3, CFG.seq // PAGE, 40, seed=5)
     for cfg in (CFG, cfg8):
         layout = infer_params.make_inference_layout(cfg, mesh=make_dp_mp(1, 1))
         placed = infer_params.place_params(params, layout)
         cache = paged.zero_cache(40, PAGE, cfg, layout.policy)
         assert cache.k[0].dtype == (jnp.int8 if cfg is cfg8 else decode.cache_dtype(CFG, layout.policy))
         ids, length = padded(PROMPTS, 12)
-        table = random_tables(3, CFG.seq // PAGE, 40, seed=5)
         run = jax.jit(lambda p, c, i, s, n, read, cfg=cfg, layout=layout: paged.paged_logits(
             p, c, i, s, n, table, cfg, read, policy=layout.policy), static_argnums=5)
         _, cache = run(placed, cache, ids, np.zeros(3, np.int32), length, 0)
@@ -176,4 +177,56 @@ def test_int8_paged_programs_on_dp2_mp4_give_one_devices_greedy_tokens():
     for dp, mp in [(1, 1), (2, 4)]:
         layout = infer_params.make_inference_layout(cfg8, mesh=make_dp_mp(dp, mp))
         tokens.append(greedy_programs(layout, infer_params.place_params(params, layout), PROMPTS + [[7]], 4, dp))
+    np.testing.assert_array_equal(tokens[1], tokens[0])
+
+
+@pytest.mark.parametrize("kv_dtype", ["compute", "int8"])
+def test_decode_through_the_tpu_paged_attention_kernel_gives_the_gather_paths_tokens(kv_dtype):
+    """The kernel (run by Pallas' TPU interpreter on the CPU) over heads-first pages against the pure-JAX gather
+    over the usual ones, for prompts and decode steps. The interpreter rounds the kernel's dot operands to bf16 as
+    the TPU's default precision does, so the logits agree to that and the greedy tokens exactly."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    cfg = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "remat=false",
+                                                         f"kv_cache_dtype={kv_dtype}"])
+    layout = infer_params.make_inference_layout(cfg, mesh=make_dp_mp(1, 1))
+    params = infer_params.place_params(random_params(CFG, 0), layout)
+    table = random_tables(3, CFG.seq // PAGE, 40, seed=7)
+    runs = {}
+    for name in ("gather", "kernel"):
+        policy = dataclasses.replace(layout.policy, paged_attention=name, cache_bits=False)
+        cache = paged.zero_cache(40, PAGE, cfg, policy)
+        assert cache.k[0].shape == ((cfg.n_heads, 40, PAGE, cfg.head_dim) if name == "kernel" else
+                                    (40, PAGE, cfg.n_heads, cfg.head_dim))
+        run = jax.jit(lambda p, c, i, s, n, read, policy=policy: paged.paged_logits(p, c, i, s, n, table, cfg, read,
+                                                                                  policy=policy), static_argnums=5)
+        ids, length = padded(PROMPTS, 12)
+        with pltpu.force_tpu_interpret_mode():
+            logits, cache = run(params, cache, ids, np.zeros(3, np.int32), length, 0)
+            steps, position = [np.asarray(logits)], length.copy()
+            for _ in range(5):
+                token = np.asarray(logits).argmax(-1).astype(np.int32)[:, None]
+                logits, cache = run(params, cache, token, position, np.ones(3, np.int32), n_read(position + 1))
+                steps.append(np.asarray(logits))
+                position = position + 1  # a new array: the step may still read the old one
+        runs[name] = np.stack(steps)
+    np.testing.assert_array_equal(runs["kernel"].argmax(-1), runs["gather"].argmax(-1))
+    np.testing.assert_allclose(runs["kernel"], runs["gather"], rtol=0, atol=0.05 * runs["gather"].std())
+
+
+def test_kernel_decode_programs_on_mp4_give_the_gather_programs_greedy_tokens():
+    """The kernel under the layout's shard_map (each device's heads), by Pallas' TPU interpreter on the CPU, against
+    the gather path on one device. (Over dp 2 the interpreter stops on an out-of-bounds read of the kernel's page
+    indices, one past a group's rows: the kernel stays off by default until the chip shows whether it does that
+    there too.)"""
+    from jax.experimental.pallas import tpu as pltpu
+
+    params = random_params(CFG, 3)
+    tokens = []
+    for (dp, mp), attention in (((1, 1), "gather"), ((1, 4), "kernel")):
+        layout = infer_params.make_inference_layout(CFG, mesh=make_dp_mp(dp, mp))
+        layout = dataclasses.replace(layout, policy=dataclasses.replace(layout.policy, paged_attention=attention,
+                                                                        cache_bits=False))
+        with pltpu.force_tpu_interpret_mode():
+            tokens.append(greedy_programs(layout, infer_params.place_params(params, layout), PROMPTS + [[7]], 4, dp))
     np.testing.assert_array_equal(tokens[1], tokens[0])
