@@ -161,15 +161,20 @@ def measure(name: str, overrides: list[str], args: argparse.Namespace) -> None:
          int8_picks_bf16s_ending=round(float(np.mean(chosen["int8"] == chosen["bf16"])), 3))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_text_args(parser: argparse.ArgumentParser, train_steps: int) -> None:
+    """The prompts and the training of an accuracy bench (this one's and bench_kv_int8.py's)."""
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--questions", type=int, default=64)
-    parser.add_argument("--train-steps", type=int, default=0, help="train each model this many steps first")
+    parser.add_argument("--train-steps", type=int, default=train_steps, help="train the model this many steps first")
     parser.add_argument("--train-len", type=int, default=64, help="the training windows' length in tokens")
     parser.add_argument("--corpus-chars", type=int, default=3_000_000, help="the training text's length")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_text_args(parser, train_steps=0)
+    parser.add_argument("--questions", type=int, default=64)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = parser.parse_args()
     for name in args.models:

@@ -8,6 +8,7 @@ once, streamed, greedy, EOS ignored. The programs the rounds run are compiled be
 bench config with seq 2048, one CPU device.
 
     python bench/bench_prefix.py [--requests 64] [--prefix-len 1024] [--tail-len 64] [--new-tokens 16]
+                                 [--kv-pages 1024 --page-size 16]
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import numpy as np
 
 from bench.bench_serving import summary
 from bench.bench_serving import concurrent as all_at_once
-from bench.common import emit
+from bench.common import add_paged_args, emit, paged_engine_args
 from mesh_transformer import config
 from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.infer.programs import Programs
@@ -47,15 +48,18 @@ def run_server(args: argparse.Namespace, ready: multiprocessing.Queue, stop: mul
     tokenizer = load_tokenizer()
     layout = make_inference_layout(cfg, mesh=make_dp_mp(1, 1))
     programs = Programs(layout)
+    paged = paged_engine_args(args)
     engines = {on: serving.Engine(layout, params, tokenizer, max_batch=args.slots, max_queue=2 * args.requests,
-                                  stop_token_ids=(), programs=programs, prefix_cache=on) for on in (True, False)}
+                                  stop_token_ids=(), programs=programs, prefix_cache=on, **paged)
+               for on in (True, False)}
     widths = {bucket(args.prefix_len + args.tail_len, maximum=cfg.seq), bucket(args.tail_len, maximum=cfg.seq)}
-    needed = [p for p in engines[True].programs() if p[0] == "decode" or p[1][3].shape[1] in widths]
+    needed = [p for p in engines[True].programs() if "decode" in p[0] or p[1][3].shape[1] in widths]
     start_s = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda program: programs.compile(*program), needed))
-    setup = {"slots": engines[True].n_slots, "programs": len(needed), "compile_s": round(time.perf_counter() - start_s),
-             "layers": cfg.layers, "d_model": cfg.d_model, "seq": cfg.seq, "platform": jax.devices()[0].platform}
+    setup = {"slots": engines[True].n_slots, **paged, "programs": len(needed),
+             "compile_s": round(time.perf_counter() - start_s), "layers": cfg.layers, "d_model": cfg.d_model,
+             "seq": cfg.seq, "platform": jax.devices()[0].platform}
     try:
         with server.BackgroundServer(server.create_app(engines[True], tokenizer, model_name="on")) as on, \
                 server.BackgroundServer(server.create_app(engines[False], tokenizer, model_name="off")) as off:
@@ -93,6 +97,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
+    add_paged_args(parser)
     parser.add_argument("--questions", type=int, default=16, help="multiple-choice questions (4 endings each)")
     args = parser.parse_args()
     context = multiprocessing.get_context("spawn")

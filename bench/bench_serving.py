@@ -24,7 +24,7 @@ import httpx
 import jax
 import numpy as np
 
-from bench.common import emit
+from bench.common import add_paged_args, emit, paged_engine_args
 from mesh_transformer.model import table
 from mesh_transformer.platforms import platform_setup
 from mesh_transformer import config
@@ -120,11 +120,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--kv-pages", type=int, default=None, help="a paged KV cache of this many pages (default: "
-                                                                    "slots of a whole context)")
-    parser.add_argument("--page-size", type=int, default=16)
+    add_paged_args(parser)
     args = parser.parse_args()
-    paged = {"n_pages": args.kv_pages, "page_size": args.page_size} if args.kv_pages else {}
+    paged = paged_engine_args(args)
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or JAX state inherited
     ready, stop = context.Queue(), context.Event()
     process = context.Process(target=run_server, args=(args.config, args.clients, ready, stop, paged), daemon=True)

@@ -186,6 +186,7 @@ def _measure_inference(train_layout: Layout, n_slots: int, common: dict) -> list
     tail = jax.ShapeDtypeStruct((dp, cfg.seq // 2), jnp.int32, sharding=layout.sharding(("batch", "length")))
     extend, extend_s = _compile(programs.jitted["extend"], params, cache, last, tail, rows, rows, rows, rows,
                                 sampling, policy=policy)
+    paged = _measure_paged(programs, params, n_slots, base, common)
     score_rows = Rows(*[ids] * 6)
     scorer, scorer_s = _compile(Scorer(layout, None)._program, params, score_rows, policy=policy, top_k=MAX_TOP)
     return [{"check": "serve_decode_step", **serve, **serve_memory, "per_slot_bytes": round(per_slot),
@@ -194,9 +195,44 @@ def _measure_inference(train_layout: Layout, n_slots: int, common: dict) -> list
              "compile_s": round(prefill_s, 1), "kv_cache_bytes": shard_bytes(cache), **_memory(prefill)},
             {"check": "serve_extend", **base, "slots": n_slots, "prompt_tokens": cfg.seq // 2,
              "compile_s": round(extend_s, 1), "kv_cache_bytes": shard_bytes(cache), **_memory(extend)},
+            paged,
             {"check": "sample_decode_step", **sample, **_memory(generate)},
             {"check": "scorer", **base, "rows": dp, "row_tokens": cfg.seq, "top_k": MAX_TOP,
              "compile_s": round(scorer_s, 1), **_memory(scorer)}]
+
+
+PAGE = 16  # the paged cache's page in the fit check (device_serve.py --page-size's default)
+PAGED_REQUEST = (256, 128)  # the request the paged capacity is counted in: prompt and new tokens
+
+
+def _measure_paged(programs: Programs, params, n_slots: int, base: dict, common: dict) -> dict:
+    """The serving decode step over a paged cache (device_serve.py --kv-pages, the layout's kv_cache_dtype):
+    n_slots rows each reading a whole context of pages, compiled with as many pages as the slot cache's bytes and
+    with twice that: the bytes a page costs, hence how many requests of PAGED_REQUEST tokens fit a device's memory
+    (rows past n_slots cost their sampling state too: about 2 x vocab x 4 bytes each, not counted)."""
+    cfg, dp = programs.layout.cfg, programs.layout.mesh.shape[DP]
+    width = -(-cfg.seq // PAGE)
+    _, last, steps = _abstract_slots(programs, n_slots, [PAGE])
+    table = jax.ShapeDtypeStruct((n_slots, width), jnp.int32, sharding=programs.layout.sharding(("batch", "length")))
+
+    def decode(n_pages: int) -> tuple[dict, float]:
+        cache = programs.abstract_pages(n_pages, PAGE)
+        compiled, seconds = _compile(programs.jitted["paged_decode"], params, cache, last, steps, table,
+                                     policy=programs.layout.policy, rows=n_slots // dp, n_read=width)
+        return {**_memory(compiled), "kv_cache_bytes": shard_bytes(cache)}, seconds
+
+    n_pages = n_slots * width
+    memory, seconds = decode(n_pages)
+    double, _ = decode(2 * n_pages)
+    per_page = (double["total_bytes"] - memory["total_bytes"]) / n_pages
+    fixed = memory["total_bytes"] - per_page * n_pages
+    pages_per_request = -(-sum(PAGED_REQUEST) // PAGE)
+    gibs = {16, 24, 80, round(common.get("device_memory_bytes", 16 * 2 ** 30) / 2 ** 30, 2)}
+    fit = {f"{gib:g}GiB": max(0, int((gib * 2 ** 30 - fixed) // (per_page * pages_per_request)) // dp * dp)
+           for gib in sorted(gibs)}
+    return {"check": "serve_paged_decode_step", **base, "slots": n_slots, "pages": n_pages, "page_size": PAGE,
+            "kv_cache_dtype": cfg.kv_cache_dtype, "compile_s": round(seconds, 1), **memory,
+            "per_page_bytes": round(per_page), "request_tokens": list(PAGED_REQUEST), "requests_that_fit": fit}
 
 
 def default_mesh(mode: str, n_devices: int) -> dict:
@@ -336,6 +372,11 @@ def human_line(records: list[dict]) -> str:
     if decode := next((r for r in records if r["check"] == "serve_decode_step"), None):
         lines.append(f"serving decode step {_size(decode['total_bytes'])} for {decode['slots']} slots (params "
                      f"{_size(decode['params_bytes'])}, KV cache {_size(decode['kv_cache_bytes'])})")
+    if paged := next((r for r in records if r["check"] == "serve_paged_decode_step"), None):
+        request = "+".join(map(str, paged["request_tokens"]))
+        lines.append(f"paged serving ({paged['kv_cache_dtype']} cache, pages of {paged['page_size']}): "
+                     f"{_size(paged['per_page_bytes'])} a page; requests of {request} tokens that fit: "
+                     + ", ".join(f"{k}: {v}" for k, v in paged["requests_that_fit"].items()))
     lines += [f"{r['check']}: the compiler refused it: {r['refused']}" for r in records[:-1]
               if "refused" in r and "train_step" not in r["check"]]
     largest = max(records[:-1], key=lambda r: r["total_bytes"])

@@ -21,10 +21,15 @@ def test_aot_check_reports_memory_and_whether_it_fits():
     # Inference on the same devices at the width the sampling and serving tools choose (cores_per_replica), not
     # the training mesh's tensor width.
     records = aot.run(dataclasses.replace(CFG, cores_per_replica=4), "fsdp_tp", "fsdp=4,tensor=2", 8, "1KiB")
-    train, load, decode, prefill, extend, sample, scorer, fit = json.loads(json.dumps(records))  # what the CLI prints
+    train, load, decode, prefill, extend, paged, sample, scorer, fit = json.loads(json.dumps(records))  # as printed
     assert load["check"] == "load_params" and load["programs"] > 0 and "refused" not in load
-    assert [r["check"] for r in (decode, prefill, extend, sample, scorer)] == [
-        "serve_decode_step", "serve_prefill", "serve_extend", "sample_decode_step", "scorer"]
+    assert [r["check"] for r in (decode, prefill, extend, paged, sample, scorer)] == [
+        "serve_decode_step", "serve_prefill", "serve_extend", "serve_paged_decode_step", "sample_decode_step", "scorer"]
+    # the paged cache holds the slots' bytes in pages; a page costs its keys and values, whatever else the step needs
+    assert paged["kv_cache_bytes"] == pytest.approx(decode["kv_cache_bytes"], rel=0.01)
+    # f32 keys and values, a device's heads (mp 4), its group's share of a page count (dp 2)
+    page_bytes = 2 * CFG.layers * paged["page_size"] * (CFG.d_model // 4) * 4 / 2
+    assert paged["per_page_bytes"] == pytest.approx(page_bytes, rel=0.25)
     assert extend["prompt_tokens"] == CFG.seq // 2 and extend["total_bytes"] >= extend["kv_cache_bytes"]
     assert train["compiler"] == scorer["compiler"] == "XLA:CPU (faked devices)" and train["target"] == "cpu-8"
     assert decode["decode_mesh"] == {"dp": 2, "mp": 4} and decode["slots"] == 8

@@ -100,9 +100,10 @@ def test_fit_check_compiles_every_program_for_a_target(topology):
     cfg = dataclasses.replace(CFG, cores_per_replica=1 if topology == "h100-1" else 4)
     target = targets.target(topology)
     records = aot.run(cfg, None, "", 0, None, topology=topology)
-    train, load, serve, prefill, extend, sample, scorer, fit = records
+    train, load, serve, prefill, extend, paged, sample, scorer, fit = records
     assert [r["check"] for r in records] == ["train_step", "load_params", "serve_decode_step", "serve_prefill",
-                                             "serve_extend", "sample_decode_step", "scorer", "fit"]
+                                             "serve_extend", "serve_paged_decode_step", "sample_decode_step", "scorer",
+                                             "fit"]
     assert all(r["compiler"] == target.compiler and r["target"] == topology for r in records[:-1])
     assert fit["device_memory_bytes"] == target.chip.memory_bytes and fit["fits"]
     # Memory from the target's compiler, against the shard sizes: f32 params split over mp, Adam's two moments.

@@ -163,6 +163,13 @@ class Programs:
         """An empty paged cache of n_pages pages of `page` positions (n_pages / dp a group), made in its shards."""
         return paged.PagedCache(*self._zero_pages(n_pages, page))
 
+    def abstract_pages(self, n_pages: int, page: int) -> paged.PagedCache:
+        """`new_pages`' result as ShapeDtypeStructs in its shards (for compiling; nothing is allocated)."""
+        shapes = jax.eval_shape(partial(paged.zero_cache, n_pages, page, self.layout.cfg, self.layout.policy))
+        return paged.PagedCache(*(jax.tree.map(lambda x, spec=spec: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(self.layout.mesh, spec)), field)
+            for field, spec in zip(shapes, self.page_specs)))
+
     def new_slots(self, n_slots: int) -> Slots:
         """The `decode.Slots` of n_slots empty slots, made in their shards."""
         return jax.device_put(new_slots(n_slots, self.layout.cfg.n_vocab), self.row_sharding)
