@@ -43,8 +43,8 @@ KERNEL_INT8_RANGE = 127.5
 
 class PagedCache(NamedTuple):
     """Per layer, the pages [P, page, H, K] of keys and of values; with an int8 cache (`kv_cache_dtype`) their
-    scales [P, page, H] (else None per layer). With the policy's kernel, heads first: [H, P, page, K], [H, P, page]
-    (the scales times KERNEL_INT8_RANGE)."""
+    scales [P, page, H] (else None per layer), their axes in the policy's order (`page_order`): heads first for the
+    kernel ([H, P, page, K], [H, P, page], the scales times KERNEL_INT8_RANGE), positions last on the CPU."""
     k: list
     v: list
     k_scale: list
@@ -56,13 +56,23 @@ def heads_first(policy: Policy) -> bool:
     return policy.paged_attention == KERNEL
 
 
-def _order(axes: tuple, policy: Policy) -> tuple:
-    """Axes in the policy's page layout: the heads axis moved first where `heads_first`."""
-    return (axes[2], *axes[:2], *axes[3:]) if heads_first(policy) else axes
+def page_order(policy: Policy) -> tuple[int, ...]:
+    """A page array's axes, as positions of [P, page, H, K]: heads first for the kernel, else the platform's cache
+    order (`Policy.cache_order`: positions last on the CPU, the layout its one-token dot reads in place)."""
+    return (2, 0, 1, 3) if heads_first(policy) else policy.cache_order
+
+
+def _scale_order(order: tuple) -> tuple[int, ...]:
+    """The scales' axes (the pages' without the head dim)."""
+    return tuple(i for i in order if i != 3)
+
+
+def _ordered(sizes: tuple, order: tuple) -> tuple:
+    return tuple(sizes[i] for i in order)
 
 
 def page_shape(n_pages: int, page: int, cfg: Config, policy: Policy) -> tuple[int, int, int, int]:
-    return _order((n_pages, page, cfg.n_heads, cfg.head_dim), policy)
+    return _ordered((n_pages, page, cfg.n_heads, cfg.head_dim), page_order(policy))
 
 
 def zero_cache(n_pages: int, page: int, cfg: Config, policy: Policy) -> PagedCache:
@@ -73,15 +83,18 @@ def zero_cache(n_pages: int, page: int, cfg: Config, policy: Policy) -> PagedCac
     def zeros(shape, dtype):
         return [jnp.zeros(shape, dtype) for _ in range(cfg.layers)]
 
-    shape = page_shape(n_pages, page, cfg, policy)
-    scales = zeros(_order((n_pages, page, cfg.n_heads), policy), jnp.float32) if int8 else [None] * cfg.layers
-    return PagedCache(zeros(shape, dtype), zeros(shape, dtype), scales, list(scales))
+    order = page_order(policy)
+    scale_shape = _ordered((n_pages, page, cfg.n_heads), _scale_order(order))
+    scales = zeros(scale_shape, jnp.float32) if int8 else [None] * cfg.layers
+    return PagedCache(zeros(page_shape(n_pages, page, cfg, policy), dtype), zeros(page_shape(
+        n_pages, page, cfg, policy), dtype), scales, list(scales))
 
 
 def cache_specs(layout) -> PagedCache:
     """The cache's PartitionSpecs, field by field (a prefix of its tree)."""
-    policy = layout.policy
-    pages, scales = layout.spec(_order(PAGE_AXES, policy)), layout.spec(_order(SCALE_AXES, policy))
+    order = page_order(layout.policy)
+    pages = layout.spec(_ordered(PAGE_AXES, order))
+    scales = layout.spec(_ordered(SCALE_AXES, _scale_order(order)))
     return PagedCache(pages, pages, scales, scales)
 
 
@@ -94,26 +107,50 @@ def quantize(x_RxTxHxK: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8), scale
 
 
-def _taken(pages: jax.Array, table_RxM: jax.Array, first: bool) -> jax.Array:
-    """Each row's pages [R, M, page, ...] (the heads after the positions), from pages of either layout."""
-    if not first:
-        return jnp.take(pages, table_RxM, axis=0, mode="clip")
-    taken = jnp.take(pages, table_RxM, axis=1, mode="clip")  # [H, R, M, page, ...]
-    return jnp.moveaxis(taken, 0, 3)
+def _rows(pages: jax.Array, table_RxM: jax.Array, order: tuple) -> jax.Array:
+    """Each row's pages as one sequence [R, M * page, H(, K)], from pages whose axes are `order`: taken by the table,
+    their M pages joined next to the positions (one copy), then viewed in sequence order (for the dot, which takes
+    the positions where the order holds them)."""
+    taken = jnp.take(pages, table_RxM, axis=order.index(0), mode="clip")
+    names = list(order)
+    names[order.index(0):order.index(0) + 1] = ["R", "M"]
+    joined = ["R"] + [n for o in order if o != 0 for n in (("M", 1) if o == 1 else (o,))]
+    x = taken.transpose([names.index(n) for n in joined])
+    at = joined.index("M")
+    x = x.reshape(*x.shape[:at], x.shape[at] * x.shape[at + 1], *x.shape[at + 2:])
+    rest = [o for o in order if o != 0]  # x's axes after R, the positions now one
+    return x.transpose([0, *(1 + rest.index(o) for o in sorted(rest))])
 
 
 def gather_pages(pages: jax.Array, table_RxM: jax.Array, dtype: Any, scales: jax.Array | None = None,
-                 first: bool = False) -> jax.Array:
+                 order: tuple = (0, 1, 2, 3)) -> jax.Array:
     """The positions of each row's pages in order [R, M * page, H, K], as values of `dtype` (an int8 cache's
-    dequantized by its `scales`); `first`: the pages hold heads first."""
-    rows, m = table_RxM.shape
-    taken = _taken(pages, table_RxM, first)  # [R, M, page, H, K]
+    dequantized by its `scales`), from pages whose axes are `order` (`page_order`)."""
+    values = _rows(pages, table_RxM, order)
     if scales is None:
-        values = decode.cached(taken, dtype)
+        return decode.cached(values, dtype)
+    scale = _rows(scales, table_RxM, _scale_order(order))[..., None] / (KERNEL_INT8_RANGE if order[0] == 2 else 1)
+    return (values.astype(jnp.float32) * scale).astype(dtype)
+
+
+def _index(order: tuple, page_RxT: jax.Array, offset_RxT: jax.Array) -> tuple:
+    """The index of these tokens' (page, offset) in pages whose axes are `order`."""
+    index: list = [slice(None)] * len(order)
+    index[order.index(0)], index[order.index(1)] = page_RxT, offset_RxT
+    return tuple(index)
+
+
+def _laid(x_RxTx_: jax.Array, order: tuple) -> jax.Array:
+    """Values [R, T, H(, K)] in the axes `_index` selects them as: numpy's rule puts the two index arrays' [R, T] where
+    they stand when they are next to each other, else first."""
+    a, b = sorted((order.index(0), order.index(1)))
+    rest = [o for o in order if o > 1]
+    if b == a + 1:
+        dims = [*rest[:a], "R", "T", *rest[a:]]
     else:
-        scale = _taken(scales, table_RxM, first)[..., None] / (KERNEL_INT8_RANGE if first else 1)
-        values = (taken.astype(jnp.float32) * scale).astype(dtype)
-    return values.reshape(rows, m * taken.shape[2], *taken.shape[3:])
+        dims = ["R", "T", *rest]
+    src = ["R", "T", *sorted(rest)]
+    return x_RxTx_.transpose([src.index(d) for d in dims])
 
 
 def write_positions(table_RxM: jax.Array, position_RxT: jax.Array, real_RxT: jax.Array, n_pages: int,
@@ -146,10 +183,11 @@ class _PagedKV(NamedTuple):
         if not self.n_read:
             return None
         k, v, k_scale, v_scale = state
-        page = k.shape[2 if heads_first(self.policy) else 1]
+        order = page_order(self.policy)
+        page = k.shape[order.index(1)]
         past_mask_Rx1xS = (jnp.arange(self.n_read * page)[None, :] < self.start_R[:, None])[:, None, :]
         table_RxM = self.table_RxM[:, :self.n_read]
-        past = [[gather_pages(pages, table_RxM, self.dtype, scales, heads_first(self.policy))]
+        past = [[gather_pages(pages, table_RxM, self.dtype, scales, order)]
                 for pages, scales in ((k, k_scale), (v, v_scale))]
         past_k, past_v = in_turn(h_RxTxD, past, self.policy)
         return past_k, past_v, past_mask_Rx1xS
@@ -161,27 +199,23 @@ class _PagedKV(NamedTuple):
 
     def _written(self, state, k_RxTxHxK, v_RxTxHxK, after_Rx1x1x1):
         k, v, k_scale, v_scale = state
-        first = heads_first(self.policy)
+        order = page_order(self.policy)
         tokens = k_RxTxHxK.shape[1]
         position_RxT = self.start_R[:, None] + jnp.arange(tokens)[None]
         real_RxT = jnp.arange(tokens)[None] < self.length_R[:, None]
-        n_pages, page = (k.shape[1], k.shape[2]) if first else (k.shape[0], k.shape[1])
-        at = write_positions(self.table_RxM, position_RxT, real_RxT, n_pages, page)
-        at = (slice(None), *at) if first else at
-
-        def laid(x_RxTxH_):  # the values in the pages' order: [H, R, T, ...] where heads come first
-            return jnp.moveaxis(x_RxTxH_, 2, 0) if first else x_RxTxH_
-
+        page_RxT, offset_RxT = write_positions(self.table_RxM, position_RxT, real_RxT, k.shape[order.index(0)],
+                                               k.shape[order.index(1)])
+        at, at_scale = _index(order, page_RxT, offset_RxT), _index(_scale_order(order), page_RxT, offset_RxT)
         written = []
         for pages, scales, new in ((k, k_scale, k_RxTxHxK), (v, v_scale, v_RxTxHxK)):
             new = new + after_Rx1x1x1
             if scales is None:
-                written.append((decode.scatter(pages, at, laid(new.astype(self.dtype))), None))
+                written.append((decode.scatter(pages, at, _laid(new.astype(self.dtype), order)), None))
             else:
                 values, scale = quantize(new)
-                scale = scale * KERNEL_INT8_RANGE if first else scale
-                written.append((pages.at[at].set(laid(values), mode="drop"),
-                                scales.at[at].set(laid(scale), mode="drop")))
+                scale = scale * KERNEL_INT8_RANGE if heads_first(self.policy) else scale
+                written.append((pages.at[at].set(_laid(values, order), mode="drop"),
+                                scales.at[at_scale].set(_laid(scale, _scale_order(order)), mode="drop")))
         (k, k_scale), (v, v_scale) = written
         return k, v, k_scale, v_scale
 

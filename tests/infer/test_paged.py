@@ -196,8 +196,8 @@ def test_decode_through_the_tpu_paged_attention_kernel_gives_the_gather_paths_to
     for name in ("gather", "kernel"):
         policy = dataclasses.replace(layout.policy, paged_attention=name, cache_bits=False)
         cache = paged.zero_cache(40, PAGE, cfg, policy)
-        assert cache.k[0].shape == ((cfg.n_heads, 40, PAGE, cfg.head_dim) if name == "kernel" else
-                                    (40, PAGE, cfg.n_heads, cfg.head_dim))
+        heads_first = (cfg.n_heads, 40, PAGE, cfg.head_dim)  # the kernel's; the gather's is the CPU's cache order
+        assert cache.k[0].shape == (heads_first if name == "kernel" else paged.page_shape(40, PAGE, cfg, policy))
         run = jax.jit(lambda p, c, i, s, n, read, policy=policy: paged.paged_logits(p, c, i, s, n, table, cfg, read,
                                                                                   policy=policy), static_argnums=5)
         ids, length = padded(PROMPTS, 12)
@@ -230,3 +230,30 @@ def test_kernel_decode_programs_on_mp4_give_the_gather_programs_greedy_tokens():
         with pltpu.force_tpu_interpret_mode():
             tokens.append(greedy_programs(layout, infer_params.place_params(params, layout), PROMPTS + [[7]], 4, dp))
     np.testing.assert_array_equal(tokens[1], tokens[0])
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2, 3), (0, 2, 1, 3), (0, 2, 3, 1)], ids=["tpu", "gpu", "cpu"])
+@pytest.mark.parametrize("kv_dtype", ["compute", "int8"])
+def test_every_platforms_page_layout_holds_and_reads_the_same_keys(placed, order, kv_dtype):
+    """Pages in each platform's axis order (`page_order`: the policy's cache order) give the same logits: the
+    gather joins and the writes place tokens alike whatever the order."""
+    layout, params = placed
+    cfg = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "remat=false",
+                                                         f"kv_cache_dtype={kv_dtype}"])
+    table = random_tables(3, CFG.seq // PAGE, 40, seed=9)
+    runs = []
+    for cache_order in ((0, 1, 2, 3), order):
+        policy = dataclasses.replace(layout.policy, cache_order=cache_order, cache_bits=False)
+        cache = paged.zero_cache(40, PAGE, cfg, policy)
+        run = jax.jit(lambda p, c, i, s, n, read, policy=policy: paged.paged_logits(p, c, i, s, n, table, cfg, read,
+                                                                                  policy=policy), static_argnums=5)
+        ids, length = padded(PROMPTS, 12)
+        logits, cache = run(params, cache, ids, np.zeros(3, np.int32), length, 0)
+        steps, position = [np.asarray(logits)], length.copy()
+        for _ in range(3):
+            token = np.asarray(logits).argmax(-1).astype(np.int32)[:, None]
+            logits, cache = run(params, cache, token, position, np.ones(3, np.int32), n_read(position))
+            steps.append(np.asarray(logits))
+            position = position + 1
+        runs.append(np.stack(steps))
+    np.testing.assert_allclose(runs[1], runs[0], rtol=0, atol=1e-5)
