@@ -1,6 +1,6 @@
 """A paged KV cache: per layer, the keys and the values of every request of a dp group in pages of `page` positions
 [P, page, H, K], heads split over 'mp' and pages over 'dp' (each group its own pool). A request holds a page table
-[M] of its group's page ids, in order, taken as it grows (serve/pages.py keeps them); a request that shares a cached
+[M] of its group's page ids, in order, taken as it grows (infer/pages.py keeps them); a request that shares a cached
 prefix names the same pages, so a prefix is reused without a copy. A memory sized for a few long slots then serves
 as many requests as their tokens fill.
 

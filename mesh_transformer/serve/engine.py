@@ -36,7 +36,7 @@ from mesh_transformer.infer.score import MAX_TOP
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import DP
 from mesh_transformer.serve.completion import Completion, Event, GenerationRequest
-from mesh_transformer.serve.pages import PagedCacheBook, pages_for
+from mesh_transformer.infer.pages import PagedCacheBook, pages_for
 from mesh_transformer.serve.prefix import Placement, PrefixIndex
 from mesh_transformer.serve.schedule import Schedule
 from mesh_transformer.tokenizer import EOS_ID
@@ -74,7 +74,7 @@ class Engine:
 
     With `n_pages`, the cache is paged (infer/paged.py): n_pages pages of `page_size` positions, shared by the slots
     of each dp group, so a slot costs only the pages its request fills. A request is admitted when a slot is free
-    and its group has pages for its prompt and max_tokens (serve/pages.py; it waits in the queue until then, never
+    and its group has pages for its prompt and max_tokens (infer/pages.py; it waits in the queue until then, never
     fails), holds them until it ends, and reuses the cached pages of its prompt's longest prefix (`prefix_cache`). A
     step reads the pages up to the furthest busy slot's position (a power of two of them, as blocks above).
     """

@@ -22,22 +22,12 @@ reads a block another one overwrites.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Sequence
 
-import numpy as np
+
+from mesh_transformer.infer.pages import block_names
 
 PAGE = 16  # tokens per hashed block
-
-
-def block_names(tokens: Sequence[int], page: int = PAGE) -> list[bytes]:
-    """The names of the full blocks of `tokens`: block i's is a hash of its tokens and block i - 1's name."""
-    names, name = [], b""
-    ids = np.asarray(tokens, np.int64)
-    for start in range(0, len(ids) - page + 1, page):
-        name = hashlib.blake2b(name + ids[start:start + page].tobytes(), digest_size=16).digest()
-        names.append(name)
-    return names
 
 
 @dataclasses.dataclass(frozen=True)

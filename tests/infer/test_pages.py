@@ -4,7 +4,7 @@ import collections
 import numpy as np
 import pytest
 
-from mesh_transformer.serve.pages import Allocation, PagedCacheBook, PagePool, pages_for
+from mesh_transformer.infer.pages import Allocation, PagedCacheBook, PagePool, pages_for
 
 PAGE = 4
 SHARED = list(range(100, 100 + 2 * PAGE))  # two full pages

@@ -1,6 +1,7 @@
 """A paged key/value cache's bookkeeping, on the host (as vLLM's block manager): which pages of the cache each
 sequence holds, which are free, and which hold a cached prompt prefix another request can reuse. No device: the
-engine runs what it says and hands the device the page table (`table`); the tests check it without compiling.
+engine (serve/engine.py) runs what it says and hands the device the page table (`table`); the tests check it
+without compiling.
 
 The cache holds `n_pages` pages of `page` tokens each, split over dp groups: each group has its own pool of pages,
 numbered 0 .. pages_per_group - 1 within it, and a sequence lives in one group. A sequence's pages hold its tokens in
@@ -21,12 +22,24 @@ live sequence's page would change its table under steps already in flight, to sa
 from __future__ import annotations
 
 import collections
+import hashlib
 import dataclasses
 from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from mesh_transformer.serve.prefix import block_names
+
+
+def block_names(tokens: Sequence[int], page: int = 16) -> list[bytes]:
+    """The names of the full blocks of `page` tokens of `tokens`: block i's is a hash of its tokens and block i - 1's
+    name, so a name stands for the whole prefix up to the end of its block (the slot engine's prefix cache,
+    serve/prefix.py, names its blocks alike)."""
+    names, name = [], b""
+    ids = np.asarray(tokens, np.int64)
+    for start in range(0, len(ids) - page + 1, page):
+        name = hashlib.blake2b(name + ids[start:start + page].tobytes(), digest_size=16).digest()
+        names.append(name)
+    return names
 
 
 def pages_for(tokens: int, page: int) -> int:
