@@ -11,7 +11,7 @@ import sys
 from functools import partial
 
 from mesh_transformer.errors import run_main
-from mesh_transformer.flags import Parser, add_inference_args
+from mesh_transformer.flags import Parser, add_inference_args, add_paged_cache_args, paged_cache
 from mesh_transformer.platforms import platform_setup
 
 
@@ -41,21 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compute every prompt whole (default: reuse the cached keys of a prompt prefix a slot holds)")
     p.add_argument("--warm-up", action="store_true", help="compile every program before listening: a slower start, "
                                                           "no compile pauses while serving")
-    p.add_argument("--kv-pages", type=int, default=None,
-                   help="a paged KV cache of this many pages, shared by the --max-batch slots: a request holds the "
-                        "pages its prompt and max_tokens fill, and waits for them (default: a whole context per slot)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per page of --kv-pages (default 16)")
-    p.add_argument("--kv-cache-dtype", choices=("compute", "int8"), default=None,
-                   help="the paged cache's keys and values: the compute dtype, or int8 with a scale per token and "
-                        "head (half the bytes); needs --kv-pages")
+    add_paged_cache_args(p)
     args = p.parse_args(argv)
+    args.paged = paged_cache(p, args)
     if not 0 <= args.port <= 65535:
         p.error(f"--port must be in [0, 65535], got {args.port}")
-    if args.kv_cache_dtype and not args.kv_pages:
-        p.error("--kv-cache-dtype needs --kv-pages (the slot cache holds the compute dtype)")
-    if args.kv_cache_dtype:
-        args.overrides.append(f"kv_cache_dtype={args.kv_cache_dtype}")
-    for flag in ("max_batch", "max_queue", "page_size") + (("kv_pages",) if args.kv_pages is not None else ()):
+    for flag in ("max_batch", "max_queue"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.api_key == "":
@@ -77,8 +68,7 @@ def _main(argv: list[str] | None) -> int:
     layout, tokenizer, params = load_for_inference(args)
     cfg = layout.cfg
     engine = Engine(layout, params, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
-                    warm_up=args.warm_up, prefix_cache=args.prefix_cache, n_pages=args.kv_pages,
-                    page_size=args.page_size)
+                    warm_up=args.warm_up, prefix_cache=args.prefix_cache, **args.paged)
     app = server.create_app(engine, tokenizer, model_name=args.model_name or cfg.name, api_key=args.api_key,
                             chat_template=chat_template)
     logging.info("serving %s with %d slots on http://%s:%d", cfg.name, engine.n_slots, args.host, args.port)

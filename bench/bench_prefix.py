@@ -27,7 +27,7 @@ import numpy as np
 
 from bench.bench_serving import summary
 from bench.bench_serving import concurrent as all_at_once
-from bench.common import add_paged_args, emit, paged_engine_args
+from bench.common import emit
 from mesh_transformer import config
 from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.infer.programs import Programs
@@ -35,6 +35,7 @@ from mesh_transformer.infer.sizes import bucket
 from mesh_transformer.model import table
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.platforms import platform_setup
+from mesh_transformer.flags import add_paged_cache_args, paged_cache
 from mesh_transformer.serve import engine as serving, server
 from mesh_transformer.tokenizer import load_tokenizer
 
@@ -43,21 +44,20 @@ GOAL_SPEEDUP = 3
 
 def run_server(args: argparse.Namespace, ready: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
     """The server process: both engines, the programs the rounds need compiled, then serving until `stop`."""
-    cfg = config.load(args.config, ["cores_per_replica=1", f"seq={args.seq}"])
+    cfg = config.load(args.config, ["cores_per_replica=1", f"seq={args.seq}", *args.overrides])
     params = jax.tree.map(np.asarray, table.init_unsharded(cfg, jax.random.PRNGKey(0)))
     tokenizer = load_tokenizer()
     layout = make_inference_layout(cfg, mesh=make_dp_mp(1, 1))
     programs = Programs(layout)
-    paged = paged_engine_args(args)
     engines = {on: serving.Engine(layout, params, tokenizer, max_batch=args.slots, max_queue=2 * args.requests,
-                                  stop_token_ids=(), programs=programs, prefix_cache=on, **paged)
+                                  stop_token_ids=(), programs=programs, prefix_cache=on, **args.paged)
                for on in (True, False)}
     widths = {bucket(args.prefix_len + args.tail_len, maximum=cfg.seq), bucket(args.tail_len, maximum=cfg.seq)}
     needed = [p for p in engines[True].programs() if "decode" in p[0] or p[1][3].shape[1] in widths]
     start_s = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda program: programs.compile(*program), needed))
-    setup = {"slots": engines[True].n_slots, **paged, "programs": len(needed),
+    setup = {"slots": engines[True].n_slots, **args.paged, "programs": len(needed),
              "compile_s": round(time.perf_counter() - start_s), "layers": cfg.layers, "d_model": cfg.d_model,
              "seq": cfg.seq, "platform": jax.devices()[0].platform}
     try:
@@ -97,9 +97,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
-    add_paged_args(parser)
+    add_paged_cache_args(parser)
     parser.add_argument("--questions", type=int, default=16, help="multiple-choice questions (4 endings each)")
     args = parser.parse_args()
+    args.overrides = []  # --kv-cache-dtype's
+    args.paged = paged_cache(parser, args)
     context = multiprocessing.get_context("spawn")
     ready, stop = context.Queue(), context.Event()
     process = context.Process(target=run_server, args=(args, ready, stop), daemon=True)

@@ -24,10 +24,11 @@ import httpx
 import jax
 import numpy as np
 
-from bench.common import add_paged_args, emit, paged_engine_args
+from bench.common import emit
 from mesh_transformer.model import table
 from mesh_transformer.platforms import platform_setup
 from mesh_transformer import config
+from mesh_transformer.flags import add_paged_cache_args, paged_cache
 from mesh_transformer.serve import engine as serving, server
 from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.parallel.mesh import make_dp_mp
@@ -94,9 +95,9 @@ def summary(mode: str, results: list[dict], wall_s: float, **extra) -> dict:
 
 
 def run_server(config_path: str, slots: int, ready: multiprocessing.Queue, stop: multiprocessing.Event,
-               paged: dict) -> None:
+               paged: dict, overrides: list[str]) -> None:
     """The server process: random weights, every program compiled, then serving on a free port until `stop`."""
-    cfg = config.load(config_path, ["cores_per_replica=1"])
+    cfg = config.load(config_path, ["cores_per_replica=1", *overrides])
     params = jax.tree.map(np.asarray, table.init_unsharded(cfg, jax.random.PRNGKey(0)))
     tokenizer = load_tokenizer()
     start_s = time.perf_counter()
@@ -120,12 +121,14 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
-    add_paged_args(parser)
+    add_paged_cache_args(parser)
     args = parser.parse_args()
-    paged = paged_engine_args(args)
+    args.overrides = []  # --kv-cache-dtype's
+    paged = paged_cache(parser, args)
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or JAX state inherited
     ready, stop = context.Queue(), context.Event()
-    process = context.Process(target=run_server, args=(args.config, args.clients, ready, stop, paged), daemon=True)
+    process = context.Process(target=run_server, args=(args.config, args.clients, ready, stop, paged, args.overrides),
+                              daemon=True)
     process.start()
     try:
         url, setup = ready.get(timeout=1800)

@@ -11,18 +11,6 @@ import jax.numpy as jnp
 from mesh_transformer.config import Config
 
 
-def add_paged_args(parser) -> None:
-    """--kv-pages and --page-size of the serving benches (device_serve.py's)."""
-    parser.add_argument("--kv-pages", type=int, default=None,
-                        help="a paged KV cache of this many pages (default: slots of a whole context)")
-    parser.add_argument("--page-size", type=int, default=16)
-
-
-def paged_engine_args(args) -> dict:
-    """The Engine's paged-cache arguments of `add_paged_args`' flags (none: the slot cache)."""
-    return {"n_pages": args.kv_pages, "page_size": args.page_size} if args.kv_pages else {}
-
-
 def emit(**record) -> None:
     print(json.dumps(record), flush=True)
 

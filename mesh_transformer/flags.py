@@ -24,6 +24,30 @@ def add_config_args(parser: argparse.ArgumentParser, required: bool = True) -> N
                         help="override a config key (value parsed as JSON, else a string); repeatable")
 
 
+def add_paged_cache_args(parser: argparse.ArgumentParser) -> None:
+    """The serving engine's paged KV cache flags (device_serve.py and the serving benches); `paged_cache` reads them."""
+    parser.add_argument("--kv-pages", type=int, default=None,
+                        help="a paged KV cache of this many pages, shared by the --max-batch slots: a request holds "
+                             "the pages its prompt and max_tokens fill, and waits for them (default: a whole context "
+                             "per slot)")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per page of --kv-pages (default 16)")
+    parser.add_argument("--kv-cache-dtype", choices=("compute", "int8"), default=None,
+                        help="the paged cache's keys and values: the compute dtype, or int8 with a scale per token and "
+                             "head (half the bytes); needs --kv-pages")
+
+
+def paged_cache(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """The Engine's paged-cache arguments of `add_paged_cache_args`' flags ({}: the slot cache); a bad combination is
+    the parser's one-line error. --kv-cache-dtype becomes a config override (`args.overrides`, where there is one)."""
+    if args.kv_pages is not None and (args.kv_pages < 1 or args.page_size < 1):
+        parser.error(f"--kv-pages and --page-size must be at least 1, got {args.kv_pages} and {args.page_size}")
+    if args.kv_cache_dtype and not args.kv_pages:
+        parser.error("--kv-cache-dtype needs --kv-pages (the slot cache holds the compute dtype)")
+    if args.kv_cache_dtype and hasattr(args, "overrides"):
+        args.overrides.append(f"kv_cache_dtype={args.kv_cache_dtype}")
+    return {"n_pages": args.kv_pages, "page_size": args.page_size} if args.kv_pages else {}
+
+
 def add_inference_args(parser: argparse.ArgumentParser) -> None:
     """The model flags of the sampling and serving tools: where the weights are, the config, mesh and dtype."""
     add_config_args(parser, required=False)
