@@ -259,7 +259,7 @@ class Engine:
         while free and self._waiting:
             prompt = self._waiting[0].prompt
             groups = sorted({slot // n_local for slot in free})
-            # Without prefix reuse no page is ever named (`_commit_pages`), so none matches.
+            # Without prefix reuse no page is ever named (`_paged_prefill`, `_release_pages`), so none matches.
             allocation = self._book.place_in(groups, first_free, prompt, self._waiting[0].max_tokens)
             if allocation is None:  # it waits for pages; so do the requests after it (first come, first served)
                 break
@@ -334,20 +334,17 @@ class Engine:
 
     def _run_decode(self, steps: Steps, rows: int, n_blocks: int, penalized: bool) -> tuple[jax.Array, Logprobs]:
         """Dispatch a decode step of the first `rows` slots of each dp group (`penalized`: the program that applies
-        and counts penalties and bias, run while some request has them)."""
-        tokens, logprobs, self._slot_state, _, self._cache = self._programs.decode(
-            self.params, self._cache, self._slot_state, steps, rows=rows, n_blocks=n_blocks, top=MAX_TOP,
-            penalized=penalized)
-        return tokens, logprobs
-
-    def _run_paged_decode(self, steps: Steps, rows: int, n_read: int, penalized: bool) -> tuple[jax.Array, Logprobs]:
-        """`_run_decode` on the paged cache: every slot's page table (a free slot's padding), the first `n_read`
-        pages of each read."""
-        table = self._book.table([i if slot is not None else None for i, slot in enumerate(self._slots)],
-                                 self._table_width)
-        tokens, logprobs, self._slot_state, _, self._cache = self._programs.paged_decode(
-            self.params, self._cache, self._slot_state, steps, table, rows=rows, n_read=n_read, top=MAX_TOP,
-            penalized=penalized)
+        and counts penalties and bias, run while some request has them), reading `n_blocks` cache blocks, or pages
+        of every slot's table (a free slot's padding) with a paged cache."""
+        if self._book:
+            table = self._book.table([i if slot is not None else None for i, slot in enumerate(self._slots)],
+                                     self._table_width)
+            out = self._programs.paged_decode(self.params, self._cache, self._slot_state, steps, table, rows=rows,
+                                              n_read=n_blocks, top=MAX_TOP, penalized=penalized)
+        else:
+            out = self._programs.decode(self.params, self._cache, self._slot_state, steps, rows=rows,
+                                        n_blocks=n_blocks, top=MAX_TOP, penalized=penalized)
+        tokens, logprobs, self._slot_state, _, self._cache = out
         return tokens, logprobs
 
     def _prefill(self, rows_per_group: int, width: int, batch: list[tuple[int, int]],
@@ -415,11 +412,7 @@ class Engine:
             position[i], index[i] = slot.position, slot.dispatched
             slot.dispatched += 1
         penalized = any(_penalized(self._slots[i].request) for i in live)
-        steps = Steps(position, index, sampling)
-        if self._book:
-            tokens, chosen = self._run_paged_decode(steps, rows, n_blocks, penalized)
-        else:
-            tokens, chosen = self._run_decode(steps, rows, n_blocks, penalized)
+        tokens, chosen = self._run_decode(Steps(position, index, sampling), rows, n_blocks, penalized)
         return _Step(tokens, chosen, [(i, self._slots[i], out_rows[i]) for i in live])
 
     def _read_back(self, step: _Step) -> None:
