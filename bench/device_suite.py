@@ -49,7 +49,7 @@ import jaxlib
 import numpy as np
 
 from bench.common import copy_bandwidth_bytes_per_s, emit, figure, matmul_peak_flop_per_s, train_flops_per_token
-from bench.suite_parts import (SIZES, CompileLog, Peaks, Sizes, decode_records, device_sizes, error_text,
+from bench.suite_parts import (PAGE, SIZES, CompileLog, Peaks, Sizes, decode_records, device_sizes, error_text,
                                model_config, one_device_layout, param_count, random_arrays, serving_paged_records,
                                serving_records, train_bytes)
 from mesh_transformer.model import gptj
@@ -203,7 +203,7 @@ def train_lora_record(sizes: Sizes, peaks: Peaks, device: jax.Device) -> dict:
 
 
 def run_section(name: str, device: jax.Device, sizes: Sizes, peaks: Peaks | None,
-                paged_attention: str | None = None) -> tuple[list[dict], Peaks]:
+                paged_attention: str | None = None, page_size: int = PAGE) -> tuple[list[dict], Peaks]:
     """The records of one section, and the peaks the others are measured against (the device section's, else
     measured here)."""
     if name == "device":
@@ -229,7 +229,7 @@ def run_section(name: str, device: jax.Device, sizes: Sizes, peaks: Peaks | None
         if paged_attention:  # the platform policy's choice, replaced for an A/B
             layout = dataclasses.replace(layout, policy=dataclasses.replace(layout.policy,
                                                                             paged_attention=paged_attention))
-        return serving_paged_records(layout, sizes), peaks
+        return serving_paged_records(layout, sizes, page_size), peaks
     raise ValueError(name)
 
 
@@ -255,6 +255,7 @@ def main() -> None:
     parser.add_argument("--out", help="also append every JSON line to this file (bench/results/, say)")
     parser.add_argument("--paged-attention", choices=("gather", "kernel"), default=None,
                         help="serving_paged's decode attention, for an A/B (default: the platform policy's)")
+    parser.add_argument("--page-size", type=int, default=PAGE, help=f"serving_paged's tokens per page (default {PAGE})")
     args = parser.parse_args()
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
@@ -278,7 +279,7 @@ def main() -> None:
         start = time.perf_counter()
         compiles.start()
         try:
-            records, peaks = run_section(name, device, sizes, peaks, args.paged_attention)
+            records, peaks = run_section(name, device, sizes, peaks, args.paged_attention, args.page_size)
         except Exception as e:  # one failed section (out of memory, say) must not cost the others their figures
             records = [{"bench": name, "error": error_text(e)}]
             traceback.print_exc(file=sys.stderr)

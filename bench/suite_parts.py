@@ -397,17 +397,17 @@ PAGED_LEVELS = (1, 8, 32, 64, 128)  # concurrent requests the paged section time
 PAGED_GOAL_RATIO = 6  # requests in flight at once over the slot engine's slots, in the same memory (issue goal)
 
 
-def serving_paged_records(layout: Layout, sizes: Sizes) -> list[dict]:
+def serving_paged_records(layout: Layout, sizes: Sizes, page: int = PAGE) -> list[dict]:
     """The engine over a paged cache (the layout's kv_cache_dtype) with serving_clients slots and the pages they
-    need together (each request holds ceil((prompt + new) / PAGE) pages), no prefix cache: requests submitted
+    need together (each request holds ceil((prompt + new) / page) pages), no prefix cache: requests submitted
     together at each of PAGED_LEVELS (those beyond the slots wait for one), a warm pass first at each; and how many
     requests it holds at once beside the slot engine's slots (`serving_slots`)."""
     cfg = layout.cfg
-    per_request = -(-(sizes.serving_prompt_len + sizes.serving_new_tokens) // PAGE)
+    per_request = -(-(sizes.serving_prompt_len + sizes.serving_new_tokens) // page)
     n_pages = sizes.serving_clients * per_request
     engine = Engine(layout, random_decode_params(layout), _CharPerToken(), max_batch=sizes.serving_clients,
                     max_queue=4 * sizes.serving_clients, stop_token_ids=(), prefix_cache=False, n_pages=n_pages,
-                    page_size=PAGE)
+                    page_size=page)
     rng = np.random.default_rng(0)
     levels = [n for n in PAGED_LEVELS if n <= 2 * sizes.serving_clients]
     prompts = rng.integers(0, cfg.n_vocab, (max(levels), sizes.serving_prompt_len)).tolist()
@@ -422,7 +422,7 @@ def serving_paged_records(layout: Layout, sizes: Sizes) -> list[dict]:
         engine.close()
     precision = gptj.precision(cfg)
     for record in records:
-        record.update(slots=engine.n_slots, pages=pages["total"], page_size=PAGE, prompt_len=sizes.serving_prompt_len,
+        record.update(slots=engine.n_slots, pages=pages["total"], page_size=page, prompt_len=sizes.serving_prompt_len,
                       seq=cfg.seq, layers=cfg.layers, d_model=cfg.d_model, dtype=precision.compute.name,
                       weight_dtype=precision.weights.name, kv_cache_dtype=cfg.kv_cache_dtype,
                       paged_attention=layout.policy.paged_attention)
