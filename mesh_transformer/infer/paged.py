@@ -236,8 +236,13 @@ class _PagedKV(NamedTuple):
         block = math.gcd(self.n_read, max(1, KERNEL_BLOCK_TOKENS // page))
         head_dim = q_Rx1xHxK.shape[-1]
         q_RxHxK = (q_Rx1xHxK[:, 0].astype(jnp.float32) / math.sqrt(head_dim)).astype(q_Rx1xHxK.dtype)
-        ctx_RxHxK = paged_attention(q_RxHxK, k, v, self.start_R + 1, self.table_RxM[:, :self.n_read],
-                                    pages_per_compute_block=block)
+        # The kernel fetches whole blocks of pages, a table's padding included, so padding names a real page (masked
+        # by length); and it walks each row's length, so a free row's (a stale position, beyond the pages read, or
+        # none) is held within them.
+        n_pages = state[0].shape[page_order(self.policy).index(0)]
+        table_RxM = jnp.minimum(self.table_RxM[:, :self.n_read], n_pages - 1)
+        length_R = jnp.clip(self.start_R + 1, 1, self.n_read * page)
+        ctx_RxHxK = paged_attention(q_RxHxK, k, v, length_R, table_RxM, pages_per_compute_block=block)
         return ctx_RxHxK.reshape(ctx_RxHxK.shape[0], 1, -1)
 
 

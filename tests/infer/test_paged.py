@@ -214,16 +214,15 @@ def test_decode_through_the_tpu_paged_attention_kernel_gives_the_gather_paths_to
     np.testing.assert_allclose(runs["kernel"], runs["gather"], rtol=0, atol=0.05 * runs["gather"].std())
 
 
-def test_kernel_decode_programs_on_mp4_give_the_gather_programs_greedy_tokens():
-    """The kernel under the layout's shard_map (each device's heads), by Pallas' TPU interpreter on the CPU, against
-    the gather path on one device. (Over dp 2 the interpreter stops on an out-of-bounds read of the kernel's page
-    indices, one past a group's rows: the kernel stays off by default until the chip shows whether it does that
-    there too.)"""
+def test_kernel_decode_programs_on_dp2_mp4_give_the_gather_programs_greedy_tokens():
+    """The kernel under the layout's shard_map (each device's heads of its dp group's pages), by Pallas' TPU
+    interpreter on the CPU, against the gather path on one device. The kernel fetches whole blocks of pages, a
+    table's padding included: padding must name a page of the group (an out-of-range one halts a TPU core)."""
     from jax.experimental.pallas import tpu as pltpu
 
     params = random_params(CFG, 3)
     tokens = []
-    for (dp, mp), attention in (((1, 1), "gather"), ((1, 4), "kernel")):
+    for (dp, mp), attention in (((1, 1), "gather"), ((2, 4), "kernel")):
         layout = infer_params.make_inference_layout(CFG, mesh=make_dp_mp(dp, mp))
         layout = dataclasses.replace(layout, policy=dataclasses.replace(layout.policy, paged_attention=attention,
                                                                         cache_bits=False))
