@@ -209,7 +209,15 @@ def run_section(name: str, device: jax.Device, sizes: Sizes, peaks: Peaks | None
     if name == "device":
         record, peaks = measure_device(device, sizes)
         return [record], peaks
-    peaks = peaks or measure_device(device, sizes)[1]
+    if name == "serving":
+        return serving_records(one_device_layout(model_config(sizes.serving_model), device), sizes), peaks
+    if name == "serving_paged":  # int8 weights and an int8 paged cache
+        layout = one_device_layout(model_config(sizes.serving_model, kv_cache_dtype="int8"), device)
+        if paged_attention:  # the platform policy's choice, replaced for an A/B
+            layout = dataclasses.replace(layout, policy=dataclasses.replace(layout.policy,
+                                                                            paged_attention=paged_attention))
+        return serving_paged_records(layout, sizes, page_size), peaks
+    peaks = peaks or measure_device(device, sizes)[1]  # the sections below are measured against them
     if name == "train":
         cfg = model_config(sizes.train_model, remat=True, per_replica_batch=sizes.train_batch,
                            gradient_accumulation_steps=sizes.train_micro_batches)
@@ -222,14 +230,6 @@ def run_section(name: str, device: jax.Device, sizes: Sizes, peaks: Peaks | None
     if name == "decode_int8":  # int8 weights (model/quant.py): the bytes a step reads, about halved
         layout = one_device_layout(model_config(sizes.decode_model, weight_dtype="int8"), device)
         return decode_records(layout, sizes.decode_int8_batches, sizes, peaks), peaks
-    if name == "serving":
-        return serving_records(one_device_layout(model_config(sizes.serving_model), device), sizes), peaks
-    if name == "serving_paged":  # int8 weights and an int8 paged cache
-        layout = one_device_layout(model_config(sizes.serving_model, kv_cache_dtype="int8"), device)
-        if paged_attention:  # the platform policy's choice, replaced for an A/B
-            layout = dataclasses.replace(layout, policy=dataclasses.replace(layout.policy,
-                                                                            paged_attention=paged_attention))
-        return serving_paged_records(layout, sizes, page_size), peaks
     raise ValueError(name)
 
 
