@@ -95,7 +95,10 @@ def sizes_for(device: jax.Device, tiny: bool) -> Sizes:
 
 
 def git_commit() -> tuple[str, bool | None]:
-    """(HEAD's commit, whether tracked files differ from it), or ("unknown", None) outside a git checkout."""
+    """(HEAD's commit, whether tracked files differ from it), or ("unknown", None) outside a git checkout; MTJ_COMMIT
+    where it is set (a copied tree whose .git is not the commit that made it, as the device tool's is)."""
+    if os.environ.get("MTJ_COMMIT"):
+        return os.environ["MTJ_COMMIT"], None
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True,
                               timeout=30).stdout.strip()
