@@ -36,7 +36,7 @@ def our_steps(cfg, ids_BxT1):
     layout = make_layout(cfg, mesh=make_dp_mp(1, 1))
     opt = optim.make_optimizer(cfg)
     state = state_lib.init_train_state(layout, opt, jax.random.PRNGKey(0))
-    hf_state = hf.params_to_hf(jax.tree.map(np.asarray, state["params"]), cfg.layers)
+    hf_state = hf.params_to_hf(jax.tree.map(np.asarray, state["params"]), cfg)
     grad_fn = jax.jit(jax.value_and_grad(lambda p, x: model.loss_fn(p, x, cfg, policy=layout.policy)))
     train_step = state_lib.make_train_step(layout, opt, optim.lr_schedule(cfg))
     batch = jax.device_put(ids_BxT1[None], layout.batch_sharding())

@@ -110,7 +110,7 @@ def main() -> None:
     sampler = sampling.Sampler(make_inference_layout(cfg, mesh=make_dp_mp(1, 1)), params)
     hf_cfg = GPTJConfig(**hf.hf_config(cfg))
     hf_model = GPTJForCausalLM(hf_cfg).eval()
-    hf_model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in hf.params_to_hf(params, cfg.layers).items()},
+    hf_model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in hf.params_to_hf(params, cfg).items()},
                              strict=False)
     hf_model.generation_config.eos_token_id = None  # random weights: decode all tokens on both sides
     itemsize = model.precision(cfg).compute.itemsize

@@ -20,6 +20,10 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+    # The model family (model/families/: "gptj", "gptneox") and its own keys (each family names those it reads).
+    family: str = "gptj"
+    parallel_residual: bool = True  # gptneox: attention and the MLP read the layer's input side by side
+    rotary_base: float = 10000.0  # gptneox: the rotary embedding's base
     # Model shape (original keys).
     layers: int = 28
     d_model: int = 4096
@@ -138,7 +142,23 @@ def _check_keys(raw: dict) -> None:
             raise ConfigError(f"config key '{key}' must be one of {', '.join(_CHOICES[key])}, got {value!r}")
 
 
+def _check_family(cfg: Config) -> None:
+    from mesh_transformer.model import family
+
+    try:
+        own = family.of(cfg).config_keys
+    except ValueError as e:
+        raise ConfigError(f"config key 'family': {e}") from None
+    defaults = Config()
+    for name in family.names():
+        for key in family.named(name).config_keys:
+            if key not in own and getattr(cfg, key) != getattr(defaults, key):
+                raise ConfigError(f"config key '{key}' belongs to the {name} family, not this config's "
+                                  f"{cfg.family}")
+
+
 def _check_values(cfg: Config) -> None:
+    _check_family(cfg)
     positive = ("layers", "d_model", "n_heads", "n_vocab", "seq", "cores_per_replica", "per_replica_batch",
                 "gradient_accumulation_steps", "tpu_size", "total_steps", "keep_last", "mesh_fsdp", "mesh_tensor")
     for key in positive:

@@ -69,6 +69,7 @@ def wait_for(predicate: Callable[[], bool], proc: subprocess.Popen, timeout_s: f
 
 # The fine-tuning and trainer tests' model shape (seq and the parallel layout come with each run's config).
 TINY_SHAPE = {"layers": 2, "d_model": 32, "n_heads": 4, "n_vocab": 128, "pe_rotary_dims": 4}
+TINY_NEOX_SHAPE = {**TINY_SHAPE, "family": "gptneox", "rotary_base": 500.0}  # rotary on half of each head of 8
 
 
 def random_params(cfg: config.Config, seed: int) -> dict:
@@ -78,14 +79,16 @@ def random_params(cfg: config.Config, seed: int) -> dict:
 
 
 def random_hf_model(cfg: config.Config, seed: int = 0):
-    """HF's GPT-J (eager attention) with every parameter random, LayerNorms and biases too."""
+    """HF's model of the config's family (GPT-J, GPT-NeoX; eager attention) with every parameter random, LayerNorms
+    and biases too."""
     import torch
-    from transformers import GPTJConfig, GPTJForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    hf_config = GPTJConfig(**hf.hf_config(cfg))
+    keys = hf.hf_config(cfg)
+    hf_config = AutoConfig.for_model(keys["model_type"], **{k: v for k, v in keys.items() if k != "model_type"})
     hf_config._attn_implementation = "eager"
-    hf_model = GPTJForCausalLM(hf_config).eval()
+    hf_model = AutoModelForCausalLM.from_config(hf_config).eval()
     with torch.no_grad():  # HF's init leaves LayerNorms at 1/0 and biases at 0: randomize all so each one counts
         for p in hf_model.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
@@ -113,7 +116,7 @@ def write_hf_dir(directory: str, params: dict, cfg: config.Config) -> str:
     from mesh_transformer.tokenizer import load_tokenizer
 
     os.makedirs(directory, exist_ok=True)
-    state = {k: np.ascontiguousarray(v, np.float32) for k, v in hf.params_to_hf(params, cfg.layers).items()}
+    state = {k: np.ascontiguousarray(v, np.float32) for k, v in hf.params_to_hf(params, cfg).items()}
     save_file(state, os.path.join(directory, "model.safetensors"))
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump({**hf.hf_config(cfg), "torch_dtype": "float32"}, f)
@@ -359,3 +362,13 @@ def tiny_server(**app_kwargs) -> Iterator[str]:
             yield running.url
     finally:
         engine.close()
+
+
+def left_pad(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts as HF's generate takes them: ids and attention mask [R, longest], padded on the left."""
+    length = max(map(len, prompts))
+    ids = np.zeros((len(prompts), length), np.int64)
+    mask = np.zeros((len(prompts), length), np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, length - len(prompt):], mask[row, length - len(prompt):] = prompt, 1
+    return ids, mask

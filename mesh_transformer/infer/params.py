@@ -307,7 +307,7 @@ def _read_whole(reader: Any, path: tuple, dtype: np.dtype) -> np.ndarray:
 
 def _place_layer(reader: Any, read_int8: Any, stacked: list, i: int, *, dtype: np.dtype, tp_size: int, int8: bool,
                  shardings: dict) -> dict:
-    """Layer i read, joined and placed one half at a time (`layers.fuse_inputs`: q, k, v, fc_in and ln_1; then
+    """Layer i read, joined and placed one half at a time (`layers.fuse_inputs`: q, k, v, fc_in and the norms; then
     `fuse_outputs`: out and fc_out), each half quantized on the host where `int8` and the checkpoint holds floats.
     The host holds one half's parts and its joined copy at most (GPT-J-6B in bf16: 2 x 235 MB; a whole layer's
     would be 2 x 402 MB), each freed before the next half is read."""
@@ -317,8 +317,9 @@ def _place_layer(reader: Any, read_int8: Any, stacked: list, i: int, *, dtype: n
         layer, scales = _read_layer(reader, read_int8, half, i, dtype)
         if int8 and scales is None:
             layer, scales = quant.quantize_layer(layer, np)
-        if "ln_1" in layer:
-            placed["ln_1"] = jax.device_put(layer["ln_1"], shardings["ln_1"])
+        for norm in ("ln_1", "ln_2"):
+            if norm in layer:
+                placed[norm] = jax.device_put(layer[norm], shardings[norm])
         joined = fuse(layer, tp_size, np, scales if int8 else None, concatenate=join_on_host)
         del layer  # its parts, before the devices take the joined half
         while joined:  # each host array freed once the devices hold it
@@ -376,7 +377,8 @@ def _host_transpose() -> Any:
     return lambda x: np.asarray(transposed(jax.device_put(x, cpu)))
 
 
-_OUTPUTS = {("attn", "out"), ("mlp", "fc_out", "kernel"), ("mlp", "fc_out", "bias")}  # the rest: the inputs half
+_OUTPUTS = {("attn", "out"), ("attn", "out_bias"), ("mlp", "fc_out", "kernel"),
+            ("mlp", "fc_out", "bias")}  # the rest: the inputs half
 
 
 def _read_layer(reader: Any, read_int8: Any, stacked: list, i: int,

@@ -1,5 +1,6 @@
-"""The GPT-J transformer as pure functions of global arrays: the one forward, embedding to head, that training,
-logits, prefill, decode and scoring run (`run`), and the training loss.
+"""The transformer of every model family (model/family.py: GPT-J, GPT-NeoX) as pure functions of global arrays: the
+one forward, embedding to head, that training, logits, prefill, decode and scoring run (`run`), and the training
+loss.
 
 Knows no mesh: a Layout (parallel/layout.py) runs these under shard_map (with a tensor-parallel axis name) or under
 jit with shardings (with a `constrain` hook for activations). The param tree is model/table.py's.
@@ -16,7 +17,7 @@ import numpy as np
 from jax import lax
 
 from mesh_transformer.config import Config
-from mesh_transformer.model import layers, lora, order, quant
+from mesh_transformer.model import family, layers, lora, order, quant
 from mesh_transformer.model.table import DTYPES
 from mesh_transformer.platforms import Policy
 
@@ -123,13 +124,14 @@ def run(params: dict, ids_BxT: jax.Array, positions_BxT: jax.Array, cfg: Config,
     constrain = constrain or _unconstrained
     params = cast_for_compute(params, cfg)
     h_BxTxD = constrain(layers.embed(ids_BxT, params["embed"]["wte"], tp_axis), HIDDEN_AXES)
-    sincos = layers.rotary_sincos(positions_BxT, cfg.pe_rotary_dims)
+    arch = block_arch(cfg)
+    sincos = layers.rotary_sincos(positions_BxT, cfg.pe_rotary_dims, cfg.rotary_base, half=arch.rotary == "half")
     dtype = precision(cfg).compute
 
     def step(h_BxTxD, layer_and_adapters, state):
         layer = lora.adapt_layer(*quant.cast(layer_and_adapters, dtype), lora.scale(cfg))
         past = None if kv is None else kv.read(state, h_BxTxD)
-        h_BxTxD, (k, v) = layers.block(h_BxTxD, layer, cfg.head_dim, sincos, mask_BxTxT=mask_BxTxS,
+        h_BxTxD, (k, v) = layers.block(h_BxTxD, layer, cfg.head_dim, sincos, arch=arch, mask_BxTxT=mask_BxTxS,
                                        tp_axis=tp_axis, past=past, join=cfg.join_projections, policy=policy)
         return constrain(h_BxTxD, HIDDEN_AXES), (state if kv is None else kv.write(state, k, v, h_BxTxD))
 
@@ -141,6 +143,11 @@ def run(params: dict, ids_BxT: jax.Array, positions_BxT: jax.Array, cfg: Config,
     if columns_BxC is not None:
         h_BxTxD = jnp.take_along_axis(h_BxTxD, columns_BxC[..., None], axis=1)
     return (head or logits)(params, h_BxTxD), kv_states
+
+
+def block_arch(cfg: Config) -> family.Block:
+    """What the config's family's block does (model/family.py), with the config's own choices filled in."""
+    return family.of(cfg).block._replace(parallel=cfg.parallel_residual)
 
 
 def logits(params: dict, h_BxTxD: jax.Array) -> jax.Array:

@@ -1,4 +1,4 @@
-"""GPT-J layers as pure functions over param dicts.
+"""The transformer's layers as pure functions over param dicts, for every model family (model/family.py).
 
 Each layer is written once. With `tp_axis=None` it is the plain global computation; with the name of a
 tensor-parallel mesh axis it runs inside `jax.shard_map` on this device's slice of the heads, the MLP and the
@@ -43,21 +43,29 @@ def layer_norm(x_BxTxD: jax.Array, p: dict) -> jax.Array:
     return y.astype(x_BxTxD.dtype)
 
 
-def rotary_sincos(positions_BxT: jax.Array, rot_dims: int) -> tuple[jax.Array, jax.Array]:
-    """GPT-J's interleaved sin and cos tables: [t0, t0, t1, t1, ...] per position."""
-    inv_freq_P2 = 1.0 / (10000.0 ** (jnp.arange(0, rot_dims, 2, dtype=F32) / rot_dims))
+def rotary_sincos(positions_BxT: jax.Array, rot_dims: int, base: float = 10000.0,
+                  half: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The rotary sin and cos tables [B, T, P]: GPT-J's interleaved [t0, t0, t1, t1, ...] per position, or with
+    `half` (GPT-NeoX's) [t0, t1, ..., t0, t1, ...]."""
+    inv_freq_P2 = 1.0 / (base ** (jnp.arange(0, rot_dims, 2, dtype=F32) / rot_dims))
     angle_BxTxP2 = positions_BxT.astype(F32)[..., None] * lead(inv_freq_P2, positions_BxT.ndim + 1)
+    if half:
+        return jnp.concatenate([jnp.sin(angle_BxTxP2)] * 2, -1), jnp.concatenate([jnp.cos(angle_BxTxP2)] * 2, -1)
     return jnp.repeat(jnp.sin(angle_BxTxP2), 2, -1), jnp.repeat(jnp.cos(angle_BxTxP2), 2, -1)
 
 
-def apply_rotary(x_BxTxHxK: jax.Array, sin_BxTxP: jax.Array, cos_BxTxP: jax.Array) -> jax.Array:
-    """Rotate the first P dims of each head, pairs (0,1), (2,3), ... as GPT-J does (not NeoX's half split)."""
+def apply_rotary(x_BxTxHxK: jax.Array, sin_BxTxP: jax.Array, cos_BxTxP: jax.Array, half: bool = False) -> jax.Array:
+    """Rotate the first P dims of each head: pairs (0,1), (2,3), ... as GPT-J does, or with `half` dims i and
+    i + P/2 as GPT-NeoX does."""
     rot = sin_BxTxP.shape[-1]
     if rot == 0:
         return x_BxTxHxK
     x_rot, x_pass = x_BxTxHxK[..., :rot].astype(F32), x_BxTxHxK[..., rot:]
-    pairs = x_rot.reshape(*x_rot.shape[:-1], rot // 2, 2)
-    rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], -1).reshape(x_rot.shape)
+    if half:
+        rotated = jnp.concatenate([-x_rot[..., rot // 2:], x_rot[..., :rot // 2]], -1)
+    else:
+        pairs = x_rot.reshape(*x_rot.shape[:-1], rot // 2, 2)
+        rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], -1).reshape(x_rot.shape)
     x_rot = x_rot * cos_BxTxP[:, :, None] + rotated * sin_BxTxP[:, :, None]
     return jnp.concatenate([x_rot.astype(x_BxTxHxK.dtype), x_pass], -1)
 
@@ -110,19 +118,31 @@ def _attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask_BxTxT, past, causal) -> jax
 
 
 class Projections(NamedTuple):
-    """How one layer's weights are applied (`projections`): `inputs(n_BxTxD)` gives q, k, v [B, T, H*K] and the
-    MLP's pre-activation [B, T, F] (fc_in's bias added); `output(attn_BxTxW, act_BxTxF)` this device's part of attn
-    out + fc_out [B, T, D], before the reduction and without fc_out's bias `out_bias`; `attention` the kernel."""
+    """How one layer's weights are applied (`projections`): `inputs(n_attn_BxTxD, n_mlp_BxTxD)` gives q, k, v
+    [B, T, H*K] (their biases added) and the MLP's pre-activation [B, T, F] (fc_in's bias added), of attention's
+    and the MLP's normalized inputs (the same array where a family has one LayerNorm); `output(attn_BxTxW,
+    act_BxTxF)` this device's part of attn out + fc_out [B, T, D], before the reduction and without the biases:
+    attn out's `attn_bias` (None: none) and fc_out's `out_bias`. A block whose MLP reads attention's output (no
+    parallel residual) takes each side alone: `attn_inputs(n)` q, k, v; `mlp_input(n)`; `attn_output(attn)`;
+    `mlp_output(act)`. `attention` is the kernel."""
     inputs: Callable
     output: Callable
     out_bias: jax.Array
     attention: str
+    attn_inputs: Callable
+    mlp_input: Callable
+    attn_output: Callable
+    mlp_output: Callable
+    attn_bias: jax.Array | None
 
 
-def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, *, mask_BxTxT: jax.Array | None = None,
+def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, *, arch, mask_BxTxT: jax.Array | None = None,
           tp_axis: str | None = None, past: tuple | None = None, join: bool = False,
           policy: Policy) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """One GPT-J block: h + Attn(LN(h)) + MLP(LN(h)), with one all-reduce of attn + mlp under tensor parallelism.
+    """One transformer block of the family whose `arch` (model/family.py's `Block`) this is: GPT-J's
+    h + Attn(LN(h)) + MLP(LN(h)), with one all-reduce of attn + mlp under tensor parallelism; with a second
+    LayerNorm "ln_2" in `p`, h + Attn(LN1(h)) + MLP(LN2(h)) (GPT-NeoX's parallel residual), or without
+    `arch.parallel` h' = h + Attn(LN1(h)), then h' + MLP(LN2(h')), an all-reduce each.
 
     Returns the new h and this block's keys and values [B, T, H, K], for a caller that keeps a KV cache. A mask of
     None is causal self-attention (`self_attention`: training, prefill). With `past=(k_blocks, v_blocks,
@@ -131,42 +151,75 @@ def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, *, mask_BxTxT: jax
     the rest is this one body. The policy names the kernels (attention, the dense backward).
     """
     proj = projections(p, join, policy)
-    q, k, v, pre_act = proj.inputs(layer_norm(h_BxTxD, p["ln_1"]))
-    q, k, v = (x.reshape(*x.shape[:-1], -1, head_dim) for x in (q, k, v))
-    q, k = apply_rotary(q, *sincos), apply_rotary(k, *sincos)
-    attn = _attention(q, k, v, mask_BxTxT, past, partial(self_attention, kernel=proj.attention))
-    out_BxTxD = proj.output(attn, jax.nn.gelu(pre_act, approximate=True))
-    return _residual(h_BxTxD, out_BxTxD, proj.out_bias, tp_axis), (k, v)
+    n_BxTxD = layer_norm(h_BxTxD, p["ln_1"])
+
+    def attention(q, k, v):
+        q, k, v = (x.reshape(*x.shape[:-1], -1, head_dim) for x in (q, k, v))
+        q, k = apply_rotary(q, *sincos, half=arch.rotary == "half"), apply_rotary(k, *sincos,
+                                                                                 half=arch.rotary == "half")
+        return _attention(q, k, v, mask_BxTxT, past, partial(self_attention, kernel=proj.attention)), (k, v)
+
+    def act(pre):
+        return jax.nn.gelu(pre, approximate=arch.gelu_tanh)
+
+    if not arch.parallel:
+        attn, kv = attention(*proj.attn_inputs(n_BxTxD))
+        h_BxTxD = _residual(h_BxTxD, proj.attn_output(attn), proj.attn_bias, tp_axis)
+        pre = proj.mlp_input(layer_norm(h_BxTxD, p["ln_2"]))
+        return _residual(h_BxTxD, proj.mlp_output(act(pre)), proj.out_bias, tp_axis), kv
+    n_mlp_BxTxD = layer_norm(h_BxTxD, p["ln_2"]) if "ln_2" in p else n_BxTxD
+    q, k, v, pre_act = proj.inputs(n_BxTxD, n_mlp_BxTxD)
+    attn, kv = attention(q, k, v)
+    out_BxTxD = proj.output(attn, act(pre_act))
+    bias = proj.out_bias if proj.attn_bias is None else proj.out_bias + proj.attn_bias
+    return _residual(h_BxTxD, out_BxTxD, bias, tp_axis), kv
 
 
 def projections(p: dict, join: bool, policy: Policy) -> Projections:
     """A layer's `Projections`: `fuse_layer`'s joined matrices (inference, int8 ones with their scales), the param
-    tree's matrices joined inside the computation (`join`), or the param tree's six products as they are."""
+    tree's matrices joined inside the computation (`join`, for a family with one LayerNorm), or the param tree's
+    products as they are."""
     if "fused" in p:
         return _fused(p["fused"], policy)
     attn, mlp_p = p["attn"], p["mlp"]
     fc_in, fc_out = mlp_p["fc_in"], mlp_p["fc_out"]
-    if join:  # q, k, v and fc_in (which all read LN(h)) in one product, out and fc_out (summed) in another
+
+    def attn_inputs(n_BxTxD):
+        qkv = [dense(n_BxTxD, attn[name], policy) for name in "qkv"]
+        return tuple(x if f"{name}_bias" not in attn else x + lead(attn[f"{name}_bias"], x.ndim)
+                     for name, x in zip("qkv", qkv))
+
+    def mlp_input(n_BxTxD):
+        pre = dense(n_BxTxD, fc_in["kernel"], policy)
+        return pre + lead(fc_in["bias"], pre.ndim)
+
+    def attn_output(attn_BxTxW):
+        return dense(attn_BxTxW, attn["out"], policy)
+
+    def mlp_output(act_BxTxF):
+        return dense(act_BxTxF, fc_out["kernel"], policy)
+
+    def separate_inputs(n_BxTxD, n_mlp_BxTxD):
+        return *attn_inputs(n_BxTxD), mlp_input(n_mlp_BxTxD)
+
+    def separate_output(attn_BxTxW, act_BxTxF):
+        return attn_output(attn_BxTxW) + mlp_output(act_BxTxF)
+
+    sides = (attn_inputs, mlp_input, attn_output, mlp_output, attn.get("out_bias"))
+    if join and "ln_2" not in p and "q_bias" not in attn:
+        # q, k, v and fc_in (which all read LN(h)) in one product, out and fc_out (summed) in another
         in_DxN = jnp.concatenate([attn["q"], attn["k"], attn["v"], fc_in["kernel"]], -1)
         out_MxD = jnp.concatenate([attn["out"], fc_out["kernel"]], 0)
         width = attn["q"].shape[-1]
 
-        def inputs(n_BxTxD):
+        def inputs(n_BxTxD, n_mlp_BxTxD):
             *qkv, pre = _split(dense(n_BxTxD, in_DxN, policy), width)
             return *qkv, pre + lead(fc_in["bias"], pre.ndim)
 
         def output(attn_BxTxW, act_BxTxF):
             return dense(jnp.concatenate([attn_BxTxW, act_BxTxF], -1), out_MxD, policy)
-        return Projections(inputs, output, fc_out["bias"], policy.attention)
-
-    def separate_inputs(n_BxTxD):
-        q, k, v = (dense(n_BxTxD, attn[name], policy) for name in "qkv")
-        pre = dense(n_BxTxD, fc_in["kernel"], policy)
-        return q, k, v, pre + lead(fc_in["bias"], pre.ndim)
-
-    def separate_output(attn_BxTxW, act_BxTxF):
-        return dense(attn_BxTxW, attn["out"], policy) + dense(act_BxTxF, fc_out["kernel"], policy)
-    return Projections(separate_inputs, separate_output, fc_out["bias"], policy.attention)
+        return Projections(inputs, output, fc_out["bias"], policy.attention, *sides)
+    return Projections(separate_inputs, separate_output, fc_out["bias"], policy.attention, *sides)
 
 
 def _split(y, width: int) -> tuple[jax.Array, ...]:
@@ -182,16 +235,28 @@ def _residual(h_BxTxD: jax.Array, out_BxTxD: jax.Array, bias_D: jax.Array, tp_ax
 
 
 # The logical axes of a layer `fuse_layer` joined: "shards" is its device axis (one slice per tensor-parallel device),
-# "joined" the joined rows or columns of one device.
+# "joined" the joined rows or columns of one device. A family with a second LayerNorm has "ln_2" like "ln_1", one with
+# a bias on attn out has it as fused "attn_bias" ("embed",) (`fused_axes`).
 FUSED_AXES = {"ln_1": {"scale": ("embed",), "bias": ("embed",)},
               "fused": {"in": ("shards", "joined", "embed"), "in_bias": ("shards", "joined"),
                         "out": ("shards", "embed", "joined"), "out_bias": ("embed",)}}
 
 
+def fused_axes(layer_axes: dict) -> dict:
+    """The logical axes of a joined layer, for a family whose param tree's layer has these axes."""
+    axes = dict(FUSED_AXES)
+    if "ln_2" in layer_axes:
+        axes["ln_2"] = FUSED_AXES["ln_1"]
+    if "out_bias" in layer_axes["attn"]:
+        axes["fused"] = {**FUSED_AXES["fused"], "attn_bias": ("embed",)}
+    return axes
+
+
 def fuse_layer(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None) -> dict:
     """One layer's projections joined for inference (global arrays; run it under jit): q, k, v and fc_in, which all
     read LN(h), become one matrix, and attn out and fc_out, whose outputs are summed, another. A one-token step
-    then reads each layer's weights in two matrix products instead of six.
+    then reads each layer's weights in two matrix products instead of six. (A family whose MLP reads its own
+    LayerNorm, or attention's output, takes each matrix's rows or columns of one side at a time: `_fused`.)
 
     The joined matrices are stored one row per output ([N, K]): XLA's CPU matrix-vector products over such rows
     use both cores of a 2-core machine, over [K, N] mostly one. Under tensor parallelism each device must hold
@@ -201,8 +266,8 @@ def fuse_layer(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None) ->
     and "out_scale" [tp, D]. Each half (`fuse_inputs`, `fuse_outputs`) reads only its own matrices, so a loader
     can hold one half's parts at a time.
     """
-    return {"ln_1": layer["ln_1"], "fused": {**fuse_inputs(layer, tp_size, xp, scales),
-                                             **fuse_outputs(layer, tp_size, xp, scales)}}
+    norms = {name: layer[name] for name in ("ln_1", "ln_2") if name in layer}
+    return {**norms, "fused": {**fuse_inputs(layer, tp_size, xp, scales), **fuse_outputs(layer, tp_size, xp, scales)}}
 
 
 def fuse_inputs(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None,
@@ -216,9 +281,10 @@ def fuse_inputs(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None,
         return w.reshape(d, tp_size, -1).transpose(1, 2, 0)
 
     concatenate = concatenate or xp.concatenate
+    qkv_bias = ([attn[f"{name}_bias"].astype(fc_in["bias"].dtype).reshape(tp_size, -1) for name in "qkv"]
+                if "q_bias" in attn else [xp.zeros((tp_size, 3 * d // tp_size), fc_in["bias"].dtype)])
     fused = {"in": concatenate([rows(attn["q"]), rows(attn["k"]), rows(attn["v"]), rows(fc_in["kernel"])], 1),
-             "in_bias": xp.concatenate([xp.zeros((tp_size, 3 * d // tp_size), fc_in["bias"].dtype),
-                                        fc_in["bias"].reshape(tp_size, -1)], -1)}
+             "in_bias": xp.concatenate([*qkv_bias, fc_in["bias"].reshape(tp_size, -1)], -1)}
     if scales is not None:
         fused["in_scale"] = xp.concatenate([scales[g].reshape(tp_size, -1) for g in ("q", "k", "v", "fc_in")], -1)
     return fused
@@ -237,6 +303,8 @@ def fuse_outputs(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None,
 
     fused = {"out": (concatenate or xp.concatenate)([columns(attn_out), columns(fc_out["kernel"])], 2),
              "out_bias": fc_out["bias"]}
+    if "out_bias" in layer["attn"]:
+        fused["attn_bias"] = layer["attn"]["out_bias"]
     if scales is not None:
         fused["out_scale"] = xp.broadcast_to(scales["out"], (tp_size, d))
     return fused
@@ -244,24 +312,50 @@ def fuse_outputs(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None,
 
 def _fused(p: dict, policy: Policy) -> Projections:
     """`Projections` of `fuse_layer`'s matrices (this device's slice: the device axis is 1 here), int8 ones with
-    their scales (model/quant.py), computed in pieces where the policy says (`order.in_pieces`)."""
+    their scales (model/quant.py), computed in pieces where the policy says (`order.in_pieces`). A side alone (or
+    inputs of two LayerNorms) reads its rows of "in" or columns of "out"."""
     d = p["in"].shape[-1]
     width = (p["in"].shape[1] - p["out"].shape[-1]) // 2  # in: 3 * D/tp + F/tp rows, out: D/tp + F/tp columns
     scales = [p[name].reshape(-1) if name in p else None for name in ("in_scale", "out_scale")]  # int8: quant.py
     dot_dtype = None if policy.int8_dot == "compute" else jnp.dtype(policy.int8_dot)
+    in_NxK, in_bias = p["in"].reshape(-1, d), p["in_bias"].reshape(-1)
+    out_DxM = p["out"].reshape(d, -1)
 
     def product(x, w_NxK, scale_N):
         return order.in_pieces(lambda w, s: quant.by_rows(x, w, s, dot_dtype), w_NxK, scale_N, 0, policy, x)
 
-    def inputs(n_BxTxD):
-        y = product(n_BxTxD, p["in"].reshape(-1, d), scales[0])
-        return _split(y + lead(p["in_bias"].reshape(-1), y.ndim), width)
+    def rows(start, stop):  # an input side's rows: its matrix, scales and biases
+        return in_NxK[start:stop], None if scales[0] is None else scales[0][start:stop], in_bias[start:stop]
+
+    def side_input(x, start, stop):
+        w, scale, bias = rows(start, stop)
+        y = product(x, w, scale)
+        return y + lead(bias, y.ndim)
+
+    def inputs(n_BxTxD, n_mlp_BxTxD):
+        if n_mlp_BxTxD is not n_BxTxD:
+            return *attn_inputs(n_BxTxD), mlp_input(n_mlp_BxTxD)
+        y = product(n_BxTxD, in_NxK, scales[0])
+        return _split(y + lead(in_bias, y.ndim), width)
+
+    def attn_inputs(n_BxTxD):
+        return _split(side_input(n_BxTxD, 0, 3 * width), width)[:3]
+
+    def mlp_input(n_BxTxD):
+        return side_input(n_BxTxD, 3 * width, None)
 
     def output(attn_BxTxW, act_BxTxF):
-        return product(jnp.concatenate([attn_BxTxW, act_BxTxF], -1), p["out"].reshape(d, -1), scales[1])
+        return product(jnp.concatenate([attn_BxTxW, act_BxTxF], -1), out_DxM, scales[1])
+
+    def attn_output(attn_BxTxW):
+        return product(attn_BxTxW, out_DxM[:, :width], scales[1])
+
+    def mlp_output(act_BxTxF):
+        return product(act_BxTxF, out_DxM[:, width:], scales[1])
     # Inference only, so forward only: on CPU prefill keeps XLA's attention, whose programs compile faster: the
     # blocked one adds 1.2-2.2 s to each GPT-J-6B prefill program (the serving warm-up compiles 17 of them).
-    return Projections(inputs, output, p["out_bias"], "xla" if policy.attention == "blocked" else policy.attention)
+    return Projections(inputs, output, p["out_bias"], "xla" if policy.attention == "blocked" else policy.attention,
+                       attn_inputs, mlp_input, attn_output, mlp_output, p.get("attn_bias"))
 
 
 def vocab_offset(vocab_local: int, tp_axis: str | None) -> jax.Array | int:
@@ -307,6 +401,8 @@ def head(h_BxTxD: jax.Array, ln_f: dict, lm_head: dict, policy: Policy | None = 
         logits_BxTxV = product(lm_head["kernel"], lm_head.get("scale"))
     else:
         logits_BxTxV = order.in_pieces(product, lm_head["kernel"], lm_head.get("scale"), 1, policy, n_BxTxD)
+    if "bias" not in lm_head:  # a family whose head has none
+        return logits_BxTxV
     return logits_BxTxV + lead(lm_head["bias"].astype(F32), logits_BxTxV.ndim)
 
 
@@ -345,7 +441,8 @@ def head_cross_entropy(h_BxTxD: jax.Array, ln_f: dict, lm_head: dict, targets_Bx
     softmax - onehot once, and the backward is two matmuls that read it in place, with the per-token cotangent
     folded into the small [B, T, D] side.
     """
-    n_BxTxD, kernel_DxV, bias_V = _same_varying_axes(layer_norm(h_BxTxD, ln_f), lm_head["kernel"], lm_head["bias"])
+    bias = lm_head["bias"] if "bias" in lm_head else jnp.zeros(lm_head["kernel"].shape[-1:], lm_head["kernel"].dtype)
+    n_BxTxD, kernel_DxV, bias_V = _same_varying_axes(layer_norm(h_BxTxD, ln_f), lm_head["kernel"], bias)
     return _head_ce(n_BxTxD, kernel_DxV, bias_V, targets_BxT, tp_axis, constrain_logits)
 
 

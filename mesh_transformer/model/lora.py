@@ -18,11 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from mesh_transformer.config import Config
-from mesh_transformer.model import table
+from mesh_transformer.model import family, table
 
-# target -> (its weight's path inside one layer, the weight's (in, out) logical axes), from the param table.
-TARGETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    target: (path[1:], table.PARAMS[path].axes[1:]) for target, path in table.lora_targets().items()}
 
 
 class Adapted(NamedTuple):
@@ -48,8 +45,9 @@ def scale(cfg: Config) -> float:
 
 def lora_axes(cfg: Config) -> dict:
     """The adapters' logical axes, {target: {"a": (layers, in, lora), "b": (layers, lora, out)}}."""
-    return {t: {"a": ("layers", TARGETS[t][1][0], "lora"), "b": ("layers", "lora", TARGETS[t][1][1])}
-            for t in cfg.lora_targets}
+    rows, paths = table.params_table(cfg), table.lora_targets(cfg)
+    axes = {t: rows[paths[t]].axes[1:] for t in cfg.lora_targets}  # the weight's (in, out)
+    return {t: {"a": ("layers", axes[t][0], "lora"), "b": ("layers", "lora", axes[t][1])} for t in cfg.lora_targets}
 
 
 def lora_shapes(cfg: Config, dtype=jnp.float32) -> dict:
@@ -79,7 +77,7 @@ def _replaced(tree: dict, path: tuple[str, ...], value: Any) -> dict:
 def adapt_layer(layer: dict, adapters: dict | None, scale_: float) -> dict:
     """One layer's params with each weight that has an adapter (this layer's slices) replaced by its `Adapted`."""
     for target, ab in (adapters or {}).items():
-        path = TARGETS[target][0]
+        path = family.lora_paths()[target]
         layer = _replaced(layer, path, Adapted(table.get_path(layer, path), ab["a"], ab["b"], scale_))
     return layer
 
@@ -97,7 +95,7 @@ def merge(base: dict, adapters: dict, scale_: float) -> dict:
 def merge_layers(layers: dict, adapters: dict, scale_: float) -> dict:
     """`merge` on params["layers"] alone: stacked, or one layer's slices with its adapters' slices."""
     for target, ab in adapters.items():
-        path = TARGETS[target][0]
+        path = family.lora_paths()[target]
         w = table.get_path(layers, path)
         layers = _replaced(layers, path, w + delta(ab["a"], ab["b"], scale_).astype(w.dtype))
     return layers

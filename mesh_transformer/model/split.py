@@ -33,10 +33,10 @@ class Split:
         return layers if self.trained_in_layer == 1 else {**trainable, "layers": layers}
 
 
-FULL = Split("full", trainable_axes=lambda cfg: table.PARAM_AXES, frozen_axes=lambda cfg: {},
+FULL = Split("full", trainable_axes=table.param_axes, frozen_axes=lambda cfg: {},
              init=table.init_params, model=lambda trainable, frozen: (trainable, None),
              trained_layers=lambda trainable: trainable["layers"], trained_in_layer=0)
-LORA = Split("lora", trainable_axes=lora.lora_axes, frozen_axes=lambda cfg: table.PARAM_AXES,
+LORA = Split("lora", trainable_axes=lora.lora_axes, frozen_axes=table.param_axes,
              init=lora.init_lora, model=lambda trainable, frozen: (frozen, trainable),
              trained_layers=lambda trainable: trainable, trained_in_layer=1)
 

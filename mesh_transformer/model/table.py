@@ -1,11 +1,13 @@
-"""The param tree, described once: each param's logical axes, from which its shape (the config's axis sizes), its
-placement (a Layout's rules), its init and its paths follow; the one table of dtype names.
+"""The param tree, described once per model family (model/families/): each param's logical axes, from which its shape
+(the config's axis sizes), its placement (a Layout's rules), its init and its paths follow; the one table of dtype
+names.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+import functools
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +15,10 @@ import numpy as np
 
 from mesh_transformer import config
 from mesh_transformer.config import Config, ConfigError
+from mesh_transformer.model import family
+from mesh_transformer.model.family import Param, Path
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-Path = tuple[str, ...]  # a param's keys from the root of the tree, e.g. ("layers", "attn", "q")
 
 
 def dtype_named(name: Any) -> np.dtype:
@@ -29,44 +32,23 @@ def dtype_named(name: Any) -> np.dtype:
 
 
 def is_axes(x) -> bool:
-    """True for a leaf of PARAM_AXES (a tuple of names, which jax.tree would otherwise walk into)."""
+    """True for a leaf of `param_axes` (a tuple of names, which jax.tree would otherwise walk into)."""
     return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
 
 
-class Param(NamedTuple):
-    """One param's row of the table."""
-    axes: tuple[str, ...]  # logical axes; "layers" (L) first for the stacked layers, "heads" is the H*K width
-    hf: str  # its name in an HF GPTJForCausalLM state dict (inside transformer.h.{i} for a layer's)
-    transposed: bool  # HF holds it transposed (a torch Linear weight is [out, in])
-    init: str  # "ones", "zeros", or the original's truncated-normal scale: "fan_in" 1/sqrt(D), "vocab" 1/sqrt(V),
-    # "residual" (2/L)/sqrt(D) for the projections that write into the residual stream
-    decayed: bool  # weight decay applies (weight matrices; never biases or LayerNorm params)
-    lora: str | None = None  # the LoRA target that adapts it (config.LORA_TARGETS), if any
+def params_table(cfg: Config) -> dict[Path, Param]:
+    """The param tree of the config's model family, one row per param (model/families/)."""
+    return family.of(cfg).params
 
 
-_QKV, _STACKED = ("layers", "embed", "heads"), ("layers", "embed")
-# The param tree, written once, one row per param: everything about a param that the model, the placement, the
-# converters, PEFT, init and the optimizer need is a column here.
-PARAMS: dict[Path, Param] = {
-    ("embed", "wte"): Param(("vocab", "embed"), "transformer.wte.weight", False, "vocab", True),
-    ("layers", "ln_1", "scale"): Param(_STACKED, "ln_1.weight", False, "ones", False),
-    ("layers", "ln_1", "bias"): Param(_STACKED, "ln_1.bias", False, "zeros", False),
-    ("layers", "attn", "q"): Param(_QKV, "attn.q_proj.weight", True, "fan_in", True, "q"),
-    ("layers", "attn", "k"): Param(_QKV, "attn.k_proj.weight", True, "fan_in", True, "k"),
-    ("layers", "attn", "v"): Param(_QKV, "attn.v_proj.weight", True, "fan_in", True, "v"),
-    ("layers", "attn", "out"): Param(("layers", "heads", "embed"), "attn.out_proj.weight", True, "residual", True,
-                                     "out"),
-    ("layers", "mlp", "fc_in", "kernel"): Param(("layers", "embed", "mlp"), "mlp.fc_in.weight", True, "fan_in", True,
-                                                "fc_in"),
-    ("layers", "mlp", "fc_in", "bias"): Param(("layers", "mlp"), "mlp.fc_in.bias", False, "zeros", False),
-    ("layers", "mlp", "fc_out", "kernel"): Param(("layers", "mlp", "embed"), "mlp.fc_out.weight", True, "residual",
-                                                 True, "fc_out"),
-    ("layers", "mlp", "fc_out", "bias"): Param(_STACKED, "mlp.fc_out.bias", False, "zeros", False),
-    ("ln_f", "scale"): Param(("embed",), "transformer.ln_f.weight", False, "ones", False),
-    ("ln_f", "bias"): Param(("embed",), "transformer.ln_f.bias", False, "zeros", False),
-    ("lm_head", "kernel"): Param(("embed", "vocab"), "lm_head.weight", True, "fan_in", True),
-    ("lm_head", "bias"): Param(("vocab",), "lm_head.bias", False, "zeros", False),
-}
+@functools.cache
+def _axes_tree(name: str) -> dict:
+    return _tree({path: row.axes for path, row in family.named(name).params.items()})
+
+
+def param_axes(cfg: Config) -> dict:
+    """The param tree of logical axes of the config's family (shared: do not modify it)."""
+    return _axes_tree(cfg.family)
 
 
 def _tree(rows: dict[Path, Any]) -> dict:
@@ -76,9 +58,9 @@ def _tree(rows: dict[Path, Any]) -> dict:
     return tree
 
 
-def lora_targets() -> dict[str, Path]:
+def lora_targets(cfg: Config) -> dict[str, Path]:
     """LoRA target -> the path of the weight it adapts."""
-    return {row.lora: path for path, row in PARAMS.items() if row.lora}
+    return {row.lora: path for path, row in params_table(cfg).items() if row.lora}
 
 
 def axis_sizes(cfg: Config) -> dict[str, int]:
@@ -89,11 +71,11 @@ def axis_sizes(cfg: Config) -> dict[str, int]:
 
 def param_shapes(cfg: Config, dtype=jnp.float32) -> dict:
     """The global param tree as ShapeDtypeStructs; layers stacked on a leading axis L."""
-    return shapes_of(PARAM_AXES, axis_sizes(cfg), dtype)
+    return shapes_of(param_axes(cfg), axis_sizes(cfg), dtype)
 
 
 def shapes_of(axes_tree: dict, sizes: Mapping[str, int], dtype=jnp.float32) -> dict:
-    """A tree of logical axes (PARAM_AXES, the adapters') as ShapeDtypeStructs of these axis sizes."""
+    """A tree of logical axes (`param_axes`, the adapters') as ShapeDtypeStructs of these axis sizes."""
     return jax.tree.map(lambda axes: jax.ShapeDtypeStruct(tuple(sizes[a] for a in axes), dtype), axes_tree,
                         is_leaf=is_axes)
 
@@ -129,7 +111,7 @@ def unstack_layers(params: dict, split: Callable | None = None) -> dict:
 
 def _init_std(cfg: Config, path: Path) -> float | None:
     """The original's truncated-normal scale of a param; 0 means zeros, None ones."""
-    init = PARAMS[path].init
+    init = params_table(cfg)[path].init
     return {"ones": None, "zeros": 0.0, "vocab": 1.0 / cfg.n_vocab ** 0.5, "fan_in": 1.0 / cfg.d_model ** 0.5,
             "residual": (2.0 / cfg.layers) / cfg.d_model ** 0.5}[init]
 
@@ -157,5 +139,3 @@ def init_unsharded(cfg: Config, key: jax.Array) -> dict:
 
 
 
-
-PARAM_AXES = _tree({path: row.axes for path, row in PARAMS.items()})  # the param tree of logical axes

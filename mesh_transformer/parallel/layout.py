@@ -100,9 +100,10 @@ def tree_specs(axes_tree: Any, rules: Rules) -> Any:
     return jax.tree.map(lambda axes: logical_to_spec(axes, rules), axes_tree, is_leaf=table.is_axes)
 
 
-def param_specs(mappings: Mappings) -> dict:
-    """PartitionSpecs of the param tree under a mode's mappings (no mesh needed: converters write pieces by them)."""
-    return tree_specs(table.PARAM_AXES, mappings.params)
+def param_specs(mappings: Mappings, cfg: Config) -> dict:
+    """PartitionSpecs of the config's param tree under a mode's mappings (no mesh needed: converters write pieces
+    by them)."""
+    return tree_specs(table.param_axes(cfg), mappings.params)
 
 
 def followed_param(key_path: Sequence[str], shape: Sequence[int],
@@ -147,7 +148,7 @@ class Layout:
         return NamedSharding(self.mesh, P())
 
     def specs(self, axes_tree: Any) -> Any:
-        """Where a tree of params is stored, by its logical axes (table.PARAM_AXES, the adapters', a Split's)."""
+        """Where a tree of params is stored, by its logical axes (`table.param_axes`, the adapters', a Split's)."""
         return tree_specs(axes_tree, self.mappings.params)
 
     def shardings(self, axes_tree: Any) -> Any:
@@ -164,12 +165,12 @@ class Layout:
         return jax.jit(partial(init_fn, self.cfg), out_shardings=self.shardings(axes_tree))(key)
 
     def param_specs(self) -> dict:
-        return param_specs(self.mappings)
+        return param_specs(self.mappings, self.cfg)
 
     def placed_specs(self) -> dict:
         """Specs of the params placed for inference (infer/params.py): layers unstacked into a list, each joined by
         `layers.fuse_layer` (shard_map kind), with int8 weights' scales (and the head's, with quantize_head)."""
-        fused, specs = layers.FUSED_AXES, self.param_specs()
+        fused, specs = layers.fused_axes(table.param_axes(self.cfg)["layers"]), self.param_specs()
         if gptj.precision(self.cfg).int8:
             fused = {**fused, "fused": {**fused["fused"], **quant.SCALE_AXES}}
         if gptj.precision(self.cfg).int8_head:
@@ -177,16 +178,16 @@ class Layout:
         return {**specs, "layers": [self.specs(fused)] * self.cfg.layers}
 
     def param_shardings(self) -> dict:
-        return self.shardings(table.PARAM_AXES)
+        return self.shardings(table.param_axes(self.cfg))
 
     def abstract_params(self, dtype=jnp.float32) -> dict:
         """Shapes, dtypes and shardings of the params, allocating nothing."""
-        return self.abstract(table.PARAM_AXES, dtype)
+        return self.abstract(table.param_axes(self.cfg), dtype)
 
     def init_params(self, key: jax.Array) -> dict:
         """Random params made directly in their shards; the same numbers as `table.init_unsharded` with the same
         key."""
-        return self.init(table.init_params, table.PARAM_AXES, key)
+        return self.init(table.init_params, table.param_axes(self.cfg), key)
 
     def follow_params(self, abstract_tree, abstract_params: dict):
         """Shardings of a tree of optimizer leaves: a leaf at a param's path and of its shape (an Adam moment) sits

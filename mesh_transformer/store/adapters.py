@@ -12,8 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from mesh_transformer import config
 from mesh_transformer.config import Config, ConfigError
-from mesh_transformer.model import lora
+from mesh_transformer.model import family, lora
 from mesh_transformer.model.table import Path
 from mesh_transformer.store import checkpoint, peft
 from mesh_transformer.store.checkpoint_stream import LeafReader
@@ -57,7 +58,7 @@ def check_shapes(adapters: dict, cfg: Config, where: str) -> None:
 def read_adapters(source: str, cfg: Config) -> tuple[dict, float]:
     """(adapters in f32, scale) from a LoRA run of ours or a PEFT directory, checked against the base's config."""
     if peft.is_peft_dir(source):
-        adapters, scale = peft.read_peft(source, cfg.layers)
+        adapters, scale = peft.read_peft(source, cfg)
     elif run_metadata(source) is not None:
         adapters, scale, _ = read_run(source)
     else:
@@ -72,7 +73,7 @@ class MergedReader:
 
     def __init__(self, base: Any, adapters: dict, scale: float):
         self._base, self.step, self._scale = base, base.step, scale
-        self._adapters = {("layers", *lora.TARGETS[t][0]): ab for t, ab in adapters.items()}
+        self._adapters = {("layers", *family.lora_paths()[t]): ab for t, ab in adapters.items()}
 
     def read(self, path: Path, layer: int | None = None) -> np.ndarray:
         array = self._base.read(path, layer)
@@ -92,7 +93,8 @@ def export_peft(source: str, output: str) -> list[str]:
         raise ConfigError(f"--peft needs a LoRA run (one of our checkpoints with lora_base in its metadata); "
                           f"{source} is not one")
     found, _, metadata = read_run(source)
-    return peft.write_peft(output, found, *_rank_alpha(metadata["config"]), metadata[BASE_KEY]["path"])
+    return peft.write_peft(output, found, config.from_dict(metadata["config"]), *_rank_alpha(metadata["config"]),
+                           metadata[BASE_KEY]["path"])
 
 
 def _rank_alpha(run_cfg: dict) -> tuple[int, float]:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from mesh_transformer.model import quant, table
+from mesh_transformer.model import family, quant, table
 from mesh_transformer import storage
 from mesh_transformer.store import adapters, checkpoint, hf, mtj_v1, placing, safetensors_io
 from mesh_transformer import config
@@ -32,7 +32,8 @@ from mesh_transformer.parallel.mesh import DP, MP
 log = logging.getLogger(__name__)
 
 CHECKPOINT, MTJ_V1, HF = "checkpoint", "mtj_v1", "hf"
-_SHAPE_KEYS = ("layers", "d_model", "n_heads", "n_vocab", "pe_rotary_dims")
+_SHAPE_KEYS = ("family", "layers", "d_model", "n_heads", "n_vocab", "pe_rotary_dims", "parallel_residual",
+               "rotary_base")
 _PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 SCALES = "scales/"  # an int8 checkpoint's leaf of per-output scales [L, N] beside each int8 matrix (model/quant.py)
 
@@ -71,7 +72,10 @@ def _hf_config(path: str) -> dict:
 
 def _config_of_hf_dir(path: str, **overrides: Any) -> Config:
     try:
-        return hf.config_from_hf(_hf_config(path), **overrides)
+        raw = _hf_config(path)
+        if family.for_hf(raw).own_tokenizer:  # read with the directory's own tokenizer unless told otherwise
+            overrides = {"tokenizer": path, **overrides}
+        return hf.config_from_hf(raw, **overrides)
     except ConfigError:
         raise
     except ValueError as e:  # a config.json of another model type
@@ -156,30 +160,26 @@ class HFReader:
                 f"model.save_pretrained(dir, safe_serialization=True)")
         _check_config(_config_of_hf_dir(path, cores_per_replica=1).to_dict(), cfg, f"HF directory {path}")
         self._files = safetensors_io.DirReader(path)
-        self._names = {(p, layer): (name, transpose) for p, layer, name, transpose in hf.hf_layout(cfg.layers)}
         self._shapes = dict(param_paths(cfg))
-        for (param, layer), (name, transpose) in self._names.items():
-            if name not in self._files:
-                raise checkpoint.CorruptCheckpointError(f"HF checkpoint {path} lacks weight '{name}'")
-            want = hf_shape(self._shapes[param].shape, layer, transpose)
+        self._names: dict[tuple[Path, int | None], tuple[str, hf.Piece]] = {}
+        for entry in hf.hf_layout(cfg):
+            name = hf.held_name(cfg, entry, self._files)
+            if name is None:
+                raise checkpoint.CorruptCheckpointError(f"HF checkpoint {path} lacks weight '{entry.name}'")
+            want = hf.hf_shape(cfg, entry)
             if self._files.shape(name) != want:
                 raise ConfigError(f"HF weight {name} in {path} has shape {self._files.shape(name)}, the config needs "
                                   f"{want}")
+            self._names.update({(piece.path, entry.layer): (name, piece) for piece in entry.pieces})
 
     def read(self, path: Path, layer: int | None = None) -> np.ndarray:
         if path[0] == "layers" and layer is None:
             return mtj_v1.stack_layers(lambda i: self.read(path, i), self._shapes[path].shape)
-        name, transpose = self._names[path, layer]
-        array = self._files.read(name)
-        return array.T if transpose else array
+        name, piece = self._names[path, layer]
+        return hf.from_hf(self._files.read(name), piece, self.cfg.n_heads)
 
     def close(self) -> None:
         self._files.close()
-
-
-def hf_shape(shape: tuple[int, ...], layer: int | None, transpose: bool) -> tuple[int, ...]:
-    shape = tuple(shape[1:] if layer is not None else shape)
-    return shape[::-1] if transpose else shape
 
 
 @contextlib.contextmanager
@@ -272,7 +272,7 @@ def _write_leaves(reader: Any, writer: StreamingWriter, cfg: Config, extra: list
                   int8: bool = False) -> None:
     """The params (cast to `dtype`; with `int8`, the layers' matrices quantized from their values in `dtype`, their
     scales after) and then the `extra` leaves, split as the Megatron layout places them."""
-    specs = param_specs(MEGATRON)
+    specs = param_specs(MEGATRON, cfg)
     params = param_paths(cfg)
     shapes = {path: like.shape for path, like in params}
     scales = quant.stacked_scales(lambda path, i: reader.read(("layers", *path), i).astype(dtype, copy=False),

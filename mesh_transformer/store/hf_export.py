@@ -1,5 +1,5 @@
-"""A checkpoint of any format written as an HF GPT-J directory (safetensors weights, config.json, the tokenizer's
-files), one tensor at a time from `convert.open_params`."""
+"""A checkpoint of any format written as an HF directory of its model family (safetensors weights, config.json, the
+tokenizer's files), one tensor at a time from `convert.open_params`."""
 from __future__ import annotations
 
 import json
@@ -15,36 +15,34 @@ from tqdm import tqdm
 from mesh_transformer import storage
 from mesh_transformer.config import Config
 from mesh_transformer.model import table
-from mesh_transformer.model.table import param_paths
 from mesh_transformer.store import hf, safetensors_io
-from mesh_transformer.store.convert import hf_shape, open_params
+from mesh_transformer.store.convert import open_params
 
 log = logging.getLogger(__name__)
 
 
 def write_hf(source: str, cfg: Config, output: str, *, dtype: Any = "fp16", max_shard_bytes: int = 5 * 10**9,
              tokenizer: str | None = None) -> list[str]:
-    """Writes a checkpoint of any format as an HF GPT-J directory (safetensors, config.json, tokenizer files).
+    """Writes a checkpoint of any format as an HF directory of its family (safetensors, config.json, tokenizer
+    files).
 
     Weights larger in total than `max_shard_bytes` are split over several files with an index. config.json comes
     last, so a directory from an interrupted export does not load. Returns the names of the files written.
     """
     dtype = table.dtype_named(dtype)
-    layout = hf.hf_layout(cfg.layers)
-    shapes = dict(param_paths(cfg))
-    entries = [(name, hf_shape(shapes[path].shape, layer, transpose), dtype)
-               for path, layer, name, transpose in layout]
+    layout = hf.hf_layout(cfg)
+    entries = [(entry.name, hf.hf_shape(cfg, entry), dtype) for entry in layout]
     with open_params(source, cfg) as reader:
         def arrays() -> Iterator[tuple[str, np.ndarray]]:
-            for path, layer, name, transpose in tqdm(layout, desc=f"writing {output}", unit="tensor"):
-                array = reader.read(path, layer)
-                yield name, np.ascontiguousarray(array.T if transpose else array, dtype=dtype)
+            for entry in tqdm(layout, desc=f"writing {output}", unit="tensor"):
+                parts = [reader.read(piece.path, entry.layer) for piece in entry.pieces]
+                yield entry.name, hf.to_hf(parts, entry, cfg.n_heads).astype(dtype, copy=False)
 
         files = safetensors_io.write_dir(output, entries, arrays(), max_shard_bytes)
     files += _write_tokenizer(output, tokenizer or cfg.tokenizer)
     hf_config = {**hf.hf_config(cfg), "torch_dtype": dtype.name}
     storage.write_bytes_atomic(storage.join(output, "config.json"), json.dumps(hf_config, indent=2).encode())
-    log.info("wrote HF GPT-J directory %s (%d weight files)", output, len(files))
+    log.info("wrote HF directory %s (%d weight files)", output, len(files))
     return [*files, "config.json"]
 
 

@@ -53,6 +53,16 @@ _TOP_LEAVES = {
 }
 
 
+def check_params(cfg: Config) -> None:
+    """The original layout holds GPT-J's params (the mesh-transformer-jax model): a ConfigError for a config whose
+    param table is another."""
+    ours = {path for path, _ in table.param_paths(cfg)}
+    held = {("layers", *path) for path in _LAYER_LEAVES} | set(_TOP_LEAVES)
+    if ours != held:
+        raise ConfigError(f"the original mesh-transformer-jax checkpoint layout holds GPT-J's params, not the "
+                          f"{cfg.family} family's: convert from an HF directory or one of our checkpoints")
+
+
 def param_leaf_names(n_layers: int) -> list[str]:
     """The original's param leaf names in its flattening order: module names sorted, then leaf names sorted."""
     leaves = {(module, leaf) for module, leaf, _ in _TOP_LEAVES.values()} | {(_EMBED, "b")}
@@ -138,6 +148,7 @@ class Reader:
         step_dir = resolve_step_dir(path)
         if step_dir is None:
             raise FileNotFoundError(f"no MTJ v1 checkpoint (step_N/shard_0/0.npz) at {path}")
+        check_params(cfg)
         self.path, self.cfg = step_dir, cfg
         self.n_shards = _count_shards(step_dir, shards)
         self._zips: dict[tuple[int, int], tuple[IO, zipfile.ZipFile]] = {}

@@ -13,29 +13,42 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from mesh_transformer.config import ConfigError
-from mesh_transformer.model import table
+from mesh_transformer.config import Config, ConfigError
+from mesh_transformer.model import family, table
 from mesh_transformer import storage
 from mesh_transformer.store import safetensors_io
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-# our target -> the HF GPTJ module inside transformer.h.{i}
-HF_MODULES = {target: table.PARAMS[path].hf.removesuffix(".weight") for target, path in table.lora_targets().items()}
-_KEY = re.compile(r"(?:^|\.)transformer\.h\.(\d+)\.(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
+
+
+def modules(cfg: Config) -> dict[str, str]:
+    """Our LoRA target -> its HF module inside layer i (the family's table's HF name, less ".weight"). A target
+    whose weight HF holds in a shared tensor (GPT-NeoX's q, k, v in query_key_value) has no PEFT module of its own."""
+    rows = table.params_table(cfg)
+    return {target: rows[path].hf.removesuffix(".weight") for target, path in table.lora_targets(cfg).items()
+            if rows[path].hf_part is None}
+
+
+def _pattern(cfg: Config) -> re.Pattern:
+    prefix = re.escape(family.of(cfg).hf_layers)
+    return re.compile(rf"(?:^|\.){prefix}\.(\d+)\.(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
 
 
 def is_peft_dir(path: str) -> bool:
     return storage.exists(storage.join(path.rstrip("/"), CONFIG_FILE))
 
 
-def _key(layer: int, target: str, which: str) -> str:
-    return f"base_model.model.transformer.h.{layer}.{HF_MODULES[target]}.lora_{which}.weight"
+def _key(cfg: Config, layer: int, target: str, which: str) -> str:
+    return f"base_model.model.{family.of(cfg).hf_layers}.{layer}.{modules(cfg)[target]}.lora_{which}.weight"
 
 
-def write_peft(output: str, adapters: dict, rank: int, alpha: float, base_model: str = "") -> list[str]:
+def write_peft(output: str, adapters: dict, cfg: Config, rank: int, alpha: float, base_model: str = "") -> list[str]:
     """Writes our adapters as a PEFT LoRA directory that `peft.PeftModel.from_pretrained` loads; returns the files."""
     targets = list(adapters)
+    if missing := [t for t in targets if t not in modules(cfg)]:
+        raise ConfigError(f"LoRA targets {', '.join(missing)} adapt part of a tensor HF holds whole in the "
+                          f"{cfg.family} family, which a PEFT adapter cannot hold; export the merged model instead")
     n_layers = next(iter(adapters.values()))["a"].shape[0]
     names = [(i, t, w) for t in targets for i in range(n_layers) for w in "AB"]
 
@@ -43,17 +56,17 @@ def write_peft(output: str, adapters: dict, rank: int, alpha: float, base_model:
         array = adapters[t]["a" if which == "A" else "b"][i]
         return np.ascontiguousarray(np.asarray(array, np.float32).T)
 
-    entries = [(_key(i, t, w), tensor(i, t, w).shape, np.dtype(np.float32)) for i, t, w in names]
+    entries = [(_key(cfg, i, t, w), tensor(i, t, w).shape, np.dtype(np.float32)) for i, t, w in names]
 
     def arrays() -> Iterator[tuple[str, np.ndarray]]:
         for i, t, w in names:
-            yield _key(i, t, w), tensor(i, t, w)
+            yield _key(cfg, i, t, w), tensor(i, t, w)
 
     files = safetensors_io.write_dir(output, entries, arrays(), 2 ** 62, single_file=WEIGHTS_FILE)
     adapter_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": rank,
         "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
-        "target_modules": [HF_MODULES[t].split(".")[-1] for t in targets], "init_lora_weights": True,
+        "target_modules": [modules(cfg)[t].split(".")[-1] for t in targets], "init_lora_weights": True,
         "use_rslora": False, "use_dora": False, "modules_to_save": None, "layers_to_transform": None,
         "rank_pattern": {}, "alpha_pattern": {}}
     storage.write_bytes_atomic(storage.join(output, CONFIG_FILE), json.dumps(adapter_config, indent=2).encode())
@@ -72,21 +85,22 @@ def _read_config(path: str) -> dict:
     return adapter_config
 
 
-def read_peft(path: str, n_layers: int) -> tuple[dict, float]:
+def read_peft(path: str, cfg: Config) -> tuple[dict, float]:
     """A PEFT LoRA directory as (our adapters in f32, scale); every adapted module must cover all layers."""
-    path = path.rstrip("/")
+    path, n_layers, pattern = path.rstrip("/"), cfg.layers, _pattern(cfg)
     adapter_config = _read_config(path)
-    by_module = {module: target for target, module in HF_MODULES.items()}
+    by_module = {module: target for target, module in modules(cfg).items()}
     files = safetensors_io.DirReader(path, single_file=WEIGHTS_FILE)
     found: dict[str, dict[str, dict[int, np.ndarray]]] = {}
     try:
         for name in files.names():
-            match = _KEY.search(name)
+            match = pattern.search(name)
             if match is None:
                 continue
             layer, module, which = int(match.group(1)), match.group(2), match.group(3)
             if module not in by_module:
-                raise ConfigError(f"PEFT adapter {path} adapts {module}, which GPT-J's LoRA targets do not include")
+                raise ConfigError(f"PEFT adapter {path} adapts {module}, which the {cfg.family} family's LoRA "
+                                  f"targets do not include")
             found.setdefault(by_module[module], {}).setdefault(which, {})[layer] = np.asarray(files.read(name),
                                                                                               np.float32).T
     finally:
@@ -94,12 +108,12 @@ def read_peft(path: str, n_layers: int) -> tuple[dict, float]:
     adapters = {}
     for target, parts in found.items():
         if any(sorted(parts.get(w, {})) != list(range(n_layers)) for w in "AB"):
-            raise ConfigError(f"PEFT adapter {path} does not hold lora_A and lora_B of {HF_MODULES[target]} for "
+            raise ConfigError(f"PEFT adapter {path} does not hold lora_A and lora_B of {modules(cfg)[target]} for "
                               f"all {n_layers} layers")
         adapters[target] = {"a": np.stack([parts["A"][i] for i in range(n_layers)]),
                             "b": np.stack([parts["B"][i] for i in range(n_layers)])}
     if not adapters:
-        raise ConfigError(f"PEFT adapter {path} holds no LoRA weights of a GPT-J model")
+        raise ConfigError(f"PEFT adapter {path} holds no LoRA weights of a {cfg.family} model")
     rank = next(iter(adapters.values()))["a"].shape[-1]
     alpha = adapter_config.get("lora_alpha", rank)
     scale = alpha / np.sqrt(rank) if adapter_config.get("use_rslora") else alpha / rank

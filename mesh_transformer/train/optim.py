@@ -1,6 +1,7 @@
 """The original optimizer: clipped Adam with decoupled weight decay on weight matrices, GPT-3 style schedule."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -9,7 +10,6 @@ import optax
 
 from mesh_transformer.config import Config
 from mesh_transformer.model import table
-
 
 
 def lr_schedule(cfg: Config) -> Callable[[jax.Array], jax.Array]:
@@ -25,11 +25,13 @@ def lr_schedule(cfg: Config) -> Callable[[jax.Array], jax.Array]:
     return schedule
 
 
-def decay_mask(params: dict) -> dict:
-    """True for the leaves weight decay applies to: the params the table marks decayed (weight matrices; biases and
-    LayerNorm params, 2-D too once stacked, never), not LoRA adapters."""
+def decay_mask(params: dict, cfg: Config) -> dict:
+    """True for the leaves weight decay applies to: the params the config's table marks decayed (weight matrices;
+    biases and LayerNorm params, 2-D too once stacked, never), not LoRA adapters."""
+    rows = table.params_table(cfg)
+
     def decayed(path, _):
-        row = table.PARAMS.get(tuple(k.key for k in path))
+        row = rows.get(tuple(k.key for k in path))
         return row is not None and row.decayed
 
     return jax.tree_util.tree_map_with_path(decayed, params)
@@ -40,6 +42,6 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     return optax.chain(
         optax.clip_by_global_norm(1.0),
         optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8),
-        optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask),
+        optax.add_decayed_weights(cfg.weight_decay, mask=functools.partial(decay_mask, cfg=cfg)),
         optax.scale_by_learning_rate(lr_schedule(cfg)),
     )

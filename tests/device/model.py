@@ -17,7 +17,7 @@ def trained_scale_params(cfg: config.Config = CFG, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     params: dict = {}
     for path, shape in table.param_paths(cfg):
-        init = table.PARAMS[path].init
+        init = table.params_table(cfg)[path].init
         if init == "ones":
             value = 1 + 0.1 * rng.standard_normal(shape.shape)
         elif init == "zeros":

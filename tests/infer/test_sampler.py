@@ -17,7 +17,7 @@ from mesh_transformer.infer import params as infer_params
 from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.tokenizer import load_tokenizer
-from tests.helpers import CPU_POLICY, random_hf_model, run_script, run_scripts, state_dict_numpy
+from tests.helpers import CPU_POLICY, left_pad, random_hf_model, run_script, run_scripts, state_dict_numpy
 
 CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "remat=false"])  # seq 32, vocab 256
 PROMPTS = [[5, 17, 42], [100, 3, 7, 9, 250, 11, 2], list(range(20, 32))]  # lengths 3, 7, 12: one bucket (16)
@@ -50,15 +50,6 @@ def sampler(params):
 @pytest.fixture(scope="module")
 def greedy(sampler):
     return sampler.generate(PROMPTS, 10, temperature=0.0, return_logprobs=True)
-
-
-def left_pad(prompts):
-    length = max(map(len, prompts))
-    ids = np.zeros((len(prompts), length), np.int64)
-    mask = np.zeros((len(prompts), length), np.int64)
-    for row, prompt in enumerate(prompts):
-        ids[row, length - len(prompt):], mask[row, length - len(prompt):] = prompt, 1
-    return ids, mask
 
 
 def right_pad(rows):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mesh_transformer import config, platforms
-from mesh_transformer.model import layers, table, gptj as model
+from mesh_transformer.model import family, layers, table, gptj as model
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.parallel.layout import make_layout
 from tests.helpers import CPU_POLICY
@@ -214,10 +214,13 @@ def test_the_one_forward_on_unstacked_layers_and_chosen_columns_equals_the_stack
     assert states == [None] * CFG.layers
 
 
-def test_the_param_table_names_every_lora_target_and_hf_weight_once():
-    assert set(table.lora_targets()) == set(config.LORA_TARGETS)
-    names = [row.hf for row in table.PARAMS.values()]
+@pytest.mark.parametrize("name", family.names())
+def test_each_familys_param_table_names_every_lora_target_and_hf_weight_once(name):
+    cfg = dataclasses.replace(CFG, family=name)
+    assert set(table.lora_targets(cfg)) == set(config.LORA_TARGETS)
+    rows = table.params_table(cfg)
+    names = [(row.hf, row.hf_part) for row in rows.values()]
     assert len(names) == len(set(names))
-    for path, row in table.PARAMS.items():
+    for path, row in rows.items():
         assert (path[0] == "layers") == (row.axes[0] == "layers")
         assert row.lora is None or (row.decayed and len(row.axes) == 3)

@@ -64,7 +64,7 @@ def reference(tokens):
 
 def test_every_param_has_logical_axes_of_its_rank():
     shapes = table.param_shapes(CFG)
-    axes = table.PARAM_AXES
+    axes = table.param_axes(CFG)
     assert jax.tree.structure(shapes) == jax.tree.structure(axes, is_leaf=table.is_axes)
     for s, a in zip(jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=table.is_axes)):
         assert len(a) == s.ndim
@@ -72,7 +72,7 @@ def test_every_param_has_logical_axes_of_its_rank():
 
 def test_fsdp_mappings_split_params_on_embed_but_activations_on_batch():
     mappings = partitioning.GSPMD["fsdp_tp"]
-    specs = partitioning.param_specs(mappings)
+    specs = partitioning.param_specs(mappings, CFG)
     assert specs["layers"]["attn"]["q"] == P(None, "fsdp", "tensor")
     assert specs["layers"]["mlp"]["fc_out"]["kernel"] == P(None, "tensor", "fsdp")
     assert specs["embed"]["wte"] == P("tensor", "fsdp")
@@ -81,7 +81,7 @@ def test_fsdp_mappings_split_params_on_embed_but_activations_on_batch():
     assert hidden == P(("data", "fsdp"), None, None)  # compute keeps embed whole: gathered weights
     assert partitioning.logical_to_spec(partitioning.ACTIVATION_AXES["logits"], rules) == P(("data", "fsdp"), None,
                                                                                             "tensor")
-    assert partitioning.param_specs(partitioning.GSPMD["dp"])["layers"]["attn"]["q"] == P(None, None, None)
+    assert partitioning.param_specs(partitioning.GSPMD["dp"], CFG)["layers"]["attn"]["q"] == P(None, None, None)
 
 
 @pytest.mark.parametrize("mode, data, fsdp, tensor", MESHES, ids=MESH_IDS)
@@ -173,7 +173,7 @@ def test_megatron_specs_derived_from_the_rules_equal_the_original_hand_written_o
         "ln_f": {"scale": whole, "bias": whole},
         "lm_head": {"kernel": P(None, "mp"), "bias": P("mp")},
     }
-    derived = partitioning.param_specs(partitioning.MEGATRON)
+    derived = partitioning.param_specs(partitioning.MEGATRON, CFG)
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     assert jax.tree.structure(derived, is_leaf=is_spec) == jax.tree.structure(hand_written, is_leaf=is_spec)
     for got, want in zip(jax.tree.leaves(derived, is_leaf=is_spec), jax.tree.leaves(hand_written, is_leaf=is_spec)):

@@ -168,7 +168,7 @@ def test_resharding_memory_stays_near_one_layer(tmp_path, source_format):
         write_mtj_v1(f"{source}/step_1", original_shards(params, cfg, 8, np.random.default_rng(0)), 1, full=False)
     else:
         writer = StreamingWriter(source, 1, {"config": cfg.to_dict()}, {"mp": 4})
-        specs = param_specs(MEGATRON)
+        specs = param_specs(MEGATRON, cfg)
         for path, _ in table.param_paths(cfg):
             writer.add("params/" + "/".join(path), table.get_path(params, path), table.get_path(specs, path))
         writer.commit()

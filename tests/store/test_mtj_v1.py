@@ -25,7 +25,7 @@ def hf_logits(params: dict, ids: np.ndarray) -> np.ndarray:
     hf_config = GPTJConfig(**hf.hf_config(CFG))
     hf_config._attn_implementation = "eager"
     hf_model = GPTJForCausalLM(hf_config).eval()
-    state = {k: torch.from_numpy(v.copy()) for k, v in hf.params_to_hf(params, CFG.layers).items()}
+    state = {k: torch.from_numpy(v.copy()) for k, v in hf.params_to_hf(params, CFG).items()}
     hf_model.load_state_dict(state, strict=False)
     with torch.no_grad():
         return hf_model(torch.tensor(ids)).logits.numpy()
@@ -68,7 +68,7 @@ def test_full_checkpoint_with_optimizer_state_loads_onto_mesh(tmp_path):
     cfg4 = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=4"])
     layout = make_layout(cfg4, mesh=mesh.make_dp_mp(1, 4))
     params = convert.load_params(layout, str(tmp_path / "model"))  # the model dir: its latest step
-    assert params["layers"]["attn"]["q"].sharding.spec == param_specs(MEGATRON)["layers"]["attn"]["q"]
+    assert params["layers"]["attn"]["q"].sharding.spec == param_specs(MEGATRON, cfg4)["layers"]["attn"]["q"]
     np.testing.assert_allclose(our_logits(params, cfg4, IDS), hf_logits(expected, IDS), atol=1e-4, rtol=0)
     with mtj_v1.Reader(step_dir, CFG) as reader:
         assert reader.n_shards == 4 and reader.step == 383500

@@ -12,7 +12,7 @@ from mesh_transformer import config
 from mesh_transformer.config import ConfigError
 from mesh_transformer.store import checkpoint, checkpoint_format, hf, tfrecord
 from mesh_transformer.train.trainer import Trainer
-from tests.helpers import MTJ_CFG, TINY_SHAPE, make_checkpoint, random_hf_dir
+from tests.helpers import MTJ_CFG, TINY_NEOX_SHAPE, TINY_SHAPE, make_checkpoint, random_hf_dir
 from tests.helpers import run_driver, save_config, train_losses, wait_for
 
 SEQ = 16
@@ -51,8 +51,9 @@ def first_step_loss(trainer):
     return float(metrics["loss"]), np.asarray(jax.device_get(tokens))
 
 
-def test_fine_tune_from_an_hf_dir_starts_at_hf_loss(tmp_path):
-    cfg = run_config(tmp_path, TINY_SHAPE)
+@pytest.mark.parametrize("shape", [TINY_SHAPE, TINY_NEOX_SHAPE], ids=["gptj", "gptneox"])
+def test_fine_tune_from_an_hf_dir_starts_at_hf_loss(tmp_path, shape):
+    cfg = run_config(tmp_path, shape)
     path, model = random_hf_dir(tmp_path, cfg)
     trainer = Trainer(cfg, tune_model_path=path)
     assert trainer.step == 0 and int(trainer.state["opt_state"][1].count) == 0
@@ -65,7 +66,7 @@ def test_fine_tune_from_an_original_layout_checkpoint_starts_at_hf_loss(tmp_path
     shape = {k: getattr(MTJ_CFG, k) for k in TINY_SHAPE}
     cfg = run_config(tmp_path, shape)
     hf_model = GPTJForCausalLM(GPTJConfig(**{**hf.hf_config(cfg), "n_positions": SEQ + 1})).eval()
-    hf_model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in hf.params_to_hf(expected, cfg.layers).items()},
+    hf_model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in hf.params_to_hf(expected, cfg).items()},
                              strict=False)
     loss, tokens = first_step_loss(Trainer(cfg, tune_model_path=step_dir))
     np.testing.assert_allclose(loss, hf_loss(hf_model, tokens), rtol=1e-4)

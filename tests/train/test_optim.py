@@ -31,7 +31,7 @@ def test_schedule_equals_the_original_formula(step):
 
 def test_weight_decay_touches_only_weight_matrices():
     params = table.init_unsharded(CFG, jax.random.PRNGKey(0))
-    mask = optim.decay_mask(params)
+    mask = optim.decay_mask(params, CFG)
     decayed = {"/".join(k.key for k in path) for path, on in jax.tree_util.tree_flatten_with_path(mask)[0] if on}
     assert decayed == {"embed/wte", "layers/attn/q", "layers/attn/k", "layers/attn/v", "layers/attn/out",
                        "layers/mlp/fc_in/kernel", "layers/mlp/fc_out/kernel", "lm_head/kernel"}

@@ -1,0 +1,110 @@
+"""The model families: what one architecture declares, in a module of its own (model/families/), and the registry
+the rest of the package reads it from. Nothing outside the families names one; a config selects its family with the
+key `family`.
+
+A family declares its param table (`Param` rows: logical axes, HF names, init, weight decay, LoRA targets), what
+its block does differently (`Block`), how its config maps to and from an HF config.json, and its HF names' layout.
+model/ runs any family's table and block; parallel/ places its params by their logical axes; train/, infer/,
+serve/ and store/ read the table. docs/porting.md says how to add one.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+Path = tuple[str, ...]  # a param's keys from the root of the tree, e.g. ("layers", "attn", "q")
+
+
+class Param(NamedTuple):
+    """One param's row of a family's table."""
+    axes: tuple[str, ...]  # logical axes; "layers" (L) first for the stacked layers, "heads" is the H*K width
+    hf: str  # its name in the family's HF state dict (inside the family's `hf_layers`.{i} for a layer's)
+    transposed: bool  # HF holds it transposed (a torch Linear weight is [out, in])
+    init: str  # "ones", "zeros", or the original's truncated-normal scale: "fan_in" 1/sqrt(D), "vocab" 1/sqrt(V),
+    # "residual" (2/L)/sqrt(D) for the projections that write into the residual stream
+    decayed: bool  # weight decay applies (weight matrices; never biases or LayerNorm params)
+    lora: str | None = None  # the LoRA target that adapts it (config.LORA_TARGETS), if any
+    hf_part: int | None = None  # HF holds q, k and v in one tensor, heads outermost ([H, 3, K] on its output
+    # axis): which of the three this is
+
+
+class Block(NamedTuple):
+    """What a family's transformer block does, beyond the param table (which says whether it has a second
+    LayerNorm "ln_2" before the MLP, and biases on q, k, v and attn out)."""
+    rotary: str  # "interleaved": rotate pairs (0, 1), (2, 3), ... (GPT-J); "half": dims i and i + P/2 (GPT-NeoX)
+    gelu_tanh: bool  # the MLP's GELU: tanh's approximation (GPT-J's gelu_new) or exact (erf)
+    parallel: bool = True  # attention and the MLP read the block's input side by side (the config's
+    # parallel_residual, filled in by `gptj.block_arch`), else the MLP reads attention's output
+
+
+class Family(NamedTuple):
+    name: str  # the config's `family`
+    params: dict[Path, Param]  # the param tree, one row per param
+    block: Block
+    hf_model_type: str  # config.json's model_type
+    hf_layers: str  # the prefix of layer i's HF names, before ".{i}."
+    config_from_hf: Callable[[Mapping], dict]  # an HF config.json -> our config keys (shape and block keys)
+    hf_config: Callable[[Any], dict]  # our Config -> an HF config.json
+    config_keys: tuple[str, ...] = ()  # the config keys of the family's own, beside every family's
+    own_tokenizer: bool = False  # an HF directory of the family carries the tokenizer it is read with (else GPT-2's
+    # BPE, the config's default)
+    hf_aliases: Mapping[str, tuple[str, ...]] = {}  # an HF name -> other names a checkpoint may hold it under
+    # (what another transformers version writes); the table's name is the one written
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Adds a family to the registry (each family module's one line). A LoRA target adapts the weight at the same
+    path in every family (adapters are named by target alone)."""
+    for other in FAMILIES.values():
+        for target, path in _lora_paths(family).items():
+            if _lora_paths(other).get(target, path) != path:
+                raise ValueError(f"family {family.name}'s LoRA target {target!r} adapts {'/'.join(path)}, "
+                                 f"family {other.name}'s {'/'.join(_lora_paths(other)[target])}")
+    FAMILIES[family.name] = family
+    return family
+
+
+def _lora_paths(family: Family) -> dict[str, Path]:
+    return {row.lora: path[1:] for path, row in family.params.items() if row.lora}
+
+
+def lora_paths() -> dict[str, Path]:
+    """LoRA target -> the path inside one layer of the weight it adapts, in every family."""
+    _load()
+    return {target: path for family in FAMILIES.values() for target, path in _lora_paths(family).items()}
+
+
+def _load() -> None:
+    from mesh_transformer.model import families  # noqa: F401 (registers every family)
+
+
+def named(name: str) -> Family:
+    """The family of this name; a ValueError naming the choices otherwise."""
+    _load()
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model family {name!r}; choose one of {', '.join(sorted(FAMILIES))}")
+    return FAMILIES[name]
+
+
+def of(cfg: Any) -> Family:
+    """The config's family."""
+    return named(cfg.family)
+
+
+def for_hf(hf_config: Mapping) -> Family:
+    """The family of an HF config.json, by its model_type."""
+    _load()
+    kind = hf_config.get("model_type")
+    for family in FAMILIES.values():
+        if family.hf_model_type == kind:
+            return family
+    types = ", ".join(repr(f.hf_model_type) for f in FAMILIES.values())
+    raise ValueError(f"HF config has model_type {kind!r}; the model families read {types}")
+
+
+def names() -> list[str]:
+    _load()
+    return sorted(FAMILIES)
