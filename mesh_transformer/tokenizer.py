@@ -9,7 +9,7 @@ import functools
 import importlib.resources
 import os
 
-from transformers import GPT2TokenizerFast, PreTrainedTokenizerBase
+from transformers import GPT2TokenizerFast, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 EOS_TOKEN = "<|endoftext|>"
 EOS_ID = 50256
@@ -39,8 +39,10 @@ def load_tokenizer(name: str | None = None) -> PreTrainedTokenizerBase:
     """The tokenizer for `name`: None or "gpt2" gives GPT-2's BPE, a directory or cached HF name its own tokenizer."""
     if name is None or name == "gpt2":
         return _gpt2()
-    # Imported here: transformers' AutoTokenizer imports torch where it is installed (0.2 GB resident, GPT-2's
-    # tokenizer needs none of it).
+    if os.path.isfile(os.path.join(name, "tokenizer.json")):  # a fast tokenizer's one file (GPT-NeoX's, say)
+        return PreTrainedTokenizerFast.from_pretrained(name)
+    # Imported here: transformers' AutoTokenizer imports torch where it is installed (0.2 GB resident, which a
+    # tokenizer.json needs none of).
     from transformers import AutoTokenizer
 
     if os.path.isdir(name):
