@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
+import sys
 import threading
 import time
 from typing import Any, NamedTuple
@@ -15,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from bench.common import emit, figure
+from bench.common import figure
 from mesh_transformer import config
 from mesh_transformer.aot import shard_bytes
 from mesh_transformer.infer.choose import fill_sampling
@@ -423,7 +425,8 @@ def serving_paged_records(layout: Layout, sizes: Sizes, page: int = PAGE) -> lis
             _run_together(engine, prompts[:n], new_tokens)  # compiles every page count the timed pass reads
             record = _serving_record("paged", [_run_together(engine, prompts[:n], new_tokens)], new_tokens)
             records.append({**record, "bench": "serving_paged", "concurrent": n, **described})
-            emit(**records[-1], partial=True)  # as it comes: a section cut short keeps the levels it timed
+            # as it comes, on stderr beside the logs: a section cut short keeps the levels it timed
+            print(json.dumps({**records[-1], "partial": True}), file=sys.stderr, flush=True)
     finally:
         engine.close()
     ratio = engine.n_slots / sizes.serving_slots

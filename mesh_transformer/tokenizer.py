@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import os
+from typing import Any
 
 from transformers import GPT2TokenizerFast, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -52,3 +53,10 @@ def load_tokenizer(name: str | None = None) -> PreTrainedTokenizerBase:
     except (OSError, ValueError) as e:
         raise ValueError(f"tokenizer {name!r} is neither 'gpt2', a local directory, nor in the local Hugging Face "
                          f"cache (nothing is downloaded): {str(e).splitlines()[0]}") from e
+
+
+def eos_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The token ids that end a completion by default: the tokenizer's end-of-text token (GPT-2's 50256, Pythia's 0),
+    or none for a tokenizer without one."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return () if eos is None else (int(eos),)

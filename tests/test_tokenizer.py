@@ -33,3 +33,14 @@ def test_gpt2_s_tokenizer_does_not_import_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_completion_ends_at_the_tokenizers_own_end_of_text():
+    """Pythia's tokenizer ends text with id 0, GPT-2's with 50256: the tools stop where the tokenizer says."""
+    from types import SimpleNamespace
+
+    from mesh_transformer.tokenizer import eos_ids, load_tokenizer
+
+    assert eos_ids(load_tokenizer()) == (50256,)
+    assert eos_ids(SimpleNamespace(eos_token_id=0)) == (0,)
+    assert eos_ids(SimpleNamespace(eos_token_id=None)) == () == eos_ids(object())

@@ -29,7 +29,7 @@ from mesh_transformer.infer.params import make_inference_layout, place_params
 from mesh_transformer.infer.sampler import Sampler
 from mesh_transformer.infer.score import Scorer, Unit, pack
 from mesh_transformer.parallel.layout import Layout
-from mesh_transformer.tokenizer import EOS_ID, load_tokenizer
+from mesh_transformer.tokenizer import EOS_ID, eos_ids, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class MeshTransformerLM(TemplateLM):
     # --------------------------------------------------------------------------------------- what lm-eval asks of it
     @property
     def eot_token_id(self) -> int:
-        return EOS_ID
+        return next(iter(eos_ids(self.tokenizer)), EOS_ID)
 
     @property
     def max_length(self) -> int:

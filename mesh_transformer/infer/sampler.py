@@ -24,7 +24,7 @@ from mesh_transformer.infer.sizes import bucket, prompt_problem
 from mesh_transformer.infer.params import abstract_params, place_params
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import DP
-from mesh_transformer.tokenizer import EOS_ID
+from mesh_transformer.tokenizer import EOS_ID, eos_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +221,7 @@ class Sampler:
         """
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop strings must be non-empty strings, got {list(stop)!r}")
+        kwargs.setdefault("stop_token_ids", eos_ids(tokenizer))  # the tokenizer's end of text, not GPT-2's alone
         results = self.generate([tokenizer.encode(p) for p in prompts], max_new_tokens, **kwargs)
         out = []
         for result in results:

@@ -39,7 +39,7 @@ from mesh_transformer.serve.completion import Completion, Event, GenerationReque
 from mesh_transformer.infer.pages import PagedCacheBook, pages_for
 from mesh_transformer.serve.prefix import Placement, PrefixIndex
 from mesh_transformer.serve.schedule import Schedule
-from mesh_transformer.tokenizer import EOS_ID
+from mesh_transformer.tokenizer import eos_ids
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class Engine:
     """
 
     def __init__(self, layout: Layout, params: dict, tokenizer: Any, *, max_batch: int = 8, max_queue: int = 64,
-                 stop_token_ids: Sequence[int] = (EOS_ID,), min_span: int | None = None, warm_up: bool = False,
+                 stop_token_ids: Sequence[int] | None = None, min_span: int | None = None, warm_up: bool = False,
                  programs: Programs | None = None, prefix_cache: bool = True, n_pages: int | None = None,
                  page_size: int = 16):
         if max_batch < 1 or max_queue < 1:
@@ -88,7 +88,7 @@ class Engine:
         self.layout, self.cfg, self.tokenizer, self.max_queue = layout, layout.cfg, tokenizer, max_queue
         cfg = self.cfg
         self.min_span = min_span or default_block(cfg.seq)
-        self.stop_token_ids = frozenset(stop_token_ids)
+        self.stop_token_ids = frozenset(eos_ids(tokenizer) if stop_token_ids is None else stop_token_ids)
         self._dp = layout.mesh.shape[DP]
         self.n_slots = -(-max_batch // self._dp) * self._dp
         if n_pages is not None and (n_pages < self._dp or n_pages % self._dp or page_size < 1):

@@ -104,3 +104,34 @@ def test_a_peft_export_of_q_k_v_adapters_is_refused_by_name():
         peft.write_peft("unused", adapters, NEOX_CFG, 4, 8.0)
     assert "q" not in peft.modules(NEOX_CFG) and peft.modules(NEOX_CFG)["fc_in"] == "mlp.dense_h_to_4h"
     assert hf.hf_config(NEOX_CFG)["use_parallel_residual"] is False
+
+
+@pytest.mark.parametrize("n_pages", [None, 32], ids=["slots", "paged"])
+def test_the_server_completes_as_the_offline_sampler(neox_dir, n_pages):
+    """device_serve.py's engine and app over the directory (mp 2), on the slot cache and on pages: /v1/completions
+    greedy text equals the offline sampler's."""
+    import httpx
+
+    from mesh_transformer.infer import sampler as sampling
+    from mesh_transformer.infer.params import make_inference_layout, read_params
+    from mesh_transformer.parallel.mesh import make_dp_mp
+    from mesh_transformer.serve import engine as serving, server
+    from mesh_transformer.tokenizer import load_tokenizer
+
+    cfg = convert.source_config(neox_dir)
+    layout = make_inference_layout(cfg, mesh=make_dp_mp(1, 2))
+    params, tokenizer = read_params(layout, neox_dir), load_tokenizer(cfg.tokenizer)
+    prompts = ["Hello world", "The quick brown fox"]
+    offline = sampling.Sampler(layout, params).generate_text(tokenizer, prompts, 6, temperature=0.0)
+    paged = {} if n_pages is None else {"n_pages": n_pages, "page_size": 8}
+    engine = serving.Engine(layout, params, tokenizer, max_batch=2, stop_token_ids=(), **paged)
+    try:
+        with server.BackgroundServer(server.create_app(engine, tokenizer, model_name="tiny-neox")) as running:
+            with httpx.Client(base_url=running.url, timeout=120) as client:
+                for prompt, want in zip(prompts, offline):
+                    response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6,
+                                                                    "temperature": 0})
+                    assert response.status_code == 200, response.text
+                    assert response.json()["choices"][0]["text"] == want.text
+    finally:
+        engine.close()
