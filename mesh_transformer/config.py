@@ -143,15 +143,15 @@ def _check_keys(raw: dict) -> None:
 
 
 def _check_family(cfg: Config) -> None:
-    from mesh_transformer.model import family
+    from mesh_transformer.model import families
 
     try:
-        own = family.of(cfg).config_keys
+        own = families.of(cfg).config_keys
     except ValueError as e:
         raise ConfigError(f"config key 'family': {e}") from None
     defaults = Config()
-    for name in family.names():
-        for key in family.named(name).config_keys:
+    for name in families.names():
+        for key in families.named(name).config_keys:
             if key not in own and getattr(cfg, key) != getattr(defaults, key):
                 raise ConfigError(f"config key '{key}' belongs to the {name} family, not this config's "
                                   f"{cfg.family}")

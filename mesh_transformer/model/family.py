@@ -1,6 +1,6 @@
-"""The model families: what one architecture declares, in a module of its own (model/families/), and the registry
-the rest of the package reads it from. Nothing outside the families names one; a config selects its family with the
-key `family`.
+"""What a model family declares, in a module of its own under model/families/ (whose package is the registry the rest
+of the package reads it from). Nothing outside the families names one; a config selects its family with the key
+`family`.
 
 A family declares its param table (`Param` rows: logical axes, HF names, init, weight decay, LoRA targets), what
 its block does differently (`Block`), how its config maps to and from an HF config.json, and its HF names' layout.
@@ -50,61 +50,3 @@ class Family(NamedTuple):
     # BPE, the config's default)
     hf_aliases: Mapping[str, tuple[str, ...]] = {}  # an HF name -> other names a checkpoint may hold it under
     # (what another transformers version writes); the table's name is the one written
-
-
-FAMILIES: dict[str, Family] = {}
-
-
-def register(family: Family) -> Family:
-    """Adds a family to the registry (each family module's one line). A LoRA target adapts the weight at the same
-    path in every family (adapters are named by target alone)."""
-    for other in FAMILIES.values():
-        for target, path in _lora_paths(family).items():
-            if _lora_paths(other).get(target, path) != path:
-                raise ValueError(f"family {family.name}'s LoRA target {target!r} adapts {'/'.join(path)}, "
-                                 f"family {other.name}'s {'/'.join(_lora_paths(other)[target])}")
-    FAMILIES[family.name] = family
-    return family
-
-
-def _lora_paths(family: Family) -> dict[str, Path]:
-    return {row.lora: path[1:] for path, row in family.params.items() if row.lora}
-
-
-def lora_paths() -> dict[str, Path]:
-    """LoRA target -> the path inside one layer of the weight it adapts, in every family."""
-    _load()
-    return {target: path for family in FAMILIES.values() for target, path in _lora_paths(family).items()}
-
-
-def _load() -> None:
-    from mesh_transformer.model import families  # noqa: F401 (registers every family)
-
-
-def named(name: str) -> Family:
-    """The family of this name; a ValueError naming the choices otherwise."""
-    _load()
-    if name not in FAMILIES:
-        raise ValueError(f"unknown model family {name!r}; choose one of {', '.join(sorted(FAMILIES))}")
-    return FAMILIES[name]
-
-
-def of(cfg: Any) -> Family:
-    """The config's family."""
-    return named(cfg.family)
-
-
-def for_hf(hf_config: Mapping) -> Family:
-    """The family of an HF config.json, by its model_type."""
-    _load()
-    kind = hf_config.get("model_type")
-    for family in FAMILIES.values():
-        if family.hf_model_type == kind:
-            return family
-    types = ", ".join(repr(f.hf_model_type) for f in FAMILIES.values())
-    raise ValueError(f"HF config has model_type {kind!r}; the model families read {types}")
-
-
-def names() -> list[str]:
-    _load()
-    return sorted(FAMILIES)

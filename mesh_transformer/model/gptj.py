@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 
 from mesh_transformer.config import Config
-from mesh_transformer.model import family, layers, lora, order, quant
+from mesh_transformer.model import families, family, layers, lora, order, quant
 from mesh_transformer.model.table import DTYPES
 from mesh_transformer.platforms import Policy
 
@@ -147,7 +147,7 @@ def run(params: dict, ids_BxT: jax.Array, positions_BxT: jax.Array, cfg: Config,
 
 def block_arch(cfg: Config) -> family.Block:
     """What the config's family's block does (model/family.py), with the config's own choices filled in."""
-    return family.of(cfg).block._replace(parallel=cfg.parallel_residual)
+    return families.of(cfg).block._replace(parallel=cfg.parallel_residual)
 
 
 def logits(params: dict, h_BxTxD: jax.Array) -> jax.Array:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from mesh_transformer.config import Config
-from mesh_transformer.model import family, table
+from mesh_transformer.model import families, table
 
 
 
@@ -77,7 +77,7 @@ def _replaced(tree: dict, path: tuple[str, ...], value: Any) -> dict:
 def adapt_layer(layer: dict, adapters: dict | None, scale_: float) -> dict:
     """One layer's params with each weight that has an adapter (this layer's slices) replaced by its `Adapted`."""
     for target, ab in (adapters or {}).items():
-        path = family.lora_paths()[target]
+        path = families.lora_paths()[target]
         layer = _replaced(layer, path, Adapted(table.get_path(layer, path), ab["a"], ab["b"], scale_))
     return layer
 
@@ -95,7 +95,7 @@ def merge(base: dict, adapters: dict, scale_: float) -> dict:
 def merge_layers(layers: dict, adapters: dict, scale_: float) -> dict:
     """`merge` on params["layers"] alone: stacked, or one layer's slices with its adapters' slices."""
     for target, ab in adapters.items():
-        path = family.lora_paths()[target]
+        path = families.lora_paths()[target]
         w = table.get_path(layers, path)
         layers = _replaced(layers, path, w + delta(ab["a"], ab["b"], scale_).astype(w.dtype))
     return layers

@@ -15,7 +15,7 @@ import numpy as np
 
 from mesh_transformer import config
 from mesh_transformer.config import Config, ConfigError
-from mesh_transformer.model import family
+from mesh_transformer.model import families
 from mesh_transformer.model.family import Param, Path
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -38,12 +38,12 @@ def is_axes(x) -> bool:
 
 def params_table(cfg: Config) -> dict[Path, Param]:
     """The param tree of the config's model family, one row per param (model/families/)."""
-    return family.of(cfg).params
+    return families.of(cfg).params
 
 
 @functools.cache
 def _axes_tree(name: str) -> dict:
-    return _tree({path: row.axes for path, row in family.named(name).params.items()})
+    return _tree({path: row.axes for path, row in families.named(name).params.items()})
 
 
 def param_axes(cfg: Config) -> dict:

@@ -14,7 +14,7 @@ import numpy as np
 
 from mesh_transformer import config
 from mesh_transformer.config import Config, ConfigError
-from mesh_transformer.model import family, lora
+from mesh_transformer.model import families, lora
 from mesh_transformer.model.table import Path
 from mesh_transformer.store import checkpoint, peft
 from mesh_transformer.store.checkpoint_stream import LeafReader
@@ -73,7 +73,7 @@ class MergedReader:
 
     def __init__(self, base: Any, adapters: dict, scale: float):
         self._base, self.step, self._scale = base, base.step, scale
-        self._adapters = {("layers", *family.lora_paths()[t]): ab for t, ab in adapters.items()}
+        self._adapters = {("layers", *families.lora_paths()[t]): ab for t, ab in adapters.items()}
 
     def read(self, path: Path, layer: int | None = None) -> np.ndarray:
         array = self._base.read(path, layer)

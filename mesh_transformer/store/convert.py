@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from mesh_transformer.model import family, quant, table
+from mesh_transformer.model import families, quant, table
 from mesh_transformer import storage
 from mesh_transformer.store import adapters, checkpoint, hf, mtj_v1, placing, safetensors_io
 from mesh_transformer import config
@@ -73,7 +73,7 @@ def _hf_config(path: str) -> dict:
 def _config_of_hf_dir(path: str, **overrides: Any) -> Config:
     try:
         raw = _hf_config(path)
-        if family.for_hf(raw).own_tokenizer:  # read with the directory's own tokenizer unless told otherwise
+        if families.for_hf(raw).own_tokenizer:  # read with the directory's own tokenizer unless told otherwise
             overrides = {"tokenizer": path, **overrides}
         return hf.config_from_hf(raw, **overrides)
     except ConfigError:

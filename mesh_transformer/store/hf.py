@@ -9,7 +9,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mesh_transformer.config import Config
-from mesh_transformer.model import family
+from mesh_transformer.model import families
 from mesh_transformer.model.table import Path, get_path, param_shapes, params_table, set_path
 
 
@@ -31,7 +31,7 @@ def hf_layout(cfg: Config) -> list[Entry]:
     """Every HF tensor of the config's family, in `to_hf_arrays` order: the top-level ones, then each layer tensor
     for every layer. Streaming converters use it to read and write one tensor at a time, and to know every shape up
     front."""
-    prefix = family.of(cfg).hf_layers
+    prefix = families.of(cfg).hf_layers
     top: dict[str, list[Piece]] = {}
     per_layer: dict[str, list[Piece]] = {}
     for path, row in params_table(cfg).items():
@@ -46,7 +46,7 @@ def hf_layout(cfg: Config) -> list[Entry]:
 def held_name(cfg: Config, entry: Entry, names) -> str | None:
     """The name a checkpoint holding `names` keeps this tensor under (the table's, or an alias of it), or None."""
     prefix = entry.name[:len(entry.name) - len(_local(entry))]
-    for name in (_local(entry), *family.of(cfg).hf_aliases.get(_local(entry), ())):
+    for name in (_local(entry), *families.of(cfg).hf_aliases.get(_local(entry), ())):
         if prefix + name in names:
             return prefix + name
     return None
@@ -128,14 +128,14 @@ def hf_to_params(state: Mapping[str, np.ndarray], cfg: Config) -> dict:
 
 def hf_config(cfg: Config) -> dict:
     """config.json for the family's HF model matching our config."""
-    return family.of(cfg).hf_config(cfg)
+    return families.of(cfg).hf_config(cfg)
 
 
 def config_from_hf(hf: Mapping, **overrides) -> Config:
     """Our config for an HF config.json of any family's (shape and block keys; the rest keep their defaults)."""
     from mesh_transformer.config import from_dict
 
-    fam = family.for_hf(hf)
+    fam = families.for_hf(hf)
     raw = {"family": fam.name, **fam.config_from_hf(hf)}
     # HF keeps no model-parallel width: the widest of the original's that splits the heads and the vocab
     raw["cores_per_replica"] = max(w for w in (8, 4, 2, 1) if raw["n_heads"] % w == 0 and raw["n_vocab"] % w == 0)

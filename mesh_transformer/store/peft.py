@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from mesh_transformer.config import Config, ConfigError
-from mesh_transformer.model import family, table
+from mesh_transformer.model import families, table
 from mesh_transformer import storage
 from mesh_transformer.store import safetensors_io
 
@@ -31,7 +31,7 @@ def modules(cfg: Config) -> dict[str, str]:
 
 
 def _pattern(cfg: Config) -> re.Pattern:
-    prefix = re.escape(family.of(cfg).hf_layers)
+    prefix = re.escape(families.of(cfg).hf_layers)
     return re.compile(rf"(?:^|\.){prefix}\.(\d+)\.(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
 
 
@@ -40,7 +40,7 @@ def is_peft_dir(path: str) -> bool:
 
 
 def _key(cfg: Config, layer: int, target: str, which: str) -> str:
-    return f"base_model.model.{family.of(cfg).hf_layers}.{layer}.{modules(cfg)[target]}.lora_{which}.weight"
+    return f"base_model.model.{families.of(cfg).hf_layers}.{layer}.{modules(cfg)[target]}.lora_{which}.weight"
 
 
 def write_peft(output: str, adapters: dict, cfg: Config, rank: int, alpha: float, base_model: str = "") -> list[str]:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mesh_transformer import config, platforms
-from mesh_transformer.model import family, layers, table, gptj as model
+from mesh_transformer.model import families, layers, table, gptj as model
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.parallel.layout import make_layout
 from tests.helpers import CPU_POLICY
@@ -214,7 +214,7 @@ def test_the_one_forward_on_unstacked_layers_and_chosen_columns_equals_the_stack
     assert states == [None] * CFG.layers
 
 
-@pytest.mark.parametrize("name", family.names())
+@pytest.mark.parametrize("name", families.names())
 def test_each_familys_param_table_names_every_lora_target_and_hf_weight_once(name):
     cfg = dataclasses.replace(CFG, family=name)
     assert set(table.lora_targets(cfg)) == set(config.LORA_TARGETS)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mesh_transformer.model import attention, family, layers
+from mesh_transformer.model import attention, families, layers
 from tests.helpers import CPU_POLICY
 
 
@@ -73,7 +73,7 @@ def test_block_without_a_mask_is_causal_attention_as_before():
     p = layer_params(keys, D)
     h = jax.random.normal(keys[6], (B, T, D))
     sincos = layers.rotary_sincos(jnp.arange(T)[None], 8)
-    arch = family.named("gptj").block
+    arch = families.named("gptj").block
     got, (k, v) = jax.jit(lambda h: layers.block(h, p, K, sincos, arch=arch, policy=CPU_POLICY))(h)
     want, (k_ref, v_ref) = jax.jit(lambda h: layers.block(h, p, K, sincos, arch=arch,
                                                           mask_BxTxT=attention.causal_mask(T), policy=CPU_POLICY))(h)
@@ -103,7 +103,7 @@ def test_block_is_gptj_s_layer_whichever_way_its_weights_are_applied():
     want, k_want = jax.jit(written_out)(h)
     forms = {"separate": (p, False), "joined": (p, True), "fused": (layers.fuse_layer(p, 1), False)}
     for name, (layer, join) in forms.items():
-        got, (k, _) = jax.jit(partial(layers.block, head_dim=K, sincos=sincos, arch=family.named("gptj").block,
+        got, (k, _) = jax.jit(partial(layers.block, head_dim=K, sincos=sincos, arch=families.named("gptj").block,
                                       join=join, policy=CPU_POLICY))(h, layer)
         np.testing.assert_allclose(got, want, atol=1e-4, err_msg=name)
         np.testing.assert_allclose(k, k_want, atol=1e-5, err_msg=name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from mesh_transformer.model.family import Block, Family, Param, register
+from mesh_transformer.model.family import Block, Family, Param
 
 GPT2_EOS = 50256
 
@@ -47,5 +47,5 @@ def hf_config(cfg) -> dict:
             "eos_token_id": GPT2_EOS, "use_cache": True}
 
 
-FAMILY = register(Family("gptj", PARAMS, Block(rotary="interleaved", gelu_tanh=True), "gptj", "transformer.h",
-                         config_from_hf, hf_config))
+FAMILY = Family("gptj", PARAMS, Block(rotary="interleaved", gelu_tanh=True), "gptj", "transformer.h",
+                 config_from_hf, hf_config)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from mesh_transformer.model.family import Block, Family, Param, register
+from mesh_transformer.model.family import Block, Family, Param
 
 _QKV, _STACKED = ("layers", "embed", "heads"), ("layers", "embed")
 PARAMS = {
@@ -74,6 +74,6 @@ def hf_config(cfg) -> dict:
 
 
 # transformers 5 holds the output embedding as lm_head.weight; the Hub's checkpoints and earlier versions, embed_out
-FAMILY = register(Family("gptneox", PARAMS, Block(rotary="half", gelu_tanh=False), "gpt_neox", "gpt_neox.layers",
-                         config_from_hf, hf_config, config_keys=("parallel_residual", "rotary_base"),
-                         own_tokenizer=True, hf_aliases={"embed_out.weight": ("lm_head.weight",)}))
+FAMILY = Family("gptneox", PARAMS, Block(rotary="half", gelu_tanh=False), "gpt_neox", "gpt_neox.layers",
+                 config_from_hf, hf_config, config_keys=("parallel_residual", "rotary_base"),
+                 own_tokenizer=True, hf_aliases={"embed_out.weight": ("lm_head.weight",)})
