@@ -1,5 +1,5 @@
 """A/B of the forms a decode step's weight products can take on the device this machine has: GPT-J-6B's two joined
-matrices of a layer (`layers.fuse_layer`: in [3D + F, D], out [D, D + F]) for a few layers, run as decode runs them
+matrices of a layer (`fused.fuse_layer`: in [3D + F, D], out [D, D + F]) for a few layers, run as decode runs them
 (each layer's input product, then its output product, one batch of rows), in bf16 and int8, the weights held
 [outputs, inputs] (as now) or [inputs, outputs], the int8 ones converted before XLA's dot, given to the dot as they
 are, or read by a Pallas kernel that converts a block at a time. Each record: the step time, the weight bytes it read

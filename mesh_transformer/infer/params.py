@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from mesh_transformer.config import Config, ConfigError, model_parallel_widths
-from mesh_transformer.model import gptj, layers, lora, quant, table
+from mesh_transformer.model import fused, gptj, lora, quant, table
 from mesh_transformer.parallel.layout import SHARD_MAP, Layout, make_layout
 from mesh_transformer.parallel.mesh import DP, MP, make_mesh
 from mesh_transformer.store import convert, placing
@@ -130,16 +130,16 @@ def _fuser(mesh: Mesh, spec_leaves: tuple, spec_tree: Any, lora_scale: float, in
 
 
 def join_layer(layer: dict, tp_size: int, int8: bool, xp=jnp, scales: dict | None = None) -> dict:
-    """One layer of the param tree in the decode programs' form: its projections joined (`layers.fuse_layer`), with
+    """One layer of the param tree in the decode programs' form: its projections joined (`fused.fuse_layer`), with
     `int8` quantized first (`quant.quantize_layer`; an int8 layer read from a checkpoint comes with its `scales`)."""
     if int8 and scales is None:
         layer, scales = quant.quantize_layer(layer, xp)
-    return layers.fuse_layer(layer, tp_size, xp, scales if int8 else None)
+    return fused.fuse_layer(layer, tp_size, xp, scales if int8 else None)
 
 
 def place_params(params: dict, layout: Layout, adapters: dict | None = None) -> dict:
     """The params for the decode programs: on their shards, in the compute dtype, layers unstacked into a list,
-    each layer's projections joined (`layers.fuse_layer`), in int8 where the config's weight_dtype says. A tree
+    each layer's projections joined (`fused.fuse_layer`), in int8 where the config's weight_dtype says. A tree
     already in that form is returned as it is. LoRA adapters (a LoRA run's, beside its base) are merged into each
     layer's weights before it is joined.
 
@@ -307,13 +307,13 @@ def _read_whole(reader: Any, path: tuple, dtype: np.dtype) -> np.ndarray:
 
 def _place_layer(reader: Any, read_int8: Any, stacked: list, i: int, *, dtype: np.dtype, tp_size: int, int8: bool,
                  shardings: dict) -> dict:
-    """Layer i read, joined and placed one half at a time (`layers.fuse_inputs`: q, k, v, fc_in and the norms; then
+    """Layer i read, joined and placed one half at a time (`fused.fuse_inputs`: q, k, v, fc_in and the norms; then
     `fuse_outputs`: out and fc_out), each half quantized on the host where `int8` and the checkpoint holds floats.
     The host holds one half's parts and its joined copy at most (GPT-J-6B in bf16: 2 x 235 MB; a whole layer's
     would be 2 x 402 MB), each freed before the next half is read."""
     placed: dict = {"fused": {}}
-    for fuse in (layers.fuse_inputs, layers.fuse_outputs):
-        half = [path for path in stacked if (path[1:] in _OUTPUTS) == (fuse is layers.fuse_outputs)]
+    for fuse in (fused.fuse_inputs, fused.fuse_outputs):
+        half = [path for path in stacked if (path[1:] in _OUTPUTS) == (fuse is fused.fuse_outputs)]
         layer, scales = _read_layer(reader, read_int8, half, i, dtype)
         if int8 and scales is None:
             layer, scales = quant.quantize_layer(layer, np)
@@ -352,7 +352,7 @@ COPY_CHUNK_BYTES = 16 << 20  # a transposed part is copied this many bytes at a 
 
 
 def _copy_part(dst: np.ndarray, src: np.ndarray) -> None:
-    """dst[...] = src, where src is one of the transposed views `layers.fuse_inputs` and `fuse_outputs` join:
+    """dst[...] = src, where src is one of the transposed views `fused.fuse_inputs` and `fuse_outputs` join:
     numpy copies those element by element across rows (GPT-J-6B's int8 fc_in: 0.64 s, 0.20 s in cache-sized
     tiles), while XLA's transpose on the host's CPU device is blocked and vectorized (0.02 s), so each chunk of rows
     is transposed there and copied in; plain numpy where JAX has no CPU device or src's rows are contiguous."""

@@ -147,7 +147,7 @@ def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, *, arch, mask_BxTx
     Returns the new h and this block's keys and values [B, T, H, K], for a caller that keeps a KV cache. A mask of
     None is causal self-attention (`self_attention`: training, prefill). With `past=(k_blocks, v_blocks,
     mask_BxTxS)` attention also sees those cached keys (see `attend`). `p` is a layer of the param tree, or one
-    whose projections `fuse_layer` joined (for inference); how its weights are applied is `projections`' choice,
+    whose projections `fused.fuse_layer` joined (for inference); how its weights are applied is `projections`' choice,
     the rest is this one body. The policy names the kernels (attention, the dense backward).
     """
     proj = projections(p, join, policy)
@@ -176,7 +176,7 @@ def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, *, arch, mask_BxTx
 
 
 def projections(p: dict, join: bool, policy: Policy) -> Projections:
-    """A layer's `Projections`: `fuse_layer`'s joined matrices (inference, int8 ones with their scales), the param
+    """A layer's `Projections`: `fused.fuse_layer`'s joined matrices (inference, int8 ones with their scales), the param
     tree's matrices joined inside the computation (`join`, for a family with one LayerNorm), or the param tree's
     products as they are."""
     if "fused" in p:
@@ -234,84 +234,8 @@ def _residual(h_BxTxD: jax.Array, out_BxTxD: jax.Array, bias_D: jax.Array, tp_ax
     return h_BxTxD + out_BxTxD + lead(bias_D, h_BxTxD.ndim)
 
 
-# The logical axes of a layer `fuse_layer` joined: "shards" is its device axis (one slice per tensor-parallel device),
-# "joined" the joined rows or columns of one device. A family with a second LayerNorm has "ln_2" like "ln_1", one with
-# a bias on attn out has it as fused "attn_bias" ("embed",) (`fused_axes`).
-FUSED_AXES = {"ln_1": {"scale": ("embed",), "bias": ("embed",)},
-              "fused": {"in": ("shards", "joined", "embed"), "in_bias": ("shards", "joined"),
-                        "out": ("shards", "embed", "joined"), "out_bias": ("embed",)}}
-
-
-def fused_axes(layer_axes: dict) -> dict:
-    """The logical axes of a joined layer, for a family whose param tree's layer has these axes."""
-    axes = dict(FUSED_AXES)
-    if "ln_2" in layer_axes:
-        axes["ln_2"] = FUSED_AXES["ln_1"]
-    if "out_bias" in layer_axes["attn"]:
-        axes["fused"] = {**FUSED_AXES["fused"], "attn_bias": ("embed",)}
-    return axes
-
-
-def fuse_layer(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None) -> dict:
-    """One layer's projections joined for inference (global arrays; run it under jit): q, k, v and fc_in, which all
-    read LN(h), become one matrix, and attn out and fc_out, whose outputs are summed, another. A one-token step
-    then reads each layer's weights in two matrix products instead of six. (A family whose MLP reads its own
-    LayerNorm, or attention's output, takes each matrix's rows or columns of one side at a time: `_fused`.)
-
-    The joined matrices are stored one row per output ([N, K]): XLA's CPU matrix-vector products over such rows
-    use both cores of a 2-core machine, over [K, N] mostly one. Under tensor parallelism each device must hold
-    its own heads and MLP columns side by side, so the matrices carry a device axis: "in" [tp, 3*D/tp + F/tp, D]
-    and "out" [tp, D, D/tp + F/tp], split on it. `xp` is jax.numpy, or numpy to join a layer on the host. An int8 layer
-    (`quant.quantize_layer`) comes with its groups' `scales`, joined alongside as "in_scale" [tp, 3*D/tp + F/tp]
-    and "out_scale" [tp, D]. Each half (`fuse_inputs`, `fuse_outputs`) reads only its own matrices, so a loader
-    can hold one half's parts at a time.
-    """
-    norms = {name: layer[name] for name in ("ln_1", "ln_2") if name in layer}
-    return {**norms, "fused": {**fuse_inputs(layer, tp_size, xp, scales), **fuse_outputs(layer, tp_size, xp, scales)}}
-
-
-def fuse_inputs(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None,
-                concatenate: Callable | None = None) -> dict:
-    """`fuse_layer`'s "in", "in_bias" (and "in_scale"), from q, k, v and fc_in alone; "in" is joined by
-    `concatenate(parts, axis)` where given (a loader's own, `infer.params.join_on_host`), else xp.concatenate."""
-    attn, fc_in = layer["attn"], layer["mlp"]["fc_in"]
-    d = attn["q"].shape[0]
-
-    def rows(w):  # [D, C] -> [tp, C/tp, D]: each device's output columns, as rows
-        return w.reshape(d, tp_size, -1).transpose(1, 2, 0)
-
-    concatenate = concatenate or xp.concatenate
-    qkv_bias = ([attn[f"{name}_bias"].astype(fc_in["bias"].dtype).reshape(tp_size, -1) for name in "qkv"]
-                if "q_bias" in attn else [xp.zeros((tp_size, 3 * d // tp_size), fc_in["bias"].dtype)])
-    fused = {"in": concatenate([rows(attn["q"]), rows(attn["k"]), rows(attn["v"]), rows(fc_in["kernel"])], 1),
-             "in_bias": xp.concatenate([*qkv_bias, fc_in["bias"].reshape(tp_size, -1)], -1)}
-    if scales is not None:
-        fused["in_scale"] = xp.concatenate([scales[g].reshape(tp_size, -1) for g in ("q", "k", "v", "fc_in")], -1)
-    return fused
-
-
-def fuse_outputs(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None,
-                 concatenate: Callable | None = None) -> dict:
-    """`fuse_layer`'s "out", "out_bias" (and "out_scale"), from attn out and fc_out alone; "out" is written in its
-    final order at once (each part's columns transposed as they are joined), so numpy makes one copy of it
-    (`concatenate` as in `fuse_inputs`)."""
-    attn_out, fc_out = layer["attn"]["out"], layer["mlp"]["fc_out"]
-    d = attn_out.shape[-1]
-
-    def columns(w):  # [C, D] -> [tp, D, C/tp]: each device's input rows, as columns
-        return w.reshape(tp_size, -1, d).transpose(0, 2, 1)
-
-    fused = {"out": (concatenate or xp.concatenate)([columns(attn_out), columns(fc_out["kernel"])], 2),
-             "out_bias": fc_out["bias"]}
-    if "out_bias" in layer["attn"]:
-        fused["attn_bias"] = layer["attn"]["out_bias"]
-    if scales is not None:
-        fused["out_scale"] = xp.broadcast_to(scales["out"], (tp_size, d))
-    return fused
-
-
 def _fused(p: dict, policy: Policy) -> Projections:
-    """`Projections` of `fuse_layer`'s matrices (this device's slice: the device axis is 1 here), int8 ones with
+    """`Projections` of `fused.fuse_layer`'s matrices (this device's slice: the device axis is 1 here), int8 ones with
     their scales (model/quant.py), computed in pieces where the policy says (`order.in_pieces`). A side alone (or
     inputs of two LayerNorms) reads its rows of "in" or columns of "out"."""
     d = p["in"].shape[-1]

@@ -5,7 +5,7 @@ to the compute dtype, multiply the activations with f32 accumulation, and each o
 Per output channel, the scale is the channel's largest magnitude over 127 (an all-zero channel gets 1), and a
 weight w is held as round(w * (1 / scale)) in [-127, 127]: its error is at most half a scale step (and a rounding
 of the reciprocal). attn out and fc_out,
-whose outputs are summed (`layers.fuse_layer` joins them into one matrix), share their scales: one per model width
+whose outputs are summed (`fused.fuse_layer` joins them into one matrix), share their scales: one per model width
 channel, the larger of the two. The scales do not depend on how the model is split over devices, so a sharded model
 computes what one device does, and an int8 checkpoint (`slim_model.py --dtype int8`) holds the same numbers as a
 quantization while loading.
@@ -105,7 +105,7 @@ def _set(tree: dict, path: tuple, value: Any) -> dict:
 
 def group_amax(layer: dict, xp=np) -> dict:
     """The largest magnitude [N] per output channel of each scale group (`GROUPS`) whose matrices one layer of the
-    param tree holds (all, or one half that a loader reads on its own: `layers.fuse_inputs`' or `fuse_outputs`')."""
+    param tree holds (all, or one half that a loader reads on its own: `fused.fuse_inputs`' or `fuse_outputs`')."""
     peaks = {}
     for group, paths in GROUPS.items():
         if all(_holds(layer, path) for path in paths):

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from mesh_transformer import platforms
 from mesh_transformer.config import Config, ConfigError, fit_devices
-from mesh_transformer.model import gptj, layers, quant, table
+from mesh_transformer.model import fused, gptj, quant, table
 from mesh_transformer.model.split import FULL, Split
 from mesh_transformer.parallel.mesh import DATA, DP, FSDP, MP, TENSOR, make_mesh
 from mesh_transformer.platforms import Policy
@@ -52,7 +52,7 @@ class Mappings(NamedTuple):
 
 
 SHARD_MAP = "shard_map"
-# "shards": the device axis of inference's joined layers (`layers.FUSED_AXES`), one slice per 'mp' device.
+# "shards": the device axis of inference's joined layers (`fused.FUSED_AXES`), one slice per 'mp' device.
 MEGATRON_RULES: Rules = [("batch", DP), ("vocab", MP), ("heads", MP), ("mlp", MP), ("shards", MP)]
 MEGATRON = Mappings(params=MEGATRON_RULES, compute=MEGATRON_RULES)
 BATCH_RULES: Rules = [("batch", (DATA, FSDP))]  # fsdp is data parallel for compute, so the batch splits over it too
@@ -169,13 +169,13 @@ class Layout:
 
     def placed_specs(self) -> dict:
         """Specs of the params placed for inference (infer/params.py): layers unstacked into a list, each joined by
-        `layers.fuse_layer` (shard_map kind), with int8 weights' scales (and the head's, with quantize_head)."""
-        fused, specs = layers.fused_axes(table.param_axes(self.cfg)["layers"]), self.param_specs()
+        `fused.fuse_layer` (shard_map kind), with int8 weights' scales (and the head's, with quantize_head)."""
+        joined, specs = fused.fused_axes(table.param_axes(self.cfg)["layers"]), self.param_specs()
         if gptj.precision(self.cfg).int8:
-            fused = {**fused, "fused": {**fused["fused"], **quant.SCALE_AXES}}
+            joined = {**joined, "fused": {**joined["fused"], **quant.SCALE_AXES}}
         if gptj.precision(self.cfg).int8_head:
             specs = {**specs, "lm_head": {**specs["lm_head"], **self.specs(quant.HEAD_SCALE_AXES)}}
-        return {**specs, "layers": [self.specs(fused)] * self.cfg.layers}
+        return {**specs, "layers": [self.specs(joined)] * self.cfg.layers}
 
     def param_shardings(self) -> dict:
         return self.shardings(table.param_axes(self.cfg))

@@ -12,7 +12,7 @@ from mesh_transformer import config
 from mesh_transformer.config import ConfigError
 from mesh_transformer.infer import params as infer_params
 from mesh_transformer.infer.sampler import Sampler
-from mesh_transformer.model import layers, table
+from mesh_transformer.model import fused, table
 from mesh_transformer.store import checkpoint, convert, hf, hf_export
 from tests.helpers import original_shards, random_params, run_scripts, write_mtj_v1
 
@@ -87,7 +87,7 @@ def test_a_layer_joined_on_the_host_into_given_arrays_equals_the_join_under_jit(
         x = np.asarray(jax.random.normal(next(keys) if len(shape) == 2 else jax.random.PRNGKey(7), shape)) * 40
         table.set_path(p, path, x.astype(dtype))
     for tp in (1, 2, 4):
-        for fuse in (layers.fuse_inputs, layers.fuse_outputs):
+        for fuse in (fused.fuse_inputs, fused.fuse_outputs):
             host = fuse(p, tp, np, concatenate=infer_params.join_on_host)
             want = jax.jit(partial(fuse, tp_size=tp, xp=jax.numpy))(p)
             for name in want:

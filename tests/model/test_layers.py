@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mesh_transformer.model import attention, families, layers
+from mesh_transformer.model import attention, families, fused, layers
 from tests.helpers import CPU_POLICY
 
 
@@ -101,7 +101,7 @@ def test_block_is_gptj_s_layer_whichever_way_its_weights_are_applied():
         return h + attn + mlp @ p["mlp"]["fc_out"]["kernel"] + layers.lead(p["mlp"]["fc_out"]["bias"], 3), k
 
     want, k_want = jax.jit(written_out)(h)
-    forms = {"separate": (p, False), "joined": (p, True), "fused": (layers.fuse_layer(p, 1), False)}
+    forms = {"separate": (p, False), "joined": (p, True), "fused": (fused.fuse_layer(p, 1), False)}
     for name, (layer, join) in forms.items():
         got, (k, _) = jax.jit(partial(layers.block, head_dim=K, sincos=sincos, arch=families.named("gptj").block,
                                       join=join, policy=CPU_POLICY))(h, layer)
