@@ -41,7 +41,7 @@ cfg = hf.config_from_hf(hf_config, cores_per_replica=1, tokenizer="gpt2")
 rng = np.random.default_rng(0)
 state = {{}}
 for entry in hf.hf_layout(cfg):
-    shape = hf.hf_shape(cfg, entry)
+    shape = entry.shape
     name = entry.name
     if name.endswith("layernorm.weight") or name.endswith("final_layer_norm.weight"):
         x = 1 + 0.1 * rng.standard_normal(shape, np.float32)

@@ -155,8 +155,8 @@ def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, *, arch, mask_BxTx
 
     def attention(q, k, v):
         q, k, v = (x.reshape(*x.shape[:-1], -1, head_dim) for x in (q, k, v))
-        q, k = apply_rotary(q, *sincos, half=arch.rotary == "half"), apply_rotary(k, *sincos,
-                                                                                 half=arch.rotary == "half")
+        half = arch.rotary == "half"
+        q, k = apply_rotary(q, *sincos, half=half), apply_rotary(k, *sincos, half=half)
         return _attention(q, k, v, mask_BxTxT, past, partial(self_attention, kernel=proj.attention)), (k, v)
 
     def act(pre):

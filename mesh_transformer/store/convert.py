@@ -163,20 +163,24 @@ class HFReader:
         self._shapes = dict(param_paths(cfg))
         self._names: dict[tuple[Path, int | None], tuple[str, hf.Piece]] = {}
         for entry in hf.hf_layout(cfg):
-            name = hf.held_name(cfg, entry, self._files)
+            name = entry.held_name(self._files)
             if name is None:
                 raise checkpoint.CorruptCheckpointError(f"HF checkpoint {path} lacks weight '{entry.name}'")
-            want = hf.hf_shape(cfg, entry)
-            if self._files.shape(name) != want:
+            if self._files.shape(name) != entry.shape:
                 raise ConfigError(f"HF weight {name} in {path} has shape {self._files.shape(name)}, the config needs "
-                                  f"{want}")
+                                  f"{entry.shape}")
             self._names.update({(piece.path, entry.layer): (name, piece) for piece in entry.pieces})
+        self._shared: tuple[str, np.ndarray] | None = None  # the last tensor read that holds several of our params
 
     def read(self, path: Path, layer: int | None = None) -> np.ndarray:
         if path[0] == "layers" and layer is None:
             return mtj_v1.stack_layers(lambda i: self.read(path, i), self._shapes[path].shape)
         name, piece = self._names[path, layer]
-        return hf.from_hf(self._files.read(name), piece, self.cfg.n_heads)
+        if piece.part is None:
+            return hf.from_hf(self._files.read(name), piece, self.cfg.n_heads)
+        if self._shared is None or self._shared[0] != name:  # q, k and v are read in turn: the tensor once
+            self._shared = name, self._files.read(name)
+        return hf.from_hf(self._shared[1], piece, self.cfg.n_heads)
 
     def close(self) -> None:
         self._files.close()

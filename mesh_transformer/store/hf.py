@@ -21,54 +21,44 @@ class Piece(NamedTuple):
 
 
 class Entry(NamedTuple):
-    """One HF tensor: its name, its layer (None: a top-level one) and the pieces of ours it holds."""
+    """One HF tensor: its name, its layer (None: a top-level one), the pieces of ours it holds, its shape, and the
+    other names a checkpoint may hold it under (the family's aliases)."""
     name: str
     layer: int | None
     pieces: tuple[Piece, ...]
+    shape: tuple[int, ...]
+    aliases: tuple[str, ...] = ()
+
+    def held_name(self, names) -> str | None:
+        """The name a checkpoint holding `names` keeps this tensor under (its own, or an alias), or None."""
+        return next((name for name in (self.name, *self.aliases) if name in names), None)
 
 
 def hf_layout(cfg: Config) -> list[Entry]:
     """Every HF tensor of the config's family, in `to_hf_arrays` order: the top-level ones, then each layer tensor
     for every layer. Streaming converters use it to read and write one tensor at a time, and to know every shape up
     front."""
-    prefix = families.of(cfg).hf_layers
-    top: dict[str, list[Piece]] = {}
-    per_layer: dict[str, list[Piece]] = {}
+    family, shapes = families.of(cfg), param_shapes(cfg)
+    groups: dict[tuple[bool, str], list[Piece]] = {}
     for path, row in params_table(cfg).items():
-        (per_layer if path[0] == "layers" else top).setdefault(row.hf, []).append(
-            Piece(path, row.transposed, row.hf_part))
-    layout = [Entry(name, None, tuple(pieces)) for name, pieces in top.items()]
-    layout += [Entry(f"{prefix}.{i}.{name}", i, tuple(sorted(pieces, key=lambda p: p.part or 0)))
-               for name, pieces in per_layer.items() for i in range(cfg.layers)]
-    return layout
+        groups.setdefault((path[0] == "layers", row.hf), []).append(Piece(path, row.transposed, row.hf_part))
 
+    def entry(local: str, pieces: list[Piece], layer: int | None) -> Entry:
+        prefix = "" if layer is None else f"{family.hf_layers}.{layer}."
+        shape = get_path(shapes, pieces[0].path).shape[0 if layer is None else 1:]
+        shape = shape[::-1] if pieces[0].transposed else shape
+        return Entry(prefix + local, layer, tuple(sorted(pieces, key=lambda p: p.part or 0)),
+                     (len(pieces) * shape[0], *shape[1:]),
+                     tuple(prefix + alias for alias in family.hf_aliases.get(local, ())))
 
-def held_name(cfg: Config, entry: Entry, names) -> str | None:
-    """The name a checkpoint holding `names` keeps this tensor under (the table's, or an alias of it), or None."""
-    prefix = entry.name[:len(entry.name) - len(_local(entry))]
-    for name in (_local(entry), *families.of(cfg).hf_aliases.get(_local(entry), ())):
-        if prefix + name in names:
-            return prefix + name
-    return None
-
-
-def _local(entry: Entry) -> str:
-    """The entry's name inside its layer (the whole name of a top-level one)."""
-    return entry.name if entry.layer is None else entry.name.split(f".{entry.layer}.", 1)[1]
+    layout = [entry(local, pieces, None) for (stacked, local), pieces in groups.items() if not stacked]
+    return layout + [entry(local, pieces, i) for (stacked, local), pieces in groups.items() if stacked
+                     for i in range(cfg.layers)]
 
 
 def hf_names(cfg: Config) -> list[str]:
     """Every tensor name of the family's HF state dict, in our export order."""
     return [entry.name for entry in hf_layout(cfg)]
-
-
-def hf_shape(cfg: Config, entry: Entry) -> tuple[int, ...]:
-    """The shape of an HF tensor, from our params' shapes."""
-    shapes = param_shapes(cfg)
-    piece = entry.pieces[0]
-    shape = get_path(shapes, piece.path).shape[1 if entry.layer is not None else 0:]
-    shape = shape[::-1] if piece.transposed else shape
-    return (len(entry.pieces) * shape[0], *shape[1:])
 
 
 def from_hf(array: np.ndarray, piece: Piece, n_heads: int) -> np.ndarray:
@@ -104,16 +94,15 @@ def params_to_hf(params: Mapping, cfg: Config) -> dict[str, np.ndarray]:
 
 def hf_to_params(state: Mapping[str, np.ndarray], cfg: Config) -> dict:
     """An HF state dict of the config's family (numpy arrays) as our param tree; checks every name and shape."""
-    shapes = param_shapes(cfg)
     layers: dict[Path, list] = {}
     params: dict = {}
     for entry in hf_layout(cfg):
-        name = held_name(cfg, entry, state)
+        name = entry.held_name(state)
         if name is None:
             raise ValueError(f"HF checkpoint lacks weight '{entry.name}'")
         array = np.asarray(state[name])
-        if array.shape != (want := hf_shape(cfg, entry)):
-            raise ValueError(f"HF weight {entry.name} has shape {array.shape}, the config needs {want}")
+        if array.shape != entry.shape:
+            raise ValueError(f"HF weight {entry.name} has shape {array.shape}, the config needs {entry.shape}")
         for piece in entry.pieces:
             ours = from_hf(array, piece, cfg.n_heads)
             if entry.layer is None:
@@ -122,7 +111,6 @@ def hf_to_params(state: Mapping[str, np.ndarray], cfg: Config) -> dict:
                 layers.setdefault(piece.path, []).append(ours)
     for path, per_layer in layers.items():
         set_path(params, path, np.stack(per_layer))
-        assert per_layer[0].shape == get_path(shapes, path).shape[1:]
     return params
 
 

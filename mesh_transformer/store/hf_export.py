@@ -31,7 +31,7 @@ def write_hf(source: str, cfg: Config, output: str, *, dtype: Any = "fp16", max_
     """
     dtype = table.dtype_named(dtype)
     layout = hf.hf_layout(cfg)
-    entries = [(entry.name, hf.hf_shape(cfg, entry), dtype) for entry in layout]
+    entries = [(entry.name, entry.shape, dtype) for entry in layout]
     with open_params(source, cfg) as reader:
         def arrays() -> Iterator[tuple[str, np.ndarray]]:
             for entry in tqdm(layout, desc=f"writing {output}", unit="tensor"):
