@@ -11,10 +11,11 @@ new keys causally. A prompt is start 0 and n_read 0 (nothing read); a prompt tai
 the prefix's end; a decode step is T = 1 at the row's position. The new keys are written at their positions through
 the table after attention has read the pages. Out-of-range page ids (the table's padding) are dropped on write and
 clipped on read, where the mask hides them. The pure-JAX path, every platform's by default, gathers the pages a
-step reads (a copy of them); where the platform policy says "kernel" (`Policy.paged_attention`), pages hold heads
-first and decode steps attend through JAX's TPU paged attention kernel, which reads them in place. The keys and
-values are stored as `decode.cache_dtype` says (bits on the CPU), or with
-`kv_cache_dtype` "int8" as int8 with a scale per token and head (half the bytes of bf16; dequantized as read).
+step reads (a copy of them); where the platform policy says "kernel" (`Policy.paged_attention`), a page holds its
+heads together and decode steps attend through the TPU kernel of `infer/paged_kernel.py`, which reads the pages in
+place. The keys and values are stored as `decode.cache_dtype` says (bits on the CPU), or with
+`kv_cache_dtype` "int8" as int8 with a scale per token and head (half the bytes of bf16; the scales applied to
+attention's scores and probabilities, the int8 values read by its dots as they are).
 Shape letters: the legend in model/layers.py (here P pages, M a table's pages, R rows).
 """
 from __future__ import annotations
@@ -26,8 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from mesh_transformer.config import Config
-from mesh_transformer.infer import decode
+from mesh_transformer.infer import decode, paged_kernel
 from mesh_transformer.model import gptj
+from mesh_transformer.model.attention import Scaled
 from mesh_transformer.model.order import in_turn
 from mesh_transformer.platforms import Policy
 
@@ -35,36 +37,34 @@ PAGE_AXES = ("batch", "length", "heads", "head_dim")  # [P, page, H, K]: pages o
 SCALE_AXES = ("batch", "length", "heads")  # [P, page, H]: an int8 cache's scale per token and head
 INT8 = "int8"
 KERNEL = "kernel"
-KERNEL_BLOCK_TOKENS = 512  # the TPU kernel's pages per compute block: about this many positions
-# The TPU kernel reads an int8 value as q * h / 127.5 (its quantization_utils.MAX_INT8): heads-first pages store
-# h = scale * 127.5 for our scale, so that the kernel reads them in place.
-KERNEL_INT8_RANGE = 127.5
+KERNEL_BLOCK_TOKENS = 256  # the TPU kernel's pages per block: about this many positions
 
 
 class PagedCache(NamedTuple):
     """Per layer, the pages [P, page, H, K] of keys and of values; with an int8 cache (`kv_cache_dtype`) their
-    scales [P, page, H] (else None per layer), their axes in the policy's order (`page_order`): heads first for the
-    kernel ([H, P, page, K], [H, P, page], the scales times KERNEL_INT8_RANGE), positions last on the CPU."""
+    scales [P, page, H] (else None per layer), their axes in the policy's order (`page_order`, `scale_order`): a
+    page's heads together for the kernel ([P, H, page, K]; its scales as they are), positions last on the CPU."""
     k: list
     v: list
     k_scale: list
     v_scale: list
 
 
-def heads_first(policy: Policy) -> bool:
-    """Whether pages hold heads first ([H, P, page, K]): the layout JAX's TPU paged attention kernel reads."""
+def kernel_pages(policy: Policy) -> bool:
+    """Whether decode steps attend through the TPU kernel, which reads pages in its own layout."""
     return policy.paged_attention == KERNEL
 
 
 def page_order(policy: Policy) -> tuple[int, ...]:
-    """A page array's axes, as positions of [P, page, H, K]: heads first for the kernel, else the platform's cache
-    order (`Policy.cache_order`: positions last on the CPU, the layout its one-token dot reads in place)."""
-    return (2, 0, 1, 3) if heads_first(policy) else policy.cache_order
+    """A page array's axes, as positions of [P, page, H, K]: the kernel's ([P, H, page, K]), else the platform's
+    cache order (`Policy.cache_order`: positions last on the CPU, the layout its one-token dot reads in place)."""
+    return paged_kernel.PAGE_ORDER if kernel_pages(policy) else policy.cache_order
 
 
-def _scale_order(order: tuple) -> tuple[int, ...]:
-    """The scales' axes (the pages' without the head dim)."""
-    return tuple(i for i in order if i != 3)
+def scale_order(policy: Policy) -> tuple[int, ...]:
+    """An int8 cache's scale array's axes, as positions of [P, page, H]: the kernel's, else the pages' without
+    the head dim."""
+    return paged_kernel.SCALE_ORDER if kernel_pages(policy) else tuple(i for i in page_order(policy) if i != 3)
 
 
 def _ordered(sizes: tuple, order: tuple) -> tuple:
@@ -83,8 +83,7 @@ def zero_cache(n_pages: int, page: int, cfg: Config, policy: Policy) -> PagedCac
     def zeros(shape, dtype):
         return [jnp.zeros(shape, dtype) for _ in range(cfg.layers)]
 
-    order = page_order(policy)
-    scale_shape = _ordered((n_pages, page, cfg.n_heads), _scale_order(order))
+    scale_shape = _ordered((n_pages, page, cfg.n_heads), scale_order(policy))
     scales = zeros(scale_shape, jnp.float32) if int8 else [None] * cfg.layers
     return PagedCache(zeros(page_shape(n_pages, page, cfg, policy), dtype), zeros(page_shape(
         n_pages, page, cfg, policy), dtype), scales, list(scales))
@@ -92,9 +91,8 @@ def zero_cache(n_pages: int, page: int, cfg: Config, policy: Policy) -> PagedCac
 
 def cache_specs(layout) -> PagedCache:
     """The cache's PartitionSpecs, field by field (a prefix of its tree)."""
-    order = page_order(layout.policy)
-    pages = layout.spec(_ordered(PAGE_AXES, order))
-    scales = layout.spec(_ordered(SCALE_AXES, _scale_order(order)))
+    pages = layout.spec(_ordered(PAGE_AXES, page_order(layout.policy)))
+    scales = layout.spec(_ordered(SCALE_AXES, scale_order(layout.policy)))
     return PagedCache(pages, pages, scales, scales)
 
 
@@ -123,14 +121,14 @@ def _rows(pages: jax.Array, table_RxM: jax.Array, order: tuple) -> jax.Array:
 
 
 def gather_pages(pages: jax.Array, table_RxM: jax.Array, dtype: Any, scales: jax.Array | None = None,
-                 order: tuple = (0, 1, 2, 3)) -> jax.Array:
-    """The positions of each row's pages in order [R, M * page, H, K], as values of `dtype` (an int8 cache's
-    dequantized by its `scales`), from pages whose axes are `order` (`page_order`)."""
+                 order: tuple = (0, 1, 2, 3), scales_order: tuple = (0, 1, 2)) -> jax.Array | Scaled:
+    """The positions of each row's pages in order [R, M * page, H, K], as values of `dtype`, or an int8 cache's as
+    `Scaled` (its int8 values and their scales [R, M * page, H], applied by `attend` to scores and probabilities),
+    from pages and scales whose axes are `order` and `scales_order` (`page_order`, `scale_order`)."""
     values = _rows(pages, table_RxM, order)
     if scales is None:
         return decode.cached(values, dtype)
-    scale = _rows(scales, table_RxM, _scale_order(order))[..., None] / (KERNEL_INT8_RANGE if order[0] == 2 else 1)
-    return (values.astype(jnp.float32) * scale).astype(dtype)
+    return Scaled(values, _rows(scales, table_RxM, scales_order))
 
 
 def _index(order: tuple, page_RxT: jax.Array, offset_RxT: jax.Array) -> tuple:
@@ -166,7 +164,7 @@ def write_positions(table_RxM: jax.Array, position_RxT: jax.Array, real_RxT: jax
 class _PagedKV(NamedTuple):
     """The paged cache's hook (`gptj.KV`): reads the first `n_read` pages of each row's table (keys before the
     row's start), writes the rows' real new keys and values through the table. Where the policy runs decode through
-    the TPU kernel (`heads_first`), a one-token step's read is instead the attention itself (`_kernel_attention`):
+    the TPU kernel (`kernel_pages`), a one-token step's read is instead the attention itself (`_kernel_attention`):
     it writes the new keys first, then attends over the pages up to and including them; its written pages wait in
     `pending` for the layer's `write`, which returns them."""
     table_RxM: jax.Array
@@ -178,7 +176,7 @@ class _PagedKV(NamedTuple):
     pending: list
 
     def read(self, state, h_RxTxD):
-        if heads_first(self.policy) and h_RxTxD.shape[1] == 1 and self.n_read:
+        if kernel_pages(self.policy) and h_RxTxD.shape[1] == 1 and self.n_read:
             return lambda q, k, v: self._kernel_attention(state, q, k, v)
         if not self.n_read:
             return None
@@ -187,7 +185,7 @@ class _PagedKV(NamedTuple):
         page = k.shape[order.index(1)]
         past_mask_Rx1xS = (jnp.arange(self.n_read * page)[None, :] < self.start_R[:, None])[:, None, :]
         table_RxM = self.table_RxM[:, :self.n_read]
-        past = [[gather_pages(pages, table_RxM, self.dtype, scales, order)]
+        past = [[gather_pages(pages, table_RxM, self.dtype, scales, order, scale_order(self.policy))]
                 for pages, scales in ((k, k_scale), (v, v_scale))]
         past_k, past_v = in_turn(h_RxTxD, past, self.policy)
         return past_k, past_v, past_mask_Rx1xS
@@ -205,7 +203,8 @@ class _PagedKV(NamedTuple):
         real_RxT = jnp.arange(tokens)[None] < self.length_R[:, None]
         page_RxT, offset_RxT = write_positions(self.table_RxM, position_RxT, real_RxT, k.shape[order.index(0)],
                                                k.shape[order.index(1)])
-        at, at_scale = _index(order, page_RxT, offset_RxT), _index(_scale_order(order), page_RxT, offset_RxT)
+        scales_order = scale_order(self.policy)
+        at, at_scale = _index(order, page_RxT, offset_RxT), _index(scales_order, page_RxT, offset_RxT)
         written = []
         for pages, scales, new in ((k, k_scale, k_RxTxHxK), (v, v_scale, v_RxTxHxK)):
             new = new + after_Rx1x1x1
@@ -213,37 +212,30 @@ class _PagedKV(NamedTuple):
                 written.append((decode.scatter(pages, at, _laid(new.astype(self.dtype), order)), None))
             else:
                 values, scale = quantize(new)
-                scale = scale * KERNEL_INT8_RANGE if heads_first(self.policy) else scale
                 written.append((pages.at[at].set(_laid(values, order), mode="drop"),
-                                scales.at[at_scale].set(_laid(scale, _scale_order(order)), mode="drop")))
+                                scales.at[at_scale].set(_laid(scale, scales_order), mode="drop")))
         (k, k_scale), (v, v_scale) = written
         return k, v, k_scale, v_scale
 
     def _kernel_attention(self, state, q_Rx1xHxK, k_Rx1xHxK, v_Rx1xHxK):
-        """One decode step's attention by JAX's TPU paged attention kernel: the row's new key and value written
-        first, then its query against its first `n_read` pages up to its own position."""
-        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
-        from jax.experimental.pallas.ops.tpu.paged_attention.quantization_utils import QuantizedTensor
-
+        """One decode step's attention by the TPU kernel (`paged_kernel.paged_decode_attention`): the row's new key
+        and value written first, then its query against its first `n_read` pages up to its own position."""
         state = self._written(state, k_Rx1xHxK, v_Rx1xHxK, 0)
         self.pending.append(state)
         k, v, k_scale, v_scale = state
-        if k_scale is not None:
-            k, v = QuantizedTensor(k, k_scale[..., None]), QuantizedTensor(v, v_scale[..., None])
-        else:  # values as they are (a TPU's); bits where a policy stores them so (a copy: tests on the CPU)
+        if k_scale is None:  # values as they are (a TPU's); bits where a policy stores them so (a copy: tests on CPU)
             k, v = decode.cached(k, self.dtype), decode.cached(v, self.dtype)
-        page = state[0].shape[2]
-        block = math.gcd(self.n_read, max(1, KERNEL_BLOCK_TOKENS // page))
+        n_pages, page = k.shape[0], k.shape[2]
         head_dim = q_Rx1xHxK.shape[-1]
         q_RxHxK = (q_Rx1xHxK[:, 0].astype(jnp.float32) / math.sqrt(head_dim)).astype(q_Rx1xHxK.dtype)
-        # The kernel fetches whole blocks of pages, a table's padding included, so padding names a real page (masked
-        # by length); and it walks each row's length, so a free row's (a stale position, beyond the pages read, or
-        # none) is held within them.
-        n_pages = state[0].shape[page_order(self.policy).index(0)]
+        # A table's padding names a page out of range, and a free row's length is stale (beyond the pages read, or
+        # none): the kernel copies whole blocks of pages and walks each row's length, so both are held in range.
         table_RxM = jnp.minimum(self.table_RxM[:, :self.n_read], n_pages - 1)
         length_R = jnp.clip(self.start_R + 1, 1, self.n_read * page)
-        ctx_RxHxK = paged_attention(q_RxHxK, k, v, length_R, table_RxM, pages_per_compute_block=block)
-        return ctx_RxHxK.reshape(ctx_RxHxK.shape[0], 1, -1)
+        per_block = max(1, min(self.n_read, KERNEL_BLOCK_TOKENS // page))
+        ctx_RxHxK = paged_kernel.paged_decode_attention(q_RxHxK, k, v, k_scale, v_scale, length_R, table_RxM,
+                                                        pages_per_block=per_block)
+        return ctx_RxHxK.astype(q_Rx1xHxK.dtype).reshape(ctx_RxHxK.shape[0], 1, -1)
 
 
 def paged_logits(params: dict, cache: PagedCache, ids_RxT: jax.Array, start_R: jax.Array, length_R: jax.Array,

@@ -235,8 +235,8 @@ class Programs:
         fn = partial(paged.decode_local, cfg=self.layout.cfg, policy=self.layout.policy, rows=rows, n_read=n_read,
                      top=top, penalized=penalized, tp_axis=self.layout.tp_axis)
         in_specs = (params_spec, pages, row, row, self.layout.spec(("batch", "length")))
-        # JAX's TPU paged attention kernel declares no mesh axes its output varies over, which the check refuses.
-        check_vma = not paged.heads_first(self.layout.policy)
+        # The TPU kernel (a pallas_call) declares no mesh axes its output varies over, which the check refuses.
+        check_vma = not paged.kernel_pages(self.layout.policy)
         return self.layout.per_device(fn, in_specs, (row, self._logprobs_spec(), row, row, pages), check_vma)(
             params, cache, slots_N, steps_N, table_NxM)
 

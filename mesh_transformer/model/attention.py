@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,29 +20,53 @@ log = logging.getLogger(__name__)
 F32 = jnp.float32
 
 
+class Scaled(NamedTuple):
+    """Cached keys or values held as int8 [B, S, H, K] with a scale per position and head [B, S, H] (an int8 KV
+    cache's): a key's scale multiplies its scores and a value's its probabilities, so the int8 values go to the dot
+    as they are (converted inside it), never dequantized into a copy of the cache."""
+    values: jax.Array
+    scale_BxSxH: jax.Array
+
+
+def _per_score(scale_BxSxH: jax.Array) -> jax.Array:
+    """A scale per position and head as a factor of scores [B, H, 1, S]."""
+    return scale_BxSxH.transpose(0, 2, 1)[:, :, None, :]
+
+
 def attend(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array, mask_BxTxT: jax.Array,
            past: tuple | None = None) -> jax.Array:
     """Softmax attention in f32 over the keys allowed by the mask; returns [B, T, H*K].
 
     With `past=(k_blocks, v_blocks, mask_BxTxS)` the queries also see S earlier keys (a KV cache) held in one or
-    more blocks [B, S_j, H, K] that together make S, read where they lie: their scores are joined to the new keys'
-    before the softmax, so the cache is never copied to append the new keys or to join its blocks.
+    more blocks [B, S_j, H, K] (or `Scaled` int8 blocks) that together make S, read where they lie: their scores are
+    joined to the new keys' before the softmax, so the cache is never copied to append the new keys or to join its
+    blocks.
     """
     def scores(k_BxSxHxK, mask_BxTxS):
-        s_BxHxTxS = jnp.einsum("bthk,bshk->bhts", q_BxTxHxK, k_BxSxHxK, preferred_element_type=F32)
+        scaled = isinstance(k_BxSxHxK, Scaled)
+        q = q_BxTxHxK.astype(v_BxTxHxK.dtype) if scaled else q_BxTxHxK
+        k = k_BxSxHxK.values.astype(v_BxTxHxK.dtype) if scaled else k_BxSxHxK
+        s_BxHxTxS = jnp.einsum("bthk,bshk->bhts", q, k, preferred_element_type=F32)
         s_BxHxTxS = s_BxHxTxS / jnp.sqrt(F32(q_BxTxHxK.shape[-1]))
+        if scaled:
+            s_BxHxTxS = s_BxHxTxS * _per_score(k_BxSxHxK.scale_BxSxH)
         return jnp.where(mask_BxTxS[:, None], s_BxHxTxS, jnp.finfo(F32).min)
+
+    def context(probs_BxHxTxS, v_BxSxHxK):
+        if isinstance(v_BxSxHxK, Scaled):
+            probs_BxHxTxS = probs_BxHxTxS * _per_score(v_BxSxHxK.scale_BxSxH)
+            v_BxSxHxK = v_BxSxHxK.values.astype(v_BxTxHxK.dtype)
+        return jnp.einsum("bhts,bshk->bthk", probs_BxHxTxS.astype(v_BxTxHxK.dtype), v_BxSxHxK)
 
     k_blocks, v_blocks, past_mask = past if past is not None else ([], [], None)
     starts = [0]
     for k_block in k_blocks:
-        starts.append(starts[-1] + k_block.shape[1])
+        starts.append(starts[-1] + (k_block.values if isinstance(k_block, Scaled) else k_block).shape[1])
     parts = [scores(k, past_mask[..., a:b]) for k, a, b in zip(k_blocks, starts, starts[1:])]
     probs_BxHxTxS = jax.nn.softmax(jnp.concatenate([*parts, scores(k_BxTxHxK, mask_BxTxT)], -1), -1)
-    probs_BxHxTxS = probs_BxHxTxS.astype(v_BxTxHxK.dtype)
-    ctx_BxTxHxK = jnp.einsum("bhts,bshk->bthk", probs_BxHxTxS[..., starts[-1]:], v_BxTxHxK)
+    ctx_BxTxHxK = context(probs_BxHxTxS[..., starts[-1]:], v_BxTxHxK)
     for v, a, b in zip(v_blocks, starts, starts[1:]):
-        ctx_BxTxHxK += jnp.einsum("bhts,bshk->bthk", probs_BxHxTxS[..., a:b], v)
+        ctx_BxTxHxK += context(probs_BxHxTxS[..., a:b], v)
     return ctx_BxTxHxK.reshape(*ctx_BxTxHxK.shape[:2], -1)
 
 

@@ -182,7 +182,7 @@ def test_int8_paged_programs_on_dp2_mp4_give_one_devices_greedy_tokens():
 
 @pytest.mark.parametrize("kv_dtype", ["compute", "int8"])
 def test_decode_through_the_tpu_paged_attention_kernel_gives_the_gather_paths_tokens(kv_dtype):
-    """The kernel (run by Pallas' TPU interpreter on the CPU) over heads-first pages against the pure-JAX gather
+    """The kernel (run by Pallas' TPU interpreter on the CPU) over its own page layout against the pure-JAX gather
     over the usual ones, for prompts and decode steps. The interpreter rounds the kernel's dot operands to bf16 as
     the TPU's default precision does, so the logits agree to that and the greedy tokens exactly."""
     from jax.experimental.pallas import tpu as pltpu
@@ -196,8 +196,8 @@ def test_decode_through_the_tpu_paged_attention_kernel_gives_the_gather_paths_to
     for name in ("gather", "kernel"):
         policy = dataclasses.replace(layout.policy, paged_attention=name, cache_bits=False)
         cache = paged.zero_cache(40, PAGE, cfg, policy)
-        heads_first = (cfg.n_heads, 40, PAGE, cfg.head_dim)  # the kernel's; the gather's is the CPU's cache order
-        assert cache.k[0].shape == (heads_first if name == "kernel" else paged.page_shape(40, PAGE, cfg, policy))
+        by_page = (40, cfg.n_heads, PAGE, cfg.head_dim)  # the kernel's; the gather's is the CPU's cache order
+        assert cache.k[0].shape == (by_page if name == "kernel" else paged.page_shape(40, PAGE, cfg, policy))
         run = jax.jit(lambda p, c, i, s, n, read, policy=policy: paged.paged_logits(p, c, i, s, n, table, cfg, read,
                                                                                   policy=policy), static_argnums=5)
         ids, length = padded(PROMPTS, 12)
@@ -212,6 +212,48 @@ def test_decode_through_the_tpu_paged_attention_kernel_gives_the_gather_paths_to
         runs[name] = np.stack(steps)
     np.testing.assert_array_equal(runs["kernel"].argmax(-1), runs["gather"].argmax(-1))
     np.testing.assert_allclose(runs["kernel"], runs["gather"], rtol=0, atol=0.05 * runs["gather"].std())
+
+
+def kernel_reference(q_RxHxK, k_pages, v_pages, k_scales, v_scales, length_R, table_RxM) -> np.ndarray:
+    """`paged_decode_attention` in numpy (f64): each row's pages joined by its table, dequantized, softmax over its
+    first length_r positions."""
+    out = np.zeros(q_RxHxK.shape)
+    for r, (pages, length) in enumerate(zip(table_RxM, length_R)):
+        def joined(x, scales, pages=pages):
+            x = np.concatenate([x[p].transpose(1, 0, 2) for p in pages]).astype(np.float64)  # [M * page, H, K]
+            return x if scales is None else x * np.concatenate([scales[p] for p in pages])[..., None]
+        k, v = joined(k_pages, k_scales)[:length], joined(v_pages, v_scales)[:length]
+        s = np.einsum("hk,thk->ht", q_RxHxK[r], k)
+        p = np.exp(s - s.max(1, keepdims=True))
+        out[r] = np.einsum("ht,thk->hk", p / p.sum(1, keepdims=True), v)
+    return out
+
+
+@pytest.mark.parametrize("per_block", [1, 2, 6])
+@pytest.mark.parametrize("int8", [True, False], ids=["int8", "bf16"])
+def test_the_paged_kernel_attends_over_each_rows_pages_up_to_its_length(int8, per_block):
+    """The TPU kernel (Pallas' TPU interpreter on the CPU) against numpy: rows of one position, of a page and a bit,
+    of a whole table; blocks of one page, of two, of the whole table (its last block past the table's width); int8
+    pages with per-token scales and bf16 pages."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    from mesh_transformer.infer.paged_kernel import paged_decode_attention
+
+    rng = np.random.default_rng(per_block)
+    rows, heads, head_dim, n_pages, page, width = 4, 4, 128, 30, 8, 5
+    q = (rng.standard_normal((rows, heads, head_dim)) / np.sqrt(head_dim)).astype(np.float32)
+    table = rng.permutation(n_pages)[:rows * width].reshape(rows, width).astype(np.int32)
+    length = np.array([1, 11, 40, 23], np.int32)
+    if int8:
+        k, v = (rng.integers(-127, 128, (n_pages, heads, page, head_dim)).astype(np.int8) for _ in range(2))
+        k_scales, v_scales = (rng.uniform(1e-3, 2e-2, (n_pages, page, heads)).astype(np.float32) for _ in range(2))
+    else:
+        k, v = (rng.standard_normal((n_pages, heads, page, head_dim)).astype(jnp.bfloat16) for _ in range(2))
+        k_scales = v_scales = None
+    with pltpu.force_tpu_interpret_mode():
+        got = paged_decode_attention(q, k, v, k_scales, v_scales, length, table, pages_per_block=per_block)
+    want = kernel_reference(q, k, v, k_scales, v_scales, length, table)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_kernel_decode_programs_on_dp2_mp4_give_the_gather_programs_greedy_tokens():
