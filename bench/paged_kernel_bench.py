@@ -3,7 +3,7 @@ shape: 64 rows of 384 positions over 1,536 pages, int8 pages with per-token scal
 and blocks. Prints one JSON line per variant: time per call, the bytes it must read (the rows' pages and scales),
 the bandwidth that makes, and the largest difference from the pure-JAX gather computed in f32 on the same device.
 
-    python bench/paged_kernel_bench.py [--pages 16,32,64] [--blocks 128,256,512] [--repeats 20]
+    python bench/paged_kernel_bench.py [--pages 16,32,64] [--blocks 128,384] [--repeats 20]
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def variant(page: int, block_tokens: int, int8: bool, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pages", default="16,32,64")
-    parser.add_argument("--blocks", default="128,256,512", help="positions a block holds (pages x page size)")
+    parser.add_argument("--blocks", default="128,384", help="positions a block holds (pages x page size)")
     parser.add_argument("--kv", default="int8,bfloat16")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()

@@ -37,7 +37,7 @@ PAGE_AXES = ("batch", "length", "heads", "head_dim")  # [P, page, H, K]: pages o
 SCALE_AXES = ("batch", "length", "heads")  # [P, page, H]: an int8 cache's scale per token and head
 INT8 = "int8"
 KERNEL = "kernel"
-KERNEL_BLOCK_TOKENS = 256  # the TPU kernel's pages per block: about this many positions
+KERNEL_BLOCK_TOKENS = 512  # the TPU kernel's pages per block: about this many positions (a row of 384 in one)
 
 
 class PagedCache(NamedTuple):

@@ -10,9 +10,10 @@ step reads the int8 pages and a float per token and head, nothing more.
 The grid walks the rows in order, one at a time. A row's pages are read in blocks of `pages_per_block` pages
 (`pages_per_block * page` positions, the last block's positions past the row's length masked), copied from HBM into
 one of two VMEM buffers while the other is computed on; the block after a row's last is the next row's first, so the
-copies never wait between rows. Per head, the scores of a block are a column [positions, 1] (the query times the
-keys summed over the head dim), softmax runs online over the blocks (flash decoding), and the values are summed over
-the positions weighted by their probabilities: vector work on the block as it lies, no transposes.
+copies never wait between rows. Per head, a block's scores are a row [1, positions] (the query times the keys, by
+the matrix unit), scaled by the keys' scales (as rows: the block's [positions, H] scales transposed once, by the
+matrix unit too), softmax runs online over the blocks (flash decoding), and the probabilities, scaled by the values'
+scales, times the values give the head's output.
 
 Layouts: pages [P, H, page, K] (a page's heads together: one copy a page), scales [P, page, H] (a page's tokens by
 heads: one small copy a page).
@@ -29,7 +30,25 @@ from jax.experimental.pallas import tpu as pltpu
 
 PAGE_ORDER = (0, 2, 1, 3)  # the pages' axes, as positions of [P, page, H, K]
 SCALE_ORDER = (0, 1, 2)  # the scales' axes, as positions of [P, page, H]
+VMEM_LIMIT = 64 * 2 ** 20  # of a v5e core's 128 MiB: two blocks of 512 bf16 positions' keys and values and their work
 MASKED = -1e30  # a masked score: exp(MASKED - m) is 0 for any real m, and no inf - inf
+
+
+def _head(buf, slot: int, h: int, span: int, dtype) -> jax.Array:
+    """Head h's keys or values of a block in buffer `slot` as [span, K] of the query's dtype."""
+    return buf[slot, :, h].astype(jnp.float32).reshape(span, buf.shape[-1]).astype(dtype)
+
+
+def _dot_t(a: jax.Array, b: jax.Array, **kw) -> jax.Array:
+    """a @ b.T in f32."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, **kw)
+
+
+def _rows(x_SxH: jax.Array) -> jax.Array:
+    """x transposed [H, S] by a product with the identity at full precision (the matrix unit's transpose)."""
+    heads = x_SxH.shape[1]
+    eye = (lax.broadcasted_iota(jnp.int32, (heads, heads), 0) == lax.broadcasted_iota(jnp.int32, (heads, heads), 1))
+    return _dot_t(eye.astype(jnp.float32), x_SxH, precision=lax.Precision.HIGHEST)
 
 
 def _kernel(length_ref, table_ref, q_ref, k_hbm, v_hbm, *rest, n_rows: int, width: int, per_block: int,
@@ -82,24 +101,27 @@ def _kernel(length_ref, table_ref, q_ref, k_hbm, v_hbm, *rest, n_rows: int, widt
 
         for copy in copies(row, i, slot):
             copy.wait()
-        real = i * span + lax.broadcasted_iota(jnp.int32, (span, 1), 0) < length
+        real = i * span + lax.broadcasted_iota(jnp.int32, (1, span), 1) < length
+        if scaled:  # [H, span]: each head's scales as a row, by the matrix unit (exact at HIGHEST)
+            k_scales, v_scales = (_rows(buf[slot].reshape(span, heads)) for buf in (k_scale_buf, v_scale_buf))
         for h in range(heads):
             at = pl.ds(h, 1)
-            k = k_buf[slot, :, h].astype(jnp.float32).reshape(span, head_dim)
-            s = jnp.sum(k * q_ref[at, :].astype(jnp.float32), axis=1, keepdims=True)  # [span, 1]
+            q = q_ref[at, :]  # [1, K]
+            s = _dot_t(q, _head(k_buf, slot, h, span, q.dtype))  # [1, span]
             if scaled:
-                s = s * k_scale_buf[slot, :, :, at].reshape(span, 1)
+                s = s * k_scales[h:h + 1]
             s = jnp.where(real, s, MASKED)
             m_prev = m_ref[at, :]
-            m_next = jnp.maximum(m_prev, jnp.max(s, axis=0, keepdims=True))
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             p = jnp.exp(s - m_next)
             alpha = jnp.exp(m_prev - m_next)
-            l_ref[at, :] = alpha * l_ref[at, :] + jnp.sum(p, axis=0, keepdims=True)
+            l_ref[at, :] = alpha * l_ref[at, :] + jnp.sum(p, axis=1, keepdims=True)
             m_ref[at, :] = m_next
             if scaled:
-                p = p * v_scale_buf[slot, :, :, at].reshape(span, 1)
-            v = v_buf[slot, :, h].astype(jnp.float32).reshape(span, head_dim)
-            acc_ref[at, :] = alpha * acc_ref[at, :] + jnp.sum(p * v, axis=0, keepdims=True)
+                p = p * v_scales[h:h + 1]
+            v = _head(v_buf, slot, h, span, q.dtype)
+            acc_ref[at, :] = alpha * acc_ref[at, :] + jnp.dot(p.astype(q.dtype), v,
+                                                               preferred_element_type=jnp.float32)
         slot_ref[0] = 1 - slot
         return carry
 
@@ -134,6 +156,6 @@ def paged_decode_attention(q_RxHxK: jax.Array, k_pages: jax.Array, v_pages: jax.
                                                in_specs=[row_spec, *[hbm] * len(pages)], out_specs=row_spec,
                                                scratch_shapes=scratch),
         # rows in order: a row's last block starts the next row's first copy, so they run on one core in turn
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=VMEM_LIMIT),
         out_shape=jax.ShapeDtypeStruct((n_rows, heads, head_dim), jnp.float32),
     )(length_R.astype(jnp.int32), table_RxM.reshape(-1).astype(jnp.int32), q_RxHxK, *pages)
