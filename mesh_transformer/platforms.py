@@ -42,7 +42,8 @@ class Policy:
     dot_piece_bytes: int = 0  # inference products over bf16/int8 weights in pieces of this many f32 bytes (0: whole)
     dot_piece_tokens: int = 0  # ... where they are over at most this many tokens (`model.order.in_pieces`)
     host_loading: bool = False  # a checkpoint's layers joined, converted and quantized on the host, else on the devices
-    paged_attention: str = "gather"  # decode over a paged cache: "gather" its pages (pure JAX) or "kernel" (TPU Pallas)
+    paged_attention: str = "gather"  # decode over a paged cache: "gather" its pages (pure JAX) or "kernel" (TPU Pallas:
+    # infer/paged_kernel.py; on a v5e 3.3x the gather's tokens/s at 64 concurrent requests, docs/performance.md)
 
     def compiler_options(self) -> dict:
         """XLA options of this policy's programs."""
@@ -54,10 +55,12 @@ _POLICIES = {
                 cache_bits=True, cache_order=(0, 2, 3, 1), int8_dot="float32",
                 dot_piece_bytes=64 << 20, dot_piece_tokens=256, host_loading=True),
     TPU: Policy(TPU, "", "bfloat16", attention="xla", dense_backward="autodiff", ordered_converts=False,
-                cache_bits=False, cache_order=(0, 1, 2, 3)),
+                cache_bits=False, cache_order=(0, 1, 2, 3), paged_attention="kernel"),
     GPU: Policy(GPU, "", "bfloat16", attention="cudnn", dense_backward="autodiff", ordered_converts=False,
                 cache_bits=False, cache_order=(0, 2, 1, 3)),
 }
+# TPUs whose Mosaic compiler has no bf16 matrix products (the paged kernel's): their paged cache is gathered.
+NO_PAGED_KERNEL = ("TPU v2", "TPU v3")
 _PLATFORM_NAMES = {"cpu": CPU, "tpu": TPU, "gpu": GPU, "cuda": GPU, "rocm": GPU}
 
 
@@ -66,7 +69,10 @@ def for_platform(platform: str, device_kind: str = "") -> Policy:
     name = _PLATFORM_NAMES.get(platform.lower())
     if name is None:
         raise ValueError(f"no platform policy for {platform!r}")
-    return dataclasses.replace(_POLICIES[name], device_kind=device_kind or name)
+    policy = dataclasses.replace(_POLICIES[name], device_kind=device_kind or name)
+    if name == TPU and device_kind.startswith(NO_PAGED_KERNEL):
+        policy = dataclasses.replace(policy, paged_attention="gather")
+    return policy
 
 
 def for_devices(devices: Sequence) -> Policy:

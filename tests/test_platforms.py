@@ -114,3 +114,12 @@ def test_jax_starts_on_the_attached_platform_and_the_cpu_only(monkeypatch):
     monkeypatch.setattr(platforms, "expected_platform", lambda: platforms.TPU)
     platforms.pin_platform()
     assert os.environ["JAX_PLATFORMS"] == "cpu"  # the user's choice stands
+
+
+def test_the_paged_kernel_is_the_tpu_policys_where_mosaic_has_bf16_products():
+    from mesh_transformer.platforms import for_platform
+
+    kinds = {kind: for_platform("tpu", kind).paged_attention
+             for kind in ("TPU v3", "TPU v4", "TPU v5 lite", "TPU v6 lite")}
+    assert kinds == {"TPU v3": "gather", "TPU v4": "kernel", "TPU v5 lite": "kernel", "TPU v6 lite": "kernel"}
+    assert for_platform("cpu").paged_attention == for_platform("gpu").paged_attention == "gather"
