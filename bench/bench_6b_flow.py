@@ -91,15 +91,18 @@ print(json.dumps({{"ours_top1_under_hf": (chosen == top2[:, 0]).tolist(),
 
 
 def stage(name: str, argv: list[str], env: dict | None = None, bench: str = "gptj6b_flow",
-          bytes_of: int | None = None) -> str:
+          bytes_of: int | None = None, peaks: dict | None = None) -> str:
     """Run one stage as a child process; emit its wall time and peak resident memory (its own rusage; with
-    `bytes_of`, also as a multiple of those bytes: the weights'); return its standard output."""
+    `bytes_of`, also as a multiple of those bytes: the weights'; into `peaks` under its name); return its standard
+    output."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.perf_counter()
         child = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=err, text=True, env={**os.environ, **(env or {})})
         _, status, usage = os.wait4(child.pid, 0)
         child.returncode = os.waitstatus_to_exitcode(status)
         peak = usage.ru_maxrss * 1024
+        if peaks is not None:
+            peaks[name] = peak
         emit(bench=bench, stage=name, rc=child.returncode, wall_s=round(time.perf_counter() - start, 1),
              peak_rss_gb=round(peak / 1e9, 2), **({} if bytes_of is None else {"peak_over": round(peak / bytes_of, 3)}))
         out.seek(0)

@@ -1,7 +1,9 @@
 """A GPT-NeoX HF directory at Pythia size sampled on this machine, with random weights: a random Pythia-1.4B written
 as an HF directory in bf16 (safetensors, config.json, a tokenizer), then `device_sample.py --hf DIR --dtype bf16`
 greedy against transformers' `GPTNeoXForCausalLM` greedy on the same directory, each a child process whose wall time
-and peak resident memory are reported beside the weights' bytes.
+and peak resident memory are reported beside the weights' bytes, and beside its runtime's floor: the peak of a
+process that only starts the same runtime and loads the tokenizer (JAX's CPU backend and the package, or torch and
+transformers), so that what loading and sampling add is seen apart from what the runtime costs anyway.
 
 The weights are drawn at a trained model's scale (matrices N(0, 1/fan_in)), so the logits spread and greedy choices
 are not near-ties. Needs about 3 GB of disk under --work; it is a benchmark, not a test.
@@ -58,6 +60,20 @@ load_tokenizer().save_pretrained({out!r})
 json.dump({{**hf.hf_config(cfg), "torch_dtype": "bfloat16"}}, open(os.path.join({out!r}, "config.json"), "w"))
 print(sum(x.nbytes for x in state.values()))
 """
+OUR_FLOOR = """
+import sys
+sys.path.insert(0, {root!r})
+import jax
+jax.devices()
+from mesh_transformer.infer import sampler
+from mesh_transformer.tokenizer import load_tokenizer
+load_tokenizer({hf!r})
+"""
+HF_FLOOR = """
+import torch
+from transformers import AutoTokenizer, GPTNeoXForCausalLM
+AutoTokenizer.from_pretrained({hf!r})
+"""
 HF_GENERATE = """
 import json, torch
 from transformers import AutoTokenizer, GPTNeoXForCausalLM
@@ -85,13 +101,22 @@ def main() -> None:
     try:
         weight_bytes = int(stage("write_hf", [py, "-c", WRITE_HF.format(root=ROOT, hf_config=hf_config, out=hf_dir)],
                                  bench="neox_flow"))
+        peaks: dict = {}
         ours = stage("sample_bf16", [py, "device_sample.py", "--hf", hf_dir, "--dtype", "bf16", "--prompt", PROMPT,
                                      "--max-new-tokens", str(MAX_NEW), "--temperature", "0"],
-                     bench="neox_flow", bytes_of=weight_bytes).rstrip("\n")
+                     bench="neox_flow", bytes_of=weight_bytes, peaks=peaks).rstrip("\n")
         theirs = json.loads(stage("hf_transformers_generate", [py, "-c", HF_GENERATE.format(
-            hf=hf_dir, prompt=PROMPT, max_new=MAX_NEW)], bench="neox_flow", bytes_of=weight_bytes))
+            hf=hf_dir, prompt=PROMPT, max_new=MAX_NEW)], bench="neox_flow", bytes_of=weight_bytes, peaks=peaks))
+        stage("our_runtime_floor", [py, "-c", OUR_FLOOR.format(root=ROOT, hf=hf_dir)], bench="neox_flow", peaks=peaks)
+        stage("hf_runtime_floor", [py, "-c", HF_FLOOR.format(hf=hf_dir)], bench="neox_flow", peaks=peaks)
+
+        def over_floor(sample: str, floor: str) -> float:
+            return round((peaks[sample] - peaks[floor]) / weight_bytes, 3)
+
         emit(bench="neox_flow", stage="compare", shape=args.shape, weights_gb=round(weight_bytes / 1e9, 3),
-             ours=json.dumps(ours), hf=json.dumps(theirs), greedy_text_equal=ours == theirs)
+             ours=json.dumps(ours), hf=json.dumps(theirs), greedy_text_equal=ours == theirs,
+             ours_added_over_weights=over_floor("sample_bf16", "our_runtime_floor"),
+             hf_added_over_weights=over_floor("hf_transformers_generate", "hf_runtime_floor"))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
