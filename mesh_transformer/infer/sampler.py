@@ -24,7 +24,8 @@ from mesh_transformer.infer.sizes import bucket, prompt_problem
 from mesh_transformer.infer.params import abstract_params, place_params
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import DP
-from mesh_transformer.tokenizer import EOS_ID, eos_ids
+from mesh_transformer.model import families
+from mesh_transformer.tokenizer import eos_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +120,12 @@ def _plan(programs: Programs, prompts: list[list[int]], rows: list[_RowSampling]
                  {"rows": n_local, "n_blocks": 1, "out_len": bucket(max_new_tokens, maximum=seq)})
 
 
+def _stops(cfg: config.Config, stop_token_ids: Sequence[int] | None) -> Sequence[int]:
+    return (families.of(cfg).eos_id,) if stop_token_ids is None else stop_token_ids
+
+
 def compile_ahead(programs: Programs, n_prompts: int, longest: int, max_new_tokens: int,
-                  stop_token_ids: Sequence[int] = (EOS_ID,)) -> None:
+                  stop_token_ids: Sequence[int] | None = None) -> None:
     """Compile the programs a `Sampler.generate` of n_prompts prompts (the longest `longest` tokens) runs, from
     shapes alone, before any weights exist: a tool that knows its prompt compiles first, so the compiler's working
     memory (GPT-J-6B on the CPU: 0.45 GB for the prefill and the decode loop) comes and goes before the weights
@@ -129,7 +134,7 @@ def compile_ahead(programs: Programs, n_prompts: int, longest: int, max_new_toke
     if not 1 <= longest <= seq - max_new_tokens or n_prompts < 1 or max_new_tokens < 1:
         return
     plan = _plan(programs, [[0] * longest] * n_prompts, [_RowSampling(0.0, 0, 1.0, 0, False)] * n_prompts,
-                 max_new_tokens, set(stop_token_ids))
+                 max_new_tokens, set(_stops(programs.layout.cfg, stop_token_ids)))
     params, cache = abstract_params(programs.layout), programs.abstract_cache(plan.n_slots, plan.cache_sizes)
     slots = programs.new_slots(plan.n_slots)
     programs.compile("prefill", (params, cache, slots, *plan.prefill), {"top": 0})
@@ -177,13 +182,14 @@ class Sampler:
         return out
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: Any = 1.0,
-                 top_k: Any = 0, top_p: Any = 1.0, seed: Any = 0, stop_token_ids: Sequence[int] = (EOS_ID,),
+                 top_k: Any = 0, top_p: Any = 1.0, seed: Any = 0, stop_token_ids: Sequence[int] | None = None,
                  return_logprobs: bool = False, truncate_left: bool = False) -> list[Result]:
         """Complete each prompt (a list of token ids) with up to `max_new_tokens` tokens.
 
         temperature (0 = greedy), top_k (0 = off), top_p (1 = off) and seed are scalars for every row or one value
         per prompt; a row's tokens depend only on its prompt, its sampling values and its seed. A row ends at the
-        first of `stop_token_ids`, which is not returned. Log-probs are those of the chosen tokens under the model's
+        first of `stop_token_ids` (by default the family's end of text: `Family.eos_id`), which is not returned.
+        Log-probs are those of the chosen tokens under the model's
         untempered, unfiltered distribution.
         """
         prompts = self._prepare_prompts(prompts, max_new_tokens, truncate_left)
@@ -192,6 +198,7 @@ class Sampler:
         top_p, seed = _per_row("top_p", top_p, n, float), _per_row("seed", seed, n, int)
         config.check_sampling(temperature, top_k, top_p)
         rows = [_RowSampling(*values, return_logprobs) for values in zip(temperature, top_k, top_p, seed)]
+        stop_token_ids = _stops(self.layout.cfg, stop_token_ids)
         tokens_NxS, logprobs_NxS = self._decode(prompts, rows, max_new_tokens, {int(t) for t in stop_token_ids})
         return [_result(tokens_NxS[row], logprobs_NxS[row], max_new_tokens, stop_token_ids, return_logprobs)
                 for row in range(n)]

@@ -50,3 +50,4 @@ class Family(NamedTuple):
     # BPE, the config's default)
     hf_aliases: Mapping[str, tuple[str, ...]] = {}  # an HF name -> other names a checkpoint may hold it under
     # (what another transformers version writes); the table's name is the one written
+    eos_id: int = 50256  # its tokenizer's end of text: where a token-level API stops when not told (GPT-2's BPE's)

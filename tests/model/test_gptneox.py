@@ -320,3 +320,21 @@ def test_config_from_hf_refuses_an_activation_other_than_gelu(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ConfigError, match=f"{tmp_path / 'config.json'}: only GPT-NeoX models with hidden_act"):
         convert.source_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("family", ["gptj", "gptneox"])
+def test_the_token_api_stops_at_the_familys_end_of_text_unless_told(family):
+    """A model whose every next token is the family's end of text (Pythia's 0, GPT-2's 50256): the sampler's token
+    API stops there by default, before returning it; told other stops, it runs on."""
+    from mesh_transformer.model import families, table
+
+    base = {"layers": 1, "d_model": 32, "n_heads": 4, "n_vocab": 50304, "pe_rotary_dims": 4, "seq": 16,
+            "cores_per_replica": 1}
+    cfg = config.from_dict({**base, "family": family})
+    eos = families.of(cfg).eos_id
+    params = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), table.param_shapes(cfg))
+    params["lm_head"]["kernel"][:, eos] = 1.0
+    params["ln_f"]["bias"][:] = 1.0  # the final LayerNorm's output: its bias, so every logit but eos's is 0
+    sampler = sampling.Sampler(make_inference_layout(cfg, mesh=make_dp_mp(1, 1)), params)
+    assert [r.tokens for r in sampler.generate([[1, 2]], 4, temperature=0.0)] == [[]]
+    assert sampler.generate([[1, 2]], 4, temperature=0.0, stop_token_ids=[7])[0].tokens == [eos] * 4

@@ -76,4 +76,4 @@ def hf_config(cfg) -> dict:
 # transformers 5 holds the output embedding as lm_head.weight; the Hub's checkpoints and earlier versions, embed_out
 FAMILY = Family("gptneox", PARAMS, Block(rotary="half", gelu_tanh=False), "gpt_neox", "gpt_neox.layers",
                  config_from_hf, hf_config, config_keys=("parallel_residual", "rotary_base"),
-                 own_tokenizer=True, hf_aliases={"embed_out.weight": ("lm_head.weight",)})
+                 own_tokenizer=True, hf_aliases={"embed_out.weight": ("lm_head.weight",)}, eos_id=0)
