@@ -87,11 +87,16 @@ def memory_stats(device: jax.Device) -> dict:
         return {}
 
 
-def sizes_for(device: jax.Device, tiny: bool) -> Sizes:
-    """The sizes the sections run at: fixed on the CPU and with --tiny, else fitted to the device's memory."""
+def sizes_for(device: jax.Device, tiny: bool, train_seq: int | None = None) -> Sizes:
+    """The sizes the sections run at: fixed on the CPU and with --tiny, else fitted to the device's memory; with
+    `train_seq`, the train sections' rows that long."""
     if tiny or device.platform == "cpu":
-        return SIZES["tiny" if tiny else "cpu"]
-    return device_sizes(device, memory_stats(device).get("bytes_limit", DEFAULT_BYTES_LIMIT))
+        sizes = SIZES["tiny" if tiny else "cpu"]
+        if train_seq:
+            sizes = dataclasses.replace(sizes, train_model={**sizes.train_model, "seq": train_seq},
+                                        lora_model={**sizes.lora_model, "seq": train_seq})
+        return sizes
+    return device_sizes(device, memory_stats(device).get("bytes_limit", DEFAULT_BYTES_LIMIT), train_seq=train_seq)
 
 
 def git_commit() -> tuple[str, bool | None]:
@@ -155,10 +160,18 @@ def compiled_bytes(compiled) -> int:
             - mem.alias_size_in_bytes)
 
 
-def train_record(name: str, cfg, repeats: int, peaks: Peaks, device: jax.Device, flops_per_token: float) -> dict:
+def train_record(name: str, cfg, repeats: int, peaks: Peaks, device: jax.Device, flops_per_token: float,
+                 attention: str | None = None) -> dict:
     """Tokens/s and MFU of the one train step on this config (with LoRA: over a random base in base_dtype), compiled
-    ahead from the arguments' shapes, then run on random params made leaf by leaf (`random_arrays`)."""
-    layout = make_layout(cfg, mesh=make_dp_mp(1, 1, [device]))
+    ahead from the arguments' shapes, then run on random params made leaf by leaf (`random_arrays`). `attention`
+    replaces the platform policy's training attention, for an A/B: both sides then run the GSPMD layout on the
+    device (parallelism "dp"), where splash runs."""
+    if attention:
+        cfg = dataclasses.replace(cfg, parallelism="dp")
+    layout = make_layout(cfg, mesh=make_dp_mp(1, 1, [device]) if cfg.parallelism == "shard_map" else None,
+                         devices=[device])
+    if attention:
+        layout = dataclasses.replace(layout, policy=dataclasses.replace(layout.policy, attention=attention))
     cfg = layout.cfg  # "auto" resolved for the device
     opt = optim.make_optimizer(cfg)
     abstract_state, abstract_tokens, abstract_base = state_lib.abstract_step_args(layout, opt)
@@ -183,6 +196,7 @@ def train_record(name: str, cfg, repeats: int, peaks: Peaks, device: jax.Device,
     record = {"bench": name, "layers": cfg.layers, "d_model": cfg.d_model, "seq": cfg.seq, "batch": batch,
               "micro_batches": micro_batches, "params": param_count(cfg), "compute_dtype": precision.compute.name,
               "param_dtype": precision.params.name, "remat": cfg.remat, "join_projections": cfg.join_projections,
+              "attention": layout.policy.attention, "parallelism": cfg.parallelism,
               "compile_s": figure(compile_s), "compiled_gb": figure(compiled_bytes(step) / 1e9),
               "step_s": figure(step_s), "tokens_per_s": figure(tokens_per_s),
               "model_tflop_per_s": figure(tokens_per_s * flops_per_token / 1e12),
@@ -196,17 +210,18 @@ def train_record(name: str, cfg, repeats: int, peaks: Peaks, device: jax.Device,
     return record
 
 
-def train_lora_record(sizes: Sizes, peaks: Peaks, device: jax.Device) -> dict:
+def train_lora_record(sizes: Sizes, peaks: Peaks, device: jax.Device, attention: str | None = None) -> dict:
     """The GPT-J-6B LoRA step (rank 16, all targets, base bf16, remat). Its FLOPs: the full step's less the base's
     weight gradients (a third of the matmul work), adapters' own work ignored."""
     cfg = model_config(sizes.lora_model, remat=True, lora_rank=16, base_dtype="bfloat16", per_replica_batch=1)
     full = train_flops_per_token(cfg)
     matmul_params = cfg.layers * (4 * cfg.d_model ** 2 + 2 * cfg.d_model * cfg.d_ff) + cfg.d_model * cfg.n_vocab
-    return train_record("train_lora_6b", cfg, sizes.repeats, peaks, device, full - 2 * matmul_params)
+    return train_record("train_lora_6b", cfg, sizes.repeats, peaks, device, full - 2 * matmul_params, attention)
 
 
 def run_section(name: str, device: jax.Device, sizes: Sizes, peaks: Peaks | None,
-                paged_attention: str | None = None, page_size: int = PAGE) -> tuple[list[dict], Peaks]:
+                paged_attention: str | None = None, page_size: int = PAGE,
+                attention: str | None = None) -> tuple[list[dict], Peaks]:
     """The records of one section, and the peaks the others are measured against (the device section's, else
     measured here)."""
     if name == "device":
@@ -224,9 +239,9 @@ def run_section(name: str, device: jax.Device, sizes: Sizes, peaks: Peaks | None
     if name == "train":
         cfg = model_config(sizes.train_model, remat=True, per_replica_batch=sizes.train_batch,
                            gradient_accumulation_steps=sizes.train_micro_batches)
-        return [train_record("train", cfg, sizes.repeats, peaks, device, train_flops_per_token(cfg))], peaks
+        return [train_record("train", cfg, sizes.repeats, peaks, device, train_flops_per_token(cfg), attention)], peaks
     if name == "train_lora":
-        return [train_lora_record(sizes, peaks, device)], peaks
+        return [train_lora_record(sizes, peaks, device, attention)], peaks
     if name == "decode":
         layout = one_device_layout(model_config(sizes.decode_model), device)
         return decode_records(layout, sizes.decode_batches, sizes, peaks), peaks
@@ -259,6 +274,10 @@ def main() -> None:
     parser.add_argument("--paged-attention", choices=("gather", "kernel"), default=None,
                         help="serving_paged's decode attention, for an A/B (default: the platform policy's)")
     parser.add_argument("--page-size", type=int, default=PAGE, help=f"serving_paged's tokens per page (default {PAGE})")
+    parser.add_argument("--attention", choices=("xla", "splash"), default=None,
+                        help="the train sections' attention, for an A/B (default: the platform policy's)")
+    parser.add_argument("--train-seq", type=int, default=None,
+                        help="the train sections' sequence length (default 2048; the train model's layers refitted)")
     args = parser.parse_args()
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
@@ -275,14 +294,15 @@ def main() -> None:
             out.flush()
 
     device = jax.devices()[0]
-    sizes = sizes_for(device, args.tiny)
+    sizes = sizes_for(device, args.tiny, args.train_seq)
     write(meta_record(device, sizes, sections))
     compiles, peaks = CompileLog(), None
     for name in sections:
         start = time.perf_counter()
         compiles.start()
         try:
-            records, peaks = run_section(name, device, sizes, peaks, args.paged_attention, args.page_size)
+            records, peaks = run_section(name, device, sizes, peaks, args.paged_attention, args.page_size,
+                                         args.attention)
         except Exception as e:  # one failed section (out of memory, say) must not cost the others their figures
             records = [{"bench": name, "error": error_text(e)}]
             traceback.print_exc(file=sys.stderr)

@@ -92,12 +92,15 @@ def one_device_layout(cfg: config.Config, device: jax.Device) -> Layout:
 
 
 # ------------------------------------------------------------------------------------------------------ sizes
-def device_sizes(device: jax.Device, bytes_limit: int, compute_dtype: str = "auto") -> Sizes:
+def device_sizes(device: jax.Device, bytes_limit: int, compute_dtype: str = "auto",
+                 train_seq: int | None = None) -> Sizes:
     """An accelerator's sizes, fitted to `bytes_limit` bytes of device memory (HEADROOM of it): GPT-J-6B decode at
     the batches whose KV cache fits beside its weights (bf16, then int8), as many int8 serving slots of SERVING_SEQ
     positions as fit, and the GPT-J-style train model (`GPTJ_TRAIN`) with as many layers as fit. `compute_dtype`
-    stands in for "auto" (to plan for another device from this one, bf16 from a CPU)."""
+    stands in for "auto" (to plan for another device from this one, bf16 from a CPU); `train_seq` the train
+    models' sequence length (default GPTJ_TRAIN's 2048)."""
     plan = HEADROOM * bytes_limit
+    train_model = {**GPTJ_TRAIN, "seq": train_seq or GPTJ_TRAIN["seq"]}
 
     def fit(model: dict) -> int:
         return slots_that_fit(one_device_layout(model_config(model, compute_dtype=compute_dtype), device), plan)
@@ -107,9 +110,9 @@ def device_sizes(device: jax.Device, bytes_limit: int, compute_dtype: str = "aut
     slots = max(1, min(clients, slots if slots < 8 else slots // 8 * 8))
     train_batch = 1  # a micro-batch of one 2048-token row: the more layers fit
     dtype = compute_dtype if compute_dtype != "auto" else for_devices([device]).compute_dtype
-    layers = train_layers_that_fit(model_config({**GPTJ_TRAIN, "layers": 1}, compute_dtype=dtype), train_batch, plan)
-    return Sizes(matmul_n=8192, copy_bytes=2 ** 30, train_model={**GPTJ_TRAIN, "layers": max(1, layers)},
-                 train_batch=train_batch, train_micro_batches=4, lora_model={**GPTJ_6B, "seq": 2048},
+    layers = train_layers_that_fit(model_config({**train_model, "layers": 1}, compute_dtype=dtype), train_batch, plan)
+    return Sizes(matmul_n=8192, copy_bytes=2 ** 30, train_model={**train_model, "layers": max(1, layers)},
+                 train_batch=train_batch, train_micro_batches=4, lora_model={**GPTJ_6B, "seq": train_model["seq"]},
                  decode_model=decode_model, decode_batches=_batches(fit(decode_model)),
                  decode_int8_batches=_batches(fit({**decode_model, **INT8})), decode_context=128,
                  serving_model=serving_model, serving_slots=slots, serving_clients=clients, serving_one_at_a_time=4,

@@ -79,7 +79,10 @@ def causal_mask(length: int) -> jax.Array:
 CPU_QUERY_BLOCKS, MIN_QUERY_BLOCK = 4, 64
 
 
-KERNELS = ("blocked", "xla", "cudnn")
+KERNELS = ("blocked", "xla", "cudnn", "splash")
+SPLASH_BLOCK = 512  # splash attention's query and key blocks (fewer where a sequence is shorter)
+SPLASH_LANES = 128  # what splash needs the sequence and the head dim to be multiples of
+SPLASH_INTERPRET = False  # run splash in Pallas' interpreter (the CPU's tests; its TPU interpreter cannot run splash)
 
 
 def self_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array,
@@ -90,19 +93,50 @@ def self_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Ar
     `kernel` "blocked" (the CPU's): `blocked_attention`, which skips the masked blocks. "xla":
     `jax.nn.dot_product_attention` in XLA's implementation (TPU). "cudnn": cuDNN's fused (flash) kernel where it
     takes the dtype and head dim (bf16 or fp16; head dim a multiple of 8, at most 128, 256 from Hopper on), else
-    XLA's.
+    XLA's. "splash": JAX's TPU splash attention kernel (`splash_attention`) where the sequence and the head dim are
+    multiples of 128, else XLA's.
     """
     if kernel not in KERNELS:
         raise ValueError(f"attention kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "blocked":
         return blocked_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, length_B)
+    if kernel == "splash":
+        _, length, _, head_dim = q_BxTxHxK.shape
+        if length % SPLASH_LANES == 0 and head_dim % SPLASH_LANES == 0:
+            return splash_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK)
+        _kernel_refused("splash", q_BxTxHxK.shape, str(q_BxTxHxK.dtype), "sequence or head dim not a multiple of 128")
     return dot_product_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, length_B, cudnn=kernel == "cudnn")
 
 
 @functools.cache
-def _cudnn_refused(shape: tuple, dtype: str, reason: str) -> None:
+def _kernel_refused(kernel: str, shape: tuple, dtype: str, reason: str) -> None:
     """Say once per shape and reason (a program traces its attention many times) that XLA's attention runs instead."""
-    log.warning("cuDNN attention not used for q %s %s: %s", shape, dtype, reason)
+    log.warning("%s attention not used for q %s %s: %s", kernel, shape, dtype, reason)
+
+
+@functools.cache
+def _splash_kernel(length: int, heads: int, block: int, interpret: bool):
+    """JAX's splash attention for `heads` causal heads of `length` positions (one sequence [H, T, K]), its forward
+    and backward in blocks of `block` positions."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    mask = splash.MultiHeadMask([splash.CausalMask((length, length)) for _ in range(heads)])
+    with jax.ensure_compile_time_eval():  # its mask tables are constants, not values of the trace that asks first
+        return splash.make_splash_mha_single_device(mask, block_sizes=sizes, interpret=interpret)
+
+
+def splash_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array) -> jax.Array:
+    """Causal self-attention by JAX's TPU splash attention kernel (flash attention skipping the masked blocks; f32
+    softmax), each row on its own; returns [B, T, H*K]. A right-padded row's real positions see only real keys (the
+    mask is causal), as with `dot_product_attention`'s lengths. A GSPMD layout on one device (`Layout` refuses it
+    elsewhere)."""
+    batch, length, heads, head_dim = q_BxTxHxK.shape
+    q_BxTxHxK = q_BxTxHxK * jnp.asarray(1 / head_dim ** 0.5, q_BxTxHxK.dtype)
+    kernel = _splash_kernel(length, heads, min(SPLASH_BLOCK, length), SPLASH_INTERPRET)
+    ctx_BxHxTxK = jax.vmap(kernel)(*(x.transpose(0, 2, 1, 3) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK)))
+    return ctx_BxHxTxK.transpose(0, 2, 1, 3).reshape(batch, length, heads * head_dim)
 
 
 def dot_product_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array,
@@ -116,7 +150,7 @@ def dot_product_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK:
         try:
             ctx_BxTxHxK = run(implementation="cudnn")
         except Exception as e:  # refused when traced (dtype, head dim, cuDNN version, layout): XLA's is always there
-            _cudnn_refused(q_BxTxHxK.shape, str(q_BxTxHxK.dtype), str(e))
+            _kernel_refused("cuDNN", q_BxTxHxK.shape, str(q_BxTxHxK.dtype), str(e))
     if ctx_BxTxHxK is None:
         ctx_BxTxHxK = run(implementation=None)
     return ctx_BxTxHxK.reshape(*ctx_BxTxHxK.shape[:2], -1)

@@ -134,6 +134,11 @@ class Layout:
     dp_axis: str | None  # the batch axis a per-device loss is averaged over (shard_map kind), else None
     policy: Policy  # the platform choices of the mesh's devices (mesh_transformer.platforms)
 
+    def __post_init__(self):
+        if self.policy.attention == "splash" and (self.tp_axis is not None or self.mesh.size > 1):
+            raise ValueError("splash attention runs under a GSPMD layout on one device: under shard_map its output "
+                             "carries no mesh typing for check_vma, and GSPMD does not partition a Pallas call")
+
     # ----------------------------------------------------------------------------------------------- placement
     def spec(self, logical_axes: Sequence[str]) -> P:
         """Where compute places an array with these logical axes (activations, caches, batches, per-row values)."""

@@ -56,6 +56,52 @@ def test_training_attention_equals_attend_with_its_gradients(dtype, padded, impl
         assert float(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)).max()) <= tol * scale
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["causal", "causal+padding"])
+def test_splash_attention_equals_xlas_with_its_gradients(monkeypatch, padded):
+    """JAX's TPU splash kernel (Pallas' interpreter on the CPU), in blocks of 128 over 256 positions (the block
+    above the diagonal skipped), against XLA's attention: the output at every real position and the gradients of
+    q, k and v through them."""
+    monkeypatch.setattr(attention, "SPLASH_BLOCK", 128)
+    monkeypatch.setattr(attention, "SPLASH_INTERPRET", True)
+    rows, length, heads, head_dim = 2, 256, 2, 128
+    shape = (rows, length, heads, head_dim)
+    q, k, v = (jax.random.normal(key, shape) for key in jax.random.split(jax.random.key(3), 3))
+    length_B = jnp.array([length, 100]) if padded else None
+    real_BxTx1 = (jnp.arange(length)[None] < (length_B if padded else jnp.full(rows, length))[:, None])[..., None]
+    weights = jax.random.normal(jax.random.key(4), (rows, length, heads * head_dim)) * real_BxTx1
+
+    def loss(kernel):
+        return lambda q, k, v: (attention.self_attention(q, k, v, length_B, kernel=kernel) * weights).sum()
+
+    got = jax.jit(partial(attention.self_attention, kernel="splash"))(q, k, v, length_B)
+    got_grads = jax.jit(jax.grad(loss("splash"), (0, 1, 2)))(q, k, v)
+    want = attention.self_attention(q, k, v, length_B, kernel="xla")
+    np.testing.assert_allclose(np.asarray(got * real_BxTx1), np.asarray(want * real_BxTx1), atol=1e-5, rtol=1e-5)
+    for a, b in zip(got_grads, jax.grad(loss("xla"), (0, 1, 2))(q, k, v)):
+        assert float(jnp.abs(a - b).max()) <= 1e-5 * float(jnp.abs(b).max())
+
+
+def test_splash_attention_is_refused_but_on_one_device_under_gspmd():
+    """A Pallas call is not partitioned by GSPMD, and under shard_map splash's output carries no mesh typing for
+    check_vma: splash goes with a GSPMD layout on one device."""
+    import dataclasses
+
+    from mesh_transformer import config
+    from mesh_transformer.parallel.layout import make_layout
+
+    def with_splash(layout):
+        return dataclasses.replace(layout, policy=dataclasses.replace(layout.policy, attention="splash"))
+
+    fsdp = config.load("configs/tiny_rot_partial.json", ["parallelism=fsdp", "mesh_fsdp=2"])
+    for refused in (make_layout(fsdp, jax.devices()[:2]),
+                    make_layout(config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1"]),
+                                jax.devices()[:1])):
+        with pytest.raises(ValueError, match="splash attention runs under a GSPMD layout on one device"):
+            with_splash(refused)
+    one = make_layout(config.load("configs/tiny_rot_partial.json", ["parallelism=fsdp"]), jax.devices()[:1])
+    assert with_splash(one).policy.attention == "splash"
+
+
 def layer_params(keys, D):
     return {"ln_1": {"scale": jnp.ones(D), "bias": jnp.zeros(D)},
             "attn": {name: jax.random.normal(key, (D, D)) / D ** 0.5 for name, key in zip("qkv", keys)}
