@@ -234,7 +234,8 @@ def run_section(name: str, device: jax.Device, sizes: Sizes, peaks: Peaks | None
         if paged_attention:  # the platform policy's choice, replaced for an A/B
             layout = dataclasses.replace(layout, policy=dataclasses.replace(layout.policy,
                                                                             paged_attention=paged_attention))
-        return serving_paged_records(layout, sizes, page_size), peaks
+        return serving_paged_records(layout, sizes, page_size,
+                                     memory_stats(device).get("bytes_limit", DEFAULT_BYTES_LIMIT)), peaks
     peaks = peaks or measure_device(device, sizes)[1]  # the sections below are measured against them
     if name == "train":
         cfg = model_config(sizes.train_model, remat=True, per_replica_batch=sizes.train_batch,

@@ -7,7 +7,7 @@ import math
 import jax
 
 from bench.suite_parts import (GPTJ_6B, HEADROOM, INT8, decode_bytes, device_sizes, model_config, one_device_layout,
-                               train_bytes)
+                               paged_capacity, train_bytes)
 from tests.helpers import run_script
 
 RECORDS = {"meta", "device", "train", "train_lora_6b", "decode", "serving", "serving_speedup", "serving_paged",
@@ -65,6 +65,10 @@ def test_sizes_for_a_16_gib_chip_fit_its_memory():
         assert decode_bytes(layout, 2 * max(batches))["total"] > plan  # the next batch up would not fit
     cfg = model_config(sizes.train_model, compute_dtype="bfloat16")
     assert train_bytes(cfg, sizes.train_batch)["total"] <= plan
+    paged = one_device_layout(model_config(sizes.serving_model, compute_dtype="bfloat16", kv_cache_dtype="int8"),
+                              device)
+    capacity = paged_capacity(paged, sizes, 16, V5E_BYTES_LIMIT)  # 256 + 128-token requests against 2048-slots
+    assert capacity["slots_of_full_context"] == 8 and capacity["requests_that_fit"] >= 6 * 8
     assert train_bytes(dataclasses.replace(cfg, layers=cfg.layers + 1), sizes.train_batch)["total"] > plan
 
 
