@@ -6,9 +6,10 @@ process that only starts the same runtime and loads the tokenizer (JAX's CPU bac
 transformers), so that what loading and sampling add is seen apart from what the runtime costs anyway.
 
 The weights are drawn at a trained model's scale (matrices N(0, 1/fan_in)), so the logits spread and greedy choices
-are not near-ties. Needs about 3 GB of disk under --work; it is a benchmark, not a test.
+are not near-ties. Needs the weights' bytes of disk under --work (1.4B: 3 GB); it is a benchmark, not a test.
 
     python bench/bench_neox_flow.py --work /tmp/pythia [--shape pythia-1.4b] [--keep]
+    python3 bench/bench_neox_flow.py --work /tmp/pythia --shape pythia-6.9b --dtype int8 --no-hf   # on a TPU host
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ SHAPES = {  # the Pythia suite's HF config keys (EleutherAI/pythia-*: rotary_pct
     "pythia-410m": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16},
     "pythia-1.4b": {"hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 16},
     "pythia-2.8b": {"hidden_size": 2560, "num_hidden_layers": 32, "num_attention_heads": 32},
+    "pythia-6.9b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32},
+    "pythia-12b": {"hidden_size": 5120, "num_hidden_layers": 36, "num_attention_heads": 40},
 }
 WRITE_HF = """
 import json, os, sys
@@ -88,9 +91,12 @@ print(json.dumps(tokenizer.decode(out[0, ids.shape[1]:])))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", required=True, help="a directory with ~3 GB free")
+    parser.add_argument("--work", required=True, help="a directory with the weights' bytes free (1.4B: 3 GB)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="pythia-1.4b")
     parser.add_argument("--keep", action="store_true", help="keep the directory written")
+    parser.add_argument("--dtype", choices=("bf16", "int8"), default="bf16", help="device_sample.py's weights")
+    parser.add_argument("--no-hf", action="store_true",
+                        help="ours alone (a machine without torch: a TPU host); no transformers stages")
     args = parser.parse_args()
     work = os.path.abspath(args.work)
     hf_dir, py = f"{work}/{args.shape}", sys.executable
@@ -102,21 +108,21 @@ def main() -> None:
         weight_bytes = int(stage("write_hf", [py, "-c", WRITE_HF.format(root=ROOT, hf_config=hf_config, out=hf_dir)],
                                  bench="neox_flow"))
         peaks: dict = {}
-        ours = stage("sample_bf16", [py, "device_sample.py", "--hf", hf_dir, "--dtype", "bf16", "--prompt", PROMPT,
-                                     "--max-new-tokens", str(MAX_NEW), "--temperature", "0"],
+        sample = f"sample_{args.dtype}"
+        ours = stage(sample, [py, "device_sample.py", "--hf", hf_dir, "--dtype", args.dtype, "--prompt", PROMPT,
+                              "--max-new-tokens", str(MAX_NEW), "--temperature", "0"],
                      bench="neox_flow", bytes_of=weight_bytes, peaks=peaks).rstrip("\n")
-        theirs = json.loads(stage("hf_transformers_generate", [py, "-c", HF_GENERATE.format(
-            hf=hf_dir, prompt=PROMPT, max_new=MAX_NEW)], bench="neox_flow", bytes_of=weight_bytes, peaks=peaks))
         stage("our_runtime_floor", [py, "-c", OUR_FLOOR.format(root=ROOT, hf=hf_dir)], bench="neox_flow", peaks=peaks)
-        stage("hf_runtime_floor", [py, "-c", HF_FLOOR.format(hf=hf_dir)], bench="neox_flow", peaks=peaks)
-
-        def over_floor(sample: str, floor: str) -> float:
-            return round((peaks[sample] - peaks[floor]) / weight_bytes, 3)
-
-        emit(bench="neox_flow", stage="compare", shape=args.shape, weights_gb=round(weight_bytes / 1e9, 3),
-             ours=json.dumps(ours), hf=json.dumps(theirs), greedy_text_equal=ours == theirs,
-             ours_added_over_weights=over_floor("sample_bf16", "our_runtime_floor"),
-             hf_added_over_weights=over_floor("hf_transformers_generate", "hf_runtime_floor"))
+        compared = {"ours": json.dumps(ours), "ours_added_over_weights": round(
+            (peaks[sample] - peaks["our_runtime_floor"]) / weight_bytes, 3)}
+        if not args.no_hf:
+            theirs = json.loads(stage("hf_transformers_generate", [py, "-c", HF_GENERATE.format(
+                hf=hf_dir, prompt=PROMPT, max_new=MAX_NEW)], bench="neox_flow", bytes_of=weight_bytes, peaks=peaks))
+            stage("hf_runtime_floor", [py, "-c", HF_FLOOR.format(hf=hf_dir)], bench="neox_flow", peaks=peaks)
+            compared.update(hf=json.dumps(theirs), greedy_text_equal=ours == theirs, hf_added_over_weights=round(
+                (peaks["hf_transformers_generate"] - peaks["hf_runtime_floor"]) / weight_bytes, 3))
+        emit(bench="neox_flow", stage="compare", shape=args.shape, dtype=args.dtype,
+             weights_gb=round(weight_bytes / 1e9, 3), **compared)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
