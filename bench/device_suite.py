@@ -279,6 +279,8 @@ def main() -> None:
                         help="the train sections' attention, for an A/B (default: the platform policy's)")
     parser.add_argument("--train-seq", type=int, default=None,
                         help="the train sections' sequence length (default 2048; the train model's layers refitted)")
+    parser.add_argument("--train-layers", type=int, default=None,
+                        help="the train model's layers, for an A/B at one size (default: as many as fit)")
     args = parser.parse_args()
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
@@ -296,6 +298,8 @@ def main() -> None:
 
     device = jax.devices()[0]
     sizes = sizes_for(device, args.tiny, args.train_seq)
+    if args.train_layers:
+        sizes = dataclasses.replace(sizes, train_model={**sizes.train_model, "layers": args.train_layers})
     write(meta_record(device, sizes, sections))
     compiles, peaks = CompileLog(), None
     for name in sections:

@@ -73,13 +73,15 @@ def test_sizes_for_a_16_gib_chip_fit_its_memory():
 
 
 def test_the_train_sections_ab_flags_set_attention_layout_and_sequence():
-    """`--attention` (the A/B of training attention: both sides on the GSPMD layout, where splash runs) and
-    `--train-seq` reach the train records; on a chip the train model's layers are refitted to the longer rows."""
+    """`--attention` (the A/B of training attention: both sides on the GSPMD layout, where splash runs),
+    `--train-seq` and `--train-layers` reach the train records; on a chip the train model's layers are refitted to
+    longer rows unless given."""
     result = run_script("bench/device_suite.py", "--tiny", "--only", "train,train_lora", "--attention", "xla",
-                        "--train-seq", "32")
+                        "--train-seq", "32", "--train-layers", "3")
     assert result.returncode == 0, result.stderr[-2000:]
     trains = [r for r in map(json.loads, result.stdout.splitlines()) if r["bench"] in ("train", "train_lora_6b")]
     assert [(r["attention"], r["parallelism"], r["seq"]) for r in trains] == [("xla", "dp", 32)] * 2
+    assert trains[0]["layers"] == 3
     longer = device_sizes(jax.devices("cpu")[0], V5E_BYTES_LIMIT, compute_dtype="bfloat16", train_seq=8192)
     assert longer.train_model["seq"] == longer.lora_model["seq"] == 8192
     assert 1 <= longer.train_model["layers"] < 10
