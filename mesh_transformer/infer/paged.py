@@ -10,12 +10,12 @@ length_r of them real, the rest padding, written nowhere), its queries seeing th
 new keys causally. A prompt is start 0 and n_read 0 (nothing read); a prompt tail after a cached prefix has start at
 the prefix's end; a decode step is T = 1 at the row's position. The new keys are written at their positions through
 the table after attention has read the pages. Out-of-range page ids (the table's padding) are dropped on write and
-clipped on read, where the mask hides them. The pure-JAX path, every platform's by default, gathers the pages a
-step reads (a copy of them); where the platform policy says "kernel" (`Policy.paged_attention`), a page holds its
+clipped on read, where the mask hides them. The pure-JAX path (the CPU's and GPUs') gathers the pages a step reads
+(a copy of them); where the platform policy says "kernel" (`Policy.paged_attention`: TPUs from v4), a page holds its
 heads together and decode steps attend through the TPU kernel of `infer/paged_kernel.py`, which reads the pages in
-place. The keys and values are stored as `decode.cache_dtype` says (bits on the CPU), or with
-`kv_cache_dtype` "int8" as int8 with a scale per token and head (half the bytes of bf16; the scales applied to
-attention's scores and probabilities, the int8 values read by its dots as they are).
+place (prompt tails after a cached prefix still gather). The keys and values are stored as `decode.cache_dtype`
+says (bits on the CPU), or with `kv_cache_dtype` "int8" as int8 with a scale per token and head (half the bytes of
+bf16; the scales applied to attention's scores and probabilities, the int8 values read by its dots as they are).
 Shape letters: the legend in model/layers.py (here P pages, M a table's pages, R rows).
 """
 from __future__ import annotations
