@@ -189,8 +189,7 @@ class Sampler:
         temperature (0 = greedy), top_k (0 = off), top_p (1 = off) and seed are scalars for every row or one value
         per prompt; a row's tokens depend only on its prompt, its sampling values and its seed. A row ends at the
         first of `stop_token_ids` (by default the family's end of text: `Family.eos_id`), which is not returned.
-        Log-probs are those of the chosen tokens under the model's
-        untempered, unfiltered distribution.
+        Log-probs are those of the chosen tokens under the model's untempered, unfiltered distribution.
         """
         prompts = self._prepare_prompts(prompts, max_new_tokens, truncate_left)
         n = len(prompts)
