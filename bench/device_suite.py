@@ -54,7 +54,6 @@ from bench.suite_parts import (PAGE, SIZES, CompileLog, Peaks, Sizes, decode_rec
                                serving_records, train_bytes)
 from mesh_transformer.model import gptj
 from mesh_transformer.parallel.layout import make_layout
-from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.platforms import platform_setup
 from mesh_transformer.train import optim
 from mesh_transformer.train import state as state_lib
@@ -164,12 +163,10 @@ def train_record(name: str, cfg, repeats: int, peaks: Peaks, device: jax.Device,
                  attention: str | None = None) -> dict:
     """Tokens/s and MFU of the one train step on this config (with LoRA: over a random base in base_dtype), compiled
     ahead from the arguments' shapes, then run on random params made leaf by leaf (`random_arrays`). `attention`
-    replaces the platform policy's training attention, for an A/B: both sides then run the GSPMD layout on the
-    device (parallelism "dp"), where splash runs."""
-    if attention:
-        cfg = dataclasses.replace(cfg, parallelism="dp")
-    layout = make_layout(cfg, mesh=make_dp_mp(1, 1, [device]) if cfg.parallelism == "shard_map" else None,
-                         devices=[device])
+    replaces the platform policy's training attention, for an A/B: both sides run the GSPMD layout on the
+    device (parallelism "dp"), as without it, where the TPU policy's splash runs."""
+    cfg = dataclasses.replace(cfg, parallelism="dp")
+    layout = make_layout(cfg, devices=[device])
     if attention:
         layout = dataclasses.replace(layout, policy=dataclasses.replace(layout.policy, attention=attention))
     cfg = layout.cfg  # "auto" resolved for the device

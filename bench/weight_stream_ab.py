@@ -71,11 +71,43 @@ def pallas_nt(x, w_NxK, s_N, block_bytes: int, interpret: bool = False):
         out_shape=jax.ShapeDtypeStruct((b, n), F32), interpret=interpret)(x, w_NxK, s_N.reshape(1, n))
 
 
+def w8a8(x, w, s, nk):
+    """The rows quantized to int8 (a scale each), the product int8 x int8 on the matrix unit in int32."""
+    xf = x.astype(F32)
+    sx = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / 127 + 1e-30
+    q = jnp.round(xf / sx).astype(jnp.int8)
+    y = _int_dot(q, w, nk)
+    return y.astype(F32) * sx * s[None]
+
+
+def _int_dot(q, w, nk):
+    dims = (((q.ndim - 1,), (1 if nk else 0,)), ((), ()))
+    return lax.dot_general(q, w, dims, preferred_element_type=jnp.int32)
+
+
+SPLIT_MAX = 127 * 256 + 127  # the largest |q| whose two int8 halves stay within [-127, 127] and [-128, 127]
+
+
+def split16(x, w, s, nk):
+    """The rows as 16-bit fixed point (a scale each) split into two int8 halves, q = 256 hi + lo, stacked as one
+    batch of twice the rows: one int8 x int8 product reads the weights once, the halves recombined in f32."""
+    xf = x.astype(F32)
+    sx = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / SPLIT_MAX + 1e-30
+    q = jnp.round(xf / sx).astype(jnp.int32)
+    hi = jnp.floor_divide(q + 128, 256)
+    lo = q - 256 * hi
+    b = x.shape[0]
+    y = _int_dot(jnp.concatenate([hi, lo]).astype(jnp.int8), w, nk).astype(F32)
+    return (256.0 * y[:b] + y[b:]) * sx * s[None]
+
+
 # name: (weight dtype, [N, K] held, product)
 VARIANTS = {
     "bf16_nk": (BF16, True, plain), "bf16_kn": (BF16, False, plain),
     "int8_nk_convert": (jnp.int8, True, convert), "int8_kn_convert": (jnp.int8, False, convert),
     "int8_nk_mixed": (jnp.int8, True, mixed), "int8_kn_mixed": (jnp.int8, False, mixed),
+    "int8_nk_w8a8": (jnp.int8, True, w8a8), "int8_kn_w8a8": (jnp.int8, False, w8a8),
+    "int8_nk_split16": (jnp.int8, True, split16), "int8_kn_split16": (jnp.int8, False, split16),
     "int8_nk_pallas2m": (jnp.int8, True, lambda x, w, s, nk: pallas_nt(x, w, s, 2 << 20)),
     "int8_nk_pallas4m": (jnp.int8, True, lambda x, w, s, nk: pallas_nt(x, w, s, 4 << 20)),
 }

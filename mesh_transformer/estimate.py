@@ -65,6 +65,25 @@ def _conv_flops(out: list[int], rhs: list[int], rest: str) -> float:
     return 2.0 * math.prod(out) * math.prod(size for label, size in zip(match.group(1), rhs) if label == "i")
 
 
+# JAX's splash attention kernels (`model.attention.splash_attention`), by the name XLA gives their calls: the matrix
+# products of q's shape by the keys' length each runs (forward: scores, weighted sum; dq: scores, the probabilities'
+# gradient, dq; dkv: those two, dk and dv). Pallas calls carry no FLOPs XLA can see.
+_SPLASH_PRODUCTS = {"splash_mha_fwd": 2, "splash_mha_dq": 3, "splash_mha_dkv": 4}
+
+
+def _splash_flops(name: str, shapes: dict, operands: list[str]) -> float:
+    """A splash kernel's FLOPs (operands: two mask tables, then q and k [..., heads, positions, head dim]): its
+    products over the causal blocks it computes (of n blocks a side, n (n + 1) / 2), 0 for any other Pallas call."""
+    from mesh_transformer.model.attention import SPLASH_BLOCK
+
+    kind = next((k for k in _SPLASH_PRODUCTS if name.startswith(k)), None)
+    if kind is None or len(operands) < 4 or operands[2] not in shapes or operands[3] not in shapes:
+        return 0.0
+    q, keys = _dims(shapes[operands[2]]), _dims(shapes[operands[3]])[-2]
+    blocks = max(1, keys // min(SPLASH_BLOCK, keys))
+    return _SPLASH_PRODUCTS[kind] * 2.0 * math.prod(q) * keys * (blocks + 1) / (2 * blocks)
+
+
 def _gemm_flops(out_shape: str, shapes: dict, operands: list[str], rest: str) -> float:
     match = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
     if not match or not operands or operands[0] not in shapes:
@@ -101,7 +120,7 @@ class _Module:
             self.instructions[current].append((name, shape, opcode, _operands(rest)))
             if opcode == "fusion":
                 self.fused.update(re.findall(r"calls=%?([\w.\-]+)", rest))
-            self.flops[current] += self._flops(opcode, shape, shapes, rest)
+            self.flops[current] += self._flops(opcode, shape, shapes, rest, name)
             loop = name if opcode == "while" else ""
             for callee in _CALLED.findall(rest):
                 self.calls[current].append((callee, loop))
@@ -109,7 +128,7 @@ class _Module:
                 self.calls[current] += [(b.strip().lstrip("%"), "") for b in branches.split(",")]
 
     @staticmethod
-    def _flops(opcode: str, shape: str, shapes: dict, rest: str) -> float:
+    def _flops(opcode: str, shape: str, shapes: dict, rest: str, name: str = "") -> float:
         operands = _operands(rest)
         if opcode == "dot" and operands and operands[0] in shapes:
             return _dot_flops(_dims(shape), _dims(shapes[operands[0]]), rest)
@@ -117,6 +136,8 @@ class _Module:
             return _conv_flops(_dims(shape), _dims(shapes[operands[1]]), rest)
         if opcode == "custom-call" and re.search(r'custom_call_target="[^"]*(gemm|matmul)', rest):
             return _gemm_flops(shape, shapes, operands, rest)
+        if opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in rest:
+            return _splash_flops(name, shapes, operands)
         return 0.0
 
     def trip_count(self, computation: str, loop: str) -> int:
@@ -220,7 +241,7 @@ class _Module:
             return 0.0, 2.0 * _bytes(shapes.get(operands[1], ""))
         if opcode != "fusion":
             line = self._defining(computation, name)
-            return self._flops(opcode, shape, shapes, line.split(f" {opcode}(", 1)[-1]), \
+            return self._flops(opcode, shape, shapes, line.split(f" {opcode}(", 1)[-1], name), \
                 _bytes(shape) + sum(_bytes(shapes.get(o, "")) for o in operands)
         fused = re.search(r"calls=%?([\w.\-]+)", self._defining(computation, name)).group(1)
         reads = sum(self._parameter_reads(fused, i, shapes.get(o, "")) for i, o in enumerate(operands))
@@ -307,11 +328,11 @@ def step_estimate(compiled, peak_flops: float, bandwidth: float, tokens: int, mo
 
     The step's time is the sum over its scheduled instructions of max(FLOPs / peak, bytes / bandwidth), an
     instruction's bytes being those it moves in device memory (not a TPU core's VMEM; an asynchronous slice or copy
-    counted once, at its start). Against one v5e chip (bench/device_suite.py, bench/results/) it read 0.87 of the
-    measured GPT-J-6B LoRA step at 1 x 2048 tokens (0.456 s for 0.523), 0.83 of a 10-layer d_model 2048 train
-    step at 4 x 2048 (0.370 s for 0.446), and 0.85 / 1.06 of the GPT-J-6B bf16 decode step at batch 1 / 16; int8
-    decode it models poorly (0.68 at batch 1, 1.53 at batch 64). `estimated_compute_s` and `estimated_memory_s` are
-    the two sums apart."""
+    counted once, at its start). Against one v5e chip (bench/device_suite.py, bench/chip_flow.py, bench/results/) it
+    read 0.86-0.87 of the measured GPT-J-6B LoRA step (1 x 2048 tokens: 0.402 s for 0.466 with splash attention,
+    0.456 for 0.523 with XLA's), 0.78 / 0.83 of a 10-layer d_model 2048 train step at 4 x 2048 (splash / XLA's), and
+    0.85 / 1.06 of the GPT-J-6B bf16 decode step at batch 1 / 16; int8 decode it models poorly (0.68 at batch 1, 1.53
+    at batch 64). `estimated_compute_s` and `estimated_memory_s` are the two sums apart."""
     module = _Module(compiled.as_text())
     weighted, once = module.weighted()
     cost = compiled.cost_analysis() or {}  # None on GPU

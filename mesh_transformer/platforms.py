@@ -32,7 +32,9 @@ class Policy:
     platform: str  # "cpu", "tpu" or "gpu"
     device_kind: str
     compute_dtype: str  # what the config's compute_dtype "auto" means here
-    attention: str  # training and prefill's causal attention: "blocked", "xla" or "cudnn" (XLA's where refused)
+    attention: str  # training and prefill's causal attention: "blocked", "xla", "cudnn" (XLA's where refused) or
+    # "splash" (TPU Pallas, on a GSPMD layout of one device: `for_layout`; on a v5e 1.31x XLA's full-training step and
+    # 1.10x the LoRA step at seq 2048, and the only one that fits seq 8192, docs/performance.md)
     dense_backward: str  # "ordered" (the CPU's weight-gradient product order) or "autodiff"
     ordered_converts: bool  # bf16 weights converted to f32 one layer at a time (XLA's CPU dot has no bf16 kernel)
     cache_bits: bool  # the KV cache stored as unsigned bits (XLA's CPU scatter has no bf16 kernel)
@@ -54,13 +56,14 @@ _POLICIES = {
     CPU: Policy(CPU, "cpu", "float32", attention="blocked", dense_backward="ordered", ordered_converts=True,
                 cache_bits=True, cache_order=(0, 2, 3, 1), int8_dot="float32",
                 dot_piece_bytes=64 << 20, dot_piece_tokens=256, host_loading=True),
-    TPU: Policy(TPU, "", "bfloat16", attention="xla", dense_backward="autodiff", ordered_converts=False,
+    TPU: Policy(TPU, "", "bfloat16", attention="splash", dense_backward="autodiff", ordered_converts=False,
                 cache_bits=False, cache_order=(0, 1, 2, 3), paged_attention="kernel"),
     GPU: Policy(GPU, "", "bfloat16", attention="cudnn", dense_backward="autodiff", ordered_converts=False,
                 cache_bits=False, cache_order=(0, 2, 1, 3)),
 }
-# TPUs whose Mosaic compiler has no bf16 matrix products (the paged kernel's): their paged cache is gathered.
-NO_PAGED_KERNEL = ("TPU v2", "TPU v3")
+# TPUs whose Mosaic compiler has no bf16 matrix products (the Pallas kernels'): their paged cache is gathered and
+# their attention is XLA's.
+NO_PALLAS_BF16 = ("TPU v2", "TPU v3")
 _PLATFORM_NAMES = {"cpu": CPU, "tpu": TPU, "gpu": GPU, "cuda": GPU, "rocm": GPU}
 
 
@@ -70,8 +73,16 @@ def for_platform(platform: str, device_kind: str = "") -> Policy:
     if name is None:
         raise ValueError(f"no platform policy for {platform!r}")
     policy = dataclasses.replace(_POLICIES[name], device_kind=device_kind or name)
-    if name == TPU and device_kind.startswith(NO_PAGED_KERNEL):
-        policy = dataclasses.replace(policy, paged_attention="gather")
+    if name == TPU and device_kind.startswith(NO_PALLAS_BF16):
+        policy = dataclasses.replace(policy, paged_attention="gather", attention="xla")
+    return policy
+
+
+def for_layout(policy: Policy, gspmd: bool, n_devices: int) -> Policy:
+    """The policy of a layout's programs: splash attention runs under a GSPMD layout on one device (under shard_map
+    its output carries no mesh typing for check_vma, and GSPMD does not partition a Pallas call); XLA's elsewhere."""
+    if policy.attention == "splash" and not (gspmd and n_devices == 1):
+        return dataclasses.replace(policy, attention="xla")
     return policy
 
 

@@ -116,10 +116,22 @@ def test_jax_starts_on_the_attached_platform_and_the_cpu_only(monkeypatch):
     assert os.environ["JAX_PLATFORMS"] == "cpu"  # the user's choice stands
 
 
-def test_the_paged_kernel_is_the_tpu_policys_where_mosaic_has_bf16_products():
+def test_the_pallas_kernels_are_the_tpu_policys_where_mosaic_has_bf16_products():
     from mesh_transformer.platforms import for_platform
 
-    kinds = {kind: for_platform("tpu", kind).paged_attention
+    kinds = {kind: (for_platform("tpu", kind).paged_attention, for_platform("tpu", kind).attention)
              for kind in ("TPU v3", "TPU v4", "TPU v5 lite", "TPU v6 lite")}
-    assert kinds == {"TPU v3": "gather", "TPU v4": "kernel", "TPU v5 lite": "kernel", "TPU v6 lite": "kernel"}
+    assert kinds == {"TPU v3": ("gather", "xla"), "TPU v4": ("kernel", "splash"), "TPU v5 lite": ("kernel", "splash"),
+                     "TPU v6 lite": ("kernel", "splash")}
     assert for_platform("cpu").paged_attention == for_platform("gpu").paged_attention == "gather"
+
+
+def test_splash_is_a_layouts_attention_only_under_gspmd_on_one_device():
+    from mesh_transformer.platforms import for_layout, for_platform
+
+    tpu = for_platform("tpu", "TPU v5 lite")
+    assert for_layout(tpu, gspmd=True, n_devices=1).attention == "splash"
+    assert for_layout(tpu, gspmd=False, n_devices=1).attention == "xla"
+    assert for_layout(tpu, gspmd=True, n_devices=8).attention == "xla"
+    assert for_layout(for_platform("gpu"), gspmd=True, n_devices=1).attention == "cudnn"
+    assert for_layout(for_platform("cpu"), gspmd=True, n_devices=1) == for_platform("cpu")

@@ -281,3 +281,21 @@ ENTRY %main (p: bf16[16,64]) -> f32[16,64] {
     assert estimate._Module(prefetch).times_s(1.0, 1.0)[2] == (16 * 64 * 2 + 4) + 16 * 64 * 4
     assert estimate._bytes("bf16[4,64]{1,0:T(8,128)(2,1)S(1)}") == 0
     assert estimate._bytes("bf16[4,64]{1,0:T(8,128)(2,1)S(1)}", vmem=True) == estimate._bytes("bf16[4,64]{1,0}") == 512
+
+
+def test_the_estimate_counts_splash_attentions_products():
+    """A Pallas call carries no FLOPs XLA can see: the estimate counts the splash kernels' products (q's shape by
+    the keys' length, over the causal blocks computed) in the v5e's one-device GSPMD train step, where the TPU policy
+    runs splash, so the step's FLOPs are the analytic count."""
+    cfg = config.from_dict({"layers": 1, "d_model": 256, "n_heads": 2, "n_vocab": 256, "pe_rotary_dims": 16,
+                            "seq": 256, "cores_per_replica": 1, "compute_dtype": "bfloat16", "remat": False})
+    programs = aot.training_programs(cfg, "dp", targets.compile_devices(targets.target("v5litepod-1")),
+                                     {"fsdp": 1, "tensor": 1, "data": None})
+    assert programs["layout"].policy.attention == "splash"
+    compiled = programs["train"].lower(programs["state"], programs["tokens"], programs["frozen"]).compile()
+    assert "splash_mha_dkv" in compiled.as_text()
+    rows = cfg.per_replica_batch * cfg.gradient_accumulation_steps
+    dense = 6 * (12 * cfg.d_model ** 2 + cfg.d_model * cfg.n_vocab) * rows * cfg.seq
+    # One block of 256 positions (the causal half computed whole), 2 heads of 128: forward 2 products, dq 3, dkv 4.
+    product = 2.0 * rows * cfg.n_heads * cfg.seq * cfg.seq * 128
+    assert estimate._Module(compiled.as_text()).weighted()[0] == pytest.approx(dense + 9 * product, rel=0.02)

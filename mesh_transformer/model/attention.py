@@ -11,6 +11,7 @@ import functools
 import logging
 from functools import partial
 from typing import NamedTuple
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -127,6 +128,23 @@ def _splash_kernel(length: int, heads: int, block: int, interpret: bool):
         return splash.make_splash_mha_single_device(mask, block_sizes=sizes, interpret=interpret)
 
 
+def _at_default_precision(fn: Callable) -> Callable:
+    """fn with its forward and backward traced at the default matmul precision: bf16 products are exact at any, and
+    Mosaic refuses bf16 ones at "highest" (a `jax.default_matmul_precision` the caller may have set)."""
+
+    def forward(*args):
+        with jax.default_matmul_precision("default"):
+            return jax.vjp(fn, *args)
+
+    def backward(vjp, cotangent):
+        with jax.default_matmul_precision("default"):
+            return vjp(cotangent)
+
+    run = jax.custom_vjp(lambda *args: forward(*args)[0])
+    run.defvjp(forward, backward)
+    return run
+
+
 def splash_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array) -> jax.Array:
     """Causal self-attention by JAX's TPU splash attention kernel (flash attention skipping the masked blocks; f32
     softmax), each row on its own; returns [B, T, H*K]. A right-padded row's real positions see only real keys (the
@@ -134,8 +152,10 @@ def splash_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.
     elsewhere)."""
     batch, length, heads, head_dim = q_BxTxHxK.shape
     q_BxTxHxK = q_BxTxHxK * jnp.asarray(1 / head_dim ** 0.5, q_BxTxHxK.dtype)
-    kernel = _splash_kernel(length, heads, min(SPLASH_BLOCK, length), SPLASH_INTERPRET)
-    ctx_BxHxTxK = jax.vmap(kernel)(*(x.transpose(0, 2, 1, 3) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK)))
+    kernel = jax.vmap(_splash_kernel(length, heads, min(SPLASH_BLOCK, length), SPLASH_INTERPRET))
+    if q_BxTxHxK.dtype == jnp.bfloat16:
+        kernel = _at_default_precision(kernel)
+    ctx_BxHxTxK = kernel(*(x.transpose(0, 2, 1, 3) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK)))
     return ctx_BxHxTxK.transpose(0, 2, 1, 3).reshape(batch, length, heads * head_dim)
 
 

@@ -356,7 +356,8 @@ def make_layout(cfg: Config, devices: Sequence[jax.Device] | None = None, mesh: 
             shape = {DATA: len(devices) // group, FSDP: cfg.mesh_fsdp, TENSOR: cfg.mesh_tensor}
         mesh = make_mesh(shape, devices)
     _check_axes(cfg, mesh)
-    policy = platforms.for_devices(list(mesh.devices.flat))
+    policy = platforms.for_layout(platforms.for_devices(list(mesh.devices.flat)), cfg.parallelism != SHARD_MAP,
+                                  mesh.size)
     if cfg.compute_dtype == "auto":
         cfg = dataclasses.replace(cfg, compute_dtype=policy.compute_dtype)
     if cfg.parallelism == SHARD_MAP:
