@@ -53,6 +53,7 @@ from bench.suite_parts import (PAGE, SIZES, CompileLog, Peaks, Sizes, decode_rec
                                model_config, one_device_layout, param_count, random_arrays, serving_paged_records,
                                serving_records, train_bytes)
 from mesh_transformer.model import gptj
+from mesh_transformer.model.attention import clear_kernels
 from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.platforms import platform_setup
 from mesh_transformer.train import optim
@@ -168,7 +169,7 @@ def train_record(name: str, cfg, repeats: int, peaks: Peaks, device: jax.Device,
     cfg = dataclasses.replace(cfg, parallelism="dp")
     layout = make_layout(cfg, devices=[device])
     if attention:
-        layout = dataclasses.replace(layout, policy=dataclasses.replace(layout.policy, attention=attention))
+        layout = layout.with_attention(attention)
     cfg = layout.cfg  # "auto" resolved for the device
     opt = optim.make_optimizer(cfg)
     abstract_state, abstract_tokens, abstract_base = state_lib.abstract_step_args(layout, opt)
@@ -216,21 +217,26 @@ def train_lora_record(sizes: Sizes, peaks: Peaks, device: jax.Device, attention:
     return train_record("train_lora_6b", cfg, sizes.repeats, peaks, device, full - 2 * matmul_params, attention)
 
 
+def with_choices(layout, **choices):
+    """The layout with the platform policy's choices replaced where given (an A/B)."""
+    given = {key: value for key, value in choices.items() if value}
+    return dataclasses.replace(layout, policy=dataclasses.replace(layout.policy, **given)) if given else layout
+
+
 def run_section(name: str, device: jax.Device, sizes: Sizes, peaks: Peaks | None,
                 paged_attention: str | None = None, page_size: int = PAGE,
-                attention: str | None = None) -> tuple[list[dict], Peaks]:
+                attention: str | None = None, int8_dot: str | None = None) -> tuple[list[dict], Peaks]:
     """The records of one section, and the peaks the others are measured against (the device section's, else
-    measured here)."""
+    measured here). `paged_attention`, `attention` and `int8_dot` replace the platform policy's, for an A/B."""
     if name == "device":
         record, peaks = measure_device(device, sizes)
         return [record], peaks
     if name == "serving":
-        return serving_records(one_device_layout(model_config(sizes.serving_model), device), sizes), peaks
+        layout = one_device_layout(model_config(sizes.serving_model), device)
+        return serving_records(with_choices(layout, int8_dot=int8_dot), sizes), peaks
     if name == "serving_paged":  # int8 weights and an int8 paged cache
         layout = one_device_layout(model_config(sizes.serving_model, kv_cache_dtype="int8"), device)
-        if paged_attention:  # the platform policy's choice, replaced for an A/B
-            layout = dataclasses.replace(layout, policy=dataclasses.replace(layout.policy,
-                                                                            paged_attention=paged_attention))
+        layout = with_choices(layout, paged_attention=paged_attention, int8_dot=int8_dot)
         return serving_paged_records(layout, sizes, page_size,
                                      memory_stats(device).get("bytes_limit", DEFAULT_BYTES_LIMIT)), peaks
     peaks = peaks or measure_device(device, sizes)[1]  # the sections below are measured against them
@@ -245,7 +251,7 @@ def run_section(name: str, device: jax.Device, sizes: Sizes, peaks: Peaks | None
         return decode_records(layout, sizes.decode_batches, sizes, peaks), peaks
     if name == "decode_int8":  # int8 weights (model/quant.py): the bytes a step reads, about halved
         layout = one_device_layout(model_config(sizes.decode_model, weight_dtype="int8"), device)
-        return decode_records(layout, sizes.decode_int8_batches, sizes, peaks), peaks
+        return decode_records(with_choices(layout, int8_dot=int8_dot), sizes.decode_int8_batches, sizes, peaks), peaks
     raise ValueError(name)
 
 
@@ -254,6 +260,7 @@ def memory_record(name: str, device: jax.Device) -> dict:
     (none should be) and the allocator's bytes in use and peak so far, where the device reports them."""
     gc.collect()  # the engine's thread and closures hold params in reference cycles
     jax.clear_caches()
+    clear_kernels()  # splash's mask tables
     arrays = jax.live_arrays()
     stats = memory_stats(device)
     record = {"bench": "memory", "section": name, "live_arrays": len(arrays),
@@ -274,6 +281,9 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=PAGE, help=f"serving_paged's tokens per page (default {PAGE})")
     parser.add_argument("--attention", choices=("xla", "splash"), default=None,
                         help="the train sections' attention, for an A/B (default: the platform policy's)")
+    parser.add_argument("--int8-dot", choices=("compute", "kernel"), default=None,
+                        help="int8 weights' products in decode_int8, serving and serving_paged, for an A/B "
+                             "(default: the platform policy's)")
     parser.add_argument("--train-seq", type=int, default=None,
                         help="the train sections' sequence length (default 2048; the train model's layers refitted)")
     parser.add_argument("--train-layers", type=int, default=None,
@@ -304,7 +314,7 @@ def main() -> None:
         compiles.start()
         try:
             records, peaks = run_section(name, device, sizes, peaks, args.paged_attention, args.page_size,
-                                         args.attention)
+                                         args.attention, args.int8_dot)
         except Exception as e:  # one failed section (out of memory, say) must not cost the others their figures
             records = [{"bench": name, "error": error_text(e)}]
             traceback.print_exc(file=sys.stderr)

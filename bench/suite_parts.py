@@ -282,7 +282,8 @@ def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks
     kv_bytes_per_row = cfg.layers * 2 * span * cfg.n_heads * cfg.head_dim * precision.compute.itemsize
     sheet_bytes_per_s = peaks.datasheet_bytes_per_s or peaks.bytes_per_s
     base = {"bench": "decode", "layers": cfg.layers, "d_model": cfg.d_model, "dtype": precision.compute.name,
-            "weight_dtype": precision.weights.name, "cache_slots": n_slots, "cached_positions_read": span}
+            "weight_dtype": precision.weights.name, "int8_dot": layout.policy.int8_dot, "cache_slots": n_slots,
+            "cached_positions_read": span}
     records = []
     for batch in batches:
         steps = Steps(zeros + sizes.decode_context, zeros, fill_sampling(n_slots, []))
@@ -391,7 +392,7 @@ def serving_records(layout: Layout, sizes: Sizes) -> list[dict]:
     for record in (together, alone):
         record.update(clients=sizes.serving_clients, slots=engine.n_slots, prompt_len=sizes.serving_prompt_len,
                       seq=cfg.seq, layers=cfg.layers, d_model=cfg.d_model, dtype=precision.compute.name,
-                      weight_dtype=precision.weights.name)
+                      weight_dtype=precision.weights.name, int8_dot=layout.policy.int8_dot)
     speedup = together["tokens_per_s"] / alone["tokens_per_s"]
     return [together, alone, {"bench": "serving_speedup", "concurrent_over_one_at_a_time": figure(speedup),
                               "goal": SERVING_GOAL_SPEEDUP, "met": speedup >= SERVING_GOAL_SPEEDUP}]
@@ -438,7 +439,7 @@ def serving_paged_records(layout: Layout, sizes: Sizes, page: int = PAGE,
     described = dict(slots=engine.n_slots, pages=n_pages, page_size=page, prompt_len=sizes.serving_prompt_len,
                      seq=cfg.seq, layers=cfg.layers, d_model=cfg.d_model, dtype=precision.compute.name,
                      weight_dtype=precision.weights.name, kv_cache_dtype=cfg.kv_cache_dtype,
-                     paged_attention=layout.policy.paged_attention)
+                     paged_attention=layout.policy.paged_attention, int8_dot=layout.policy.int8_dot)
     rng = np.random.default_rng(0)
     levels = [n for n in PAGED_LEVELS if n <= 2 * sizes.serving_clients]
     prompts = rng.integers(0, cfg.n_vocab, (max(levels), sizes.serving_prompt_len)).tolist()

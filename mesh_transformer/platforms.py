@@ -21,6 +21,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
+from typing import Any
 from platform import libc_ver
 
 CPU, TPU, GPU = "cpu", "tpu", "gpu"
@@ -33,17 +34,19 @@ class Policy:
     device_kind: str
     compute_dtype: str  # what the config's compute_dtype "auto" means here
     attention: str  # training and prefill's causal attention: "blocked", "xla", "cudnn" (XLA's where refused) or
-    # "splash" (TPU Pallas, on a GSPMD layout of one device: `for_layout`; on a v5e 1.31x XLA's full-training step and
-    # 1.10x the LoRA step at seq 2048, and the only one that fits seq 8192, docs/performance.md)
+    # "splash" (TPU Pallas, under a GSPMD layout: `for_layout`; on a v5e 1.31x XLA's full-training step and 1.10x
+    # the LoRA step at seq 2048, and the only one that fits seq 8192, docs/performance.md)
     dense_backward: str  # "ordered" (the CPU's weight-gradient product order) or "autodiff"
     ordered_converts: bool  # bf16 weights converted to f32 one layer at a time (XLA's CPU dot has no bf16 kernel)
     cache_bits: bool  # the KV cache stored as unsigned bits (XLA's CPU scatter has no bf16 kernel)
     cache_order: tuple  # a KV cache block's axes, as positions of [slots, positions, heads, head dim]
     loop_hoisting: bool = True  # XLA's loop-invariant code motion (the CPU fit check can turn it off)
-    int8_dot: str = "compute"  # int8 weights enter their products as "compute" (the activations' dtype) or "float32"
+    int8_dot: str = "compute"  # int8 weights enter their products as "compute" (the activations' dtype), "float32",
+    # or "kernel": a decode step's few rows through model/quant_kernel.py (TPU Pallas), XLA's "compute" elsewhere
     dot_piece_bytes: int = 0  # inference products over bf16/int8 weights in pieces of this many f32 bytes (0: whole)
     dot_piece_tokens: int = 0  # ... where they are over at most this many tokens (`model.order.in_pieces`)
     host_loading: bool = False  # a checkpoint's layers joined, converted and quantized on the host, else on the devices
+    attention_shards: Any = None  # splash on several devices: (mesh, PartitionSpec of q, k, v [B, T, H, K])
     paged_attention: str = "gather"  # decode over a paged cache: "gather" its pages (pure JAX) or "kernel" (TPU Pallas:
     # infer/paged_kernel.py; on a v5e 3.3x the gather's tokens/s at 64 concurrent requests, docs/performance.md)
 
@@ -78,12 +81,17 @@ def for_platform(platform: str, device_kind: str = "") -> Policy:
     return policy
 
 
-def for_layout(policy: Policy, gspmd: bool, n_devices: int) -> Policy:
-    """The policy of a layout's programs: splash attention runs under a GSPMD layout on one device (under shard_map
-    its output carries no mesh typing for check_vma, and GSPMD does not partition a Pallas call); XLA's elsewhere."""
-    if policy.attention == "splash" and not (gspmd and n_devices == 1):
-        return dataclasses.replace(policy, attention="xla")
-    return policy
+def for_layout(policy: Policy, gspmd: bool, mesh: Any = None, heads_spec: Any = None) -> Policy:
+    """The policy of a layout's programs. Splash attention runs under a GSPMD layout: on several devices each runs it
+    on its rows and heads (`heads_spec`, how q, k and v [B, T, H, K] are split over `mesh`), so neither positions
+    nor the head dim may be split. Under shard_map (its output carries no mesh typing for check_vma) XLA's runs."""
+    if policy.attention != "splash":
+        return policy
+    if not gspmd or (mesh is not None and mesh.size > 1 and (heads_spec is None or any(heads_spec[1::2]))):
+        return dataclasses.replace(policy, attention="xla", attention_shards=None)
+    if mesh is None or mesh.size == 1:
+        return dataclasses.replace(policy, attention_shards=None)
+    return dataclasses.replace(policy, attention_shards=(mesh, heads_spec))
 
 
 def for_devices(devices: Sequence) -> Policy:

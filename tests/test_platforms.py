@@ -126,12 +126,20 @@ def test_the_pallas_kernels_are_the_tpu_policys_where_mosaic_has_bf16_products()
     assert for_platform("cpu").paged_attention == for_platform("gpu").paged_attention == "gather"
 
 
-def test_splash_is_a_layouts_attention_only_under_gspmd_on_one_device():
+def test_splash_is_a_layouts_attention_under_gspmd_split_by_rows_and_heads():
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from mesh_transformer.parallel.mesh import make_mesh
     from mesh_transformer.platforms import for_layout, for_platform
 
     tpu = for_platform("tpu", "TPU v5 lite")
-    assert for_layout(tpu, gspmd=True, n_devices=1).attention == "splash"
-    assert for_layout(tpu, gspmd=False, n_devices=1).attention == "xla"
-    assert for_layout(tpu, gspmd=True, n_devices=8).attention == "xla"
-    assert for_layout(for_platform("gpu"), gspmd=True, n_devices=1).attention == "cudnn"
-    assert for_layout(for_platform("cpu"), gspmd=True, n_devices=1) == for_platform("cpu")
+    one, eight = make_mesh({"data": 1}, jax.devices()[:1]), make_mesh({"data": 4, "tensor": 2}, jax.devices()[:8])
+    assert for_layout(tpu, True, one, P("data", None, None, None)) == tpu
+    assert for_layout(tpu, gspmd=False).attention == "xla"
+    split = for_layout(tpu, True, eight, P("data", None, "tensor", None))
+    assert split.attention == "splash" and split.attention_shards == (eight, P("data", None, "tensor", None))
+    for positions_or_head_dim in (P("data", "tensor", None, None), P("data", None, None, "tensor")):
+        assert for_layout(tpu, True, eight, positions_or_head_dim).attention == "xla"
+    assert for_layout(for_platform("gpu"), True, eight, P("data")).attention == "cudnn"
+    assert for_layout(for_platform("cpu"), True, one, P()) == for_platform("cpu")

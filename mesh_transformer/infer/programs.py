@@ -23,6 +23,13 @@ from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.platforms import Policy
 
 
+def checks_vma(policy) -> bool:
+    """Whether shard_map checks how an inference program's values vary over the mesh: not where a Pallas kernel runs
+    in it (a pallas_call declares no mesh axes its output varies over, which the check refuses). Inference has no
+    gradients, whose collectives the check is for."""
+    return policy.int8_dot != "kernel"
+
+
 class Programs:
     """The prefill and decode programs of one Layout (a shard_map one: see `params.make_inference_layout`), and the
     cache they run over. Engines and samplers given the same Programs share its compiles.
@@ -43,6 +50,7 @@ class Programs:
 
     def __init__(self, layout: Layout):
         self.layout = layout
+        self.vma = checks_vma(layout.policy)
         self.traces = 0  # programs compiled so far
         self.row_sharding = layout.sharding(("batch",))
         self.cache_sharding = layout.sharding(block_axes(layout.policy))
@@ -186,7 +194,7 @@ class Programs:
         fn = partial(prefill_local, cfg=self.layout.cfg, policy=self.layout.policy, top=top,
                      tp_axis=self.layout.tp_axis)
         in_specs = (params_spec, cache_spec, row, self.layout.spec(("batch", "length")), row, row, row)
-        return self.layout.per_device(fn, in_specs, (row, self._logprobs_spec(), row, cache_spec))(
+        return self.layout.per_device(fn, in_specs, (row, self._logprobs_spec(), row, cache_spec), self.vma)(
             params, cache, slots_N, ids_RxT, length_R, slot_R, sampling_R)
 
     def _extend(self, params, cache, slots_N, ids_RxT, start_R, length_R, slot_R, source_R, sampling_R, *,
@@ -195,7 +203,7 @@ class Programs:
         fn = partial(extend_local, cfg=self.layout.cfg, policy=self.layout.policy, top=top,
                      tp_axis=self.layout.tp_axis)
         in_specs = (params_spec, cache_spec, row, self.layout.spec(("batch", "length")), row, row, row, row, row)
-        return self.layout.per_device(fn, in_specs, (row, self._logprobs_spec(), row, cache_spec))(
+        return self.layout.per_device(fn, in_specs, (row, self._logprobs_spec(), row, cache_spec), self.vma)(
             params, cache, slots_N, ids_RxT, start_R, length_R, slot_R, source_R, sampling_R)
 
     def _decode(self, params, cache, slots_N, steps_N, *, rows: int, n_blocks: int, top: int = 0,
@@ -204,8 +212,8 @@ class Programs:
         fn = partial(decode_local, cfg=self.layout.cfg, policy=self.layout.policy, rows=rows, n_blocks=n_blocks,
                      top=top, penalized=penalized, tp_axis=self.layout.tp_axis)
         out_specs = (row, self._logprobs_spec(), row, row, cache_spec)
-        return self.layout.per_device(fn, (params_spec, cache_spec, row, row), out_specs)(params, cache, slots_N,
-                                                                                          steps_N)
+        return self.layout.per_device(fn, (params_spec, cache_spec, row, row), out_specs, self.vma)(
+            params, cache, slots_N, steps_N)
 
     def _generate(self, params, cache, slots_N, steps_N, live_N, stop_S, n_steps, *, rows: int, n_blocks: int,
                   out_len: int):
@@ -213,8 +221,8 @@ class Programs:
         fn = partial(generate_local, cfg=self.layout.cfg, policy=self.layout.policy, rows=rows, n_blocks=n_blocks,
                      out_len=out_len, tp_axis=self.layout.tp_axis, dp_axis=self.layout.dp_axis)
         in_specs = (params_spec, cache_spec, row, row, row, P(), P())
-        return self.layout.per_device(fn, in_specs, (row, row, cache_spec))(params, cache, slots_N, steps_N, live_N,
-                                                                            stop_S, n_steps)
+        return self.layout.per_device(fn, in_specs, (row, row, cache_spec), self.vma)(
+            params, cache, slots_N, steps_N, live_N, stop_S, n_steps)
 
 
     def _paged_prefill(self, params, cache, slots_N, ids_RxT, start_R, length_R, table_RxM, slot_R, sampling_R, *,
@@ -225,7 +233,7 @@ class Programs:
                      tp_axis=self.layout.tp_axis)
         rows_x = self.layout.spec(("batch", "length"))
         in_specs = (params_spec, pages, row, rows_x, row, row, rows_x, row, row)
-        return self.layout.per_device(fn, in_specs, (row, self._logprobs_spec(), row, pages))(
+        return self.layout.per_device(fn, in_specs, (row, self._logprobs_spec(), row, pages), self.vma)(
             params, cache, slots_N, ids_RxT, start_R, length_R, table_RxM, slot_R, sampling_R)
 
     def _paged_decode(self, params, cache, slots_N, steps_N, table_NxM, *, rows: int, n_read: int, top: int = 0,
@@ -235,8 +243,7 @@ class Programs:
         fn = partial(paged.decode_local, cfg=self.layout.cfg, policy=self.layout.policy, rows=rows, n_read=n_read,
                      top=top, penalized=penalized, tp_axis=self.layout.tp_axis)
         in_specs = (params_spec, pages, row, row, self.layout.spec(("batch", "length")))
-        # The TPU kernel (a pallas_call) declares no mesh axes its output varies over, which the check refuses.
-        check_vma = not paged.kernel_pages(self.layout.policy)
+        check_vma = self.vma and not paged.kernel_pages(self.layout.policy)
         return self.layout.per_device(fn, in_specs, (row, self._logprobs_spec(), row, row, pages), check_vma)(
             params, cache, slots_N, steps_N, table_NxM)
 

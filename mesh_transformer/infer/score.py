@@ -24,6 +24,7 @@ from jax import lax
 from mesh_transformer.config import Config
 from mesh_transformer.infer.sizes import bucket
 from mesh_transformer.infer.params import place_params
+from mesh_transformer.infer.programs import checks_vma
 from mesh_transformer.model import attention, gptj, layers
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import DP
@@ -140,8 +141,8 @@ class Scorer:
         row = self.layout.spec(("batch", "length"))
         top = self.layout.spec(("batch", "length", None))
         fn = partial(score_local, cfg=self.cfg, policy=self.layout.policy, top_k=top_k, tp_axis=self.layout.tp_axis)
-        return self.layout.per_device(fn, (self.layout.placed_specs(), Rows(*[row] * 6)), (row, row, top, top))(
-            params, rows)
+        return self.layout.per_device(fn, (self.layout.placed_specs(), Rows(*[row] * 6)), (row, row, top, top),
+                                      checks_vma(self.layout.policy))(params, rows)
 
     def width(self, longest: int) -> int:
         """The row width for units of at most `longest` tokens: a power of two, at most seq (a longer unit is cut

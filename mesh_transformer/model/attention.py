@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ SPLASH_INTERPRET = False  # run splash in Pallas' interpreter (the CPU's tests; 
 
 
 def self_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array,
-                   length_B: jax.Array | None = None, kernel: str = "xla") -> jax.Array:
+                   length_B: jax.Array | None = None, kernel: str = "xla", shards: tuple | None = None) -> jax.Array:
     """Causal self-attention for training and prefill; returns [B, T, H*K]. With `length_B` (right-padded rows),
     keys at or after a row's length are masked. Scores and softmax in f32, as in `attend`.
 
@@ -95,7 +96,8 @@ def self_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Ar
     `jax.nn.dot_product_attention` in XLA's implementation (TPU). "cudnn": cuDNN's fused (flash) kernel where it
     takes the dtype and head dim (bf16 or fp16; head dim a multiple of 8, at most 128, 256 from Hopper on), else
     XLA's. "splash": JAX's TPU splash attention kernel (`splash_attention`) where the sequence and the head dim are
-    multiples of 128, else XLA's.
+    multiples of 128, else XLA's; with `shards` (mesh, PartitionSpec of q, k, v), on each device for its rows and
+    heads (`platforms.for_layout`).
     """
     if kernel not in KERNELS:
         raise ValueError(f"attention kernel must be one of {KERNELS}, got {kernel!r}")
@@ -104,7 +106,11 @@ def self_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Ar
     if kernel == "splash":
         _, length, _, head_dim = q_BxTxHxK.shape
         if length % SPLASH_LANES == 0 and head_dim % SPLASH_LANES == 0:
-            return splash_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK)
+            if shards is None:
+                return splash_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK)
+            mesh, spec = shards  # [B, T, H*K] out: a device's heads side by side, as they are split
+            return jax.shard_map(splash_attention, mesh=mesh, in_specs=(spec,) * 3, out_specs=P(*spec[:3]),
+                                 check_vma=False)(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK)
         _kernel_refused("splash", q_BxTxHxK.shape, str(q_BxTxHxK.dtype), "sequence or head dim not a multiple of 128")
     return dot_product_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, length_B, cudnn=kernel == "cudnn")
 
@@ -128,6 +134,11 @@ def _splash_kernel(length: int, heads: int, block: int, interpret: bool):
         return splash.make_splash_mha_single_device(mask, block_sizes=sizes, interpret=interpret)
 
 
+def clear_kernels() -> None:
+    """Drop the splash kernels made so far (each holds its mask tables in device memory)."""
+    _splash_kernel.cache_clear()
+
+
 def _at_default_precision(fn: Callable) -> Callable:
     """fn with its forward and backward traced at the default matmul precision: bf16 products are exact at any, and
     Mosaic refuses bf16 ones at "highest" (a `jax.default_matmul_precision` the caller may have set)."""
@@ -148,8 +159,8 @@ def _at_default_precision(fn: Callable) -> Callable:
 def splash_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array) -> jax.Array:
     """Causal self-attention by JAX's TPU splash attention kernel (flash attention skipping the masked blocks; f32
     softmax), each row on its own; returns [B, T, H*K]. A right-padded row's real positions see only real keys (the
-    mask is causal), as with `dot_product_attention`'s lengths. A GSPMD layout on one device (`Layout` refuses it
-    elsewhere)."""
+    mask is causal), as with `dot_product_attention`'s lengths. On the rows and heads it is given: `self_attention`
+    runs it per device under a GSPMD layout of several."""
     batch, length, heads, head_dim = q_BxTxHxK.shape
     q_BxTxHxK = q_BxTxHxK * jnp.asarray(1 / head_dim ** 0.5, q_BxTxHxK.dtype)
     kernel = jax.vmap(_splash_kernel(length, heads, min(SPLASH_BLOCK, length), SPLASH_INTERPRET))

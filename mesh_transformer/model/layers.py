@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from mesh_transformer.model import order, quant
+from mesh_transformer.model import order, quant, quant_kernel
 from mesh_transformer.model.attention import attend, causal_mask, self_attention
 from mesh_transformer.platforms import Policy
 
@@ -157,7 +157,8 @@ def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, *, arch, mask_BxTx
         q, k, v = (x.reshape(*x.shape[:-1], -1, head_dim) for x in (q, k, v))
         half = arch.rotary == "half"
         q, k = apply_rotary(q, *sincos, half=half), apply_rotary(k, *sincos, half=half)
-        return _attention(q, k, v, mask_BxTxT, past, partial(self_attention, kernel=proj.attention)), (k, v)
+        attend_self = partial(self_attention, kernel=proj.attention, shards=policy.attention_shards)
+        return _attention(q, k, v, mask_BxTxT, past, attend_self), (k, v)
 
     def act(pre):
         return jax.nn.gelu(pre, approximate=arch.gelu_tanh)
@@ -241,11 +242,13 @@ def _fused(p: dict, policy: Policy) -> Projections:
     d = p["in"].shape[-1]
     width = (p["in"].shape[1] - p["out"].shape[-1]) // 2  # in: 3 * D/tp + F/tp rows, out: D/tp + F/tp columns
     scales = [p[name].reshape(-1) if name in p else None for name in ("in_scale", "out_scale")]  # int8: quant.py
-    dot_dtype = None if policy.int8_dot == "compute" else jnp.dtype(policy.int8_dot)
+    dot_dtype = None if policy.int8_dot in ("compute", "kernel") else jnp.dtype(policy.int8_dot)
     in_NxK, in_bias = p["in"].reshape(-1, d), p["in_bias"].reshape(-1)
     out_DxM = p["out"].reshape(d, -1)
 
     def product(x, w_NxK, scale_N):
+        if scale_N is not None and policy.int8_dot == "kernel" and quant_kernel.applies(x, w_NxK):
+            return quant_kernel.by_rows(x, w_NxK, scale_N)
         return order.in_pieces(lambda w, s: quant.by_rows(x, w, s, dot_dtype), w_NxK, scale_N, 0, policy, x)
 
     def rows(start, stop):  # an input side's rows: its matrix, scales and biases

@@ -135,9 +135,18 @@ class Layout:
     policy: Policy  # the platform choices of the mesh's devices (mesh_transformer.platforms)
 
     def __post_init__(self):
-        if self.policy.attention == "splash" and (self.tp_axis is not None or self.mesh.size > 1):
-            raise ValueError("splash attention runs under a GSPMD layout on one device: under shard_map its output "
-                             "carries no mesh typing for check_vma, and GSPMD does not partition a Pallas call")
+        if self.policy.attention == "splash" and (self.tp_axis is not None or (
+                self.mesh.size > 1 and self.policy.attention_shards is None)):
+            raise ValueError("splash attention runs under a GSPMD layout (`with_attention`): under shard_map its "
+                             "output carries no mesh typing for check_vma, and GSPMD does not partition a Pallas "
+                             "call, so on several devices each runs it on its own rows and heads")
+
+    def with_attention(self, kernel: str) -> Layout:
+        """This layout with training attention `kernel` (an A/B of the platform policy's), as its policy runs it
+        (`platforms.for_layout`: splash only under GSPMD, split over the devices by rows and heads)."""
+        policy = dataclasses.replace(self.policy, attention=kernel)
+        policy = platforms.for_layout(policy, self.tp_axis is None, self.mesh, self.spec(ACTIVATION_AXES["heads"]))
+        return dataclasses.replace(self, policy=policy)
 
     # ----------------------------------------------------------------------------------------------- placement
     def spec(self, logical_axes: Sequence[str]) -> P:
@@ -356,12 +365,13 @@ def make_layout(cfg: Config, devices: Sequence[jax.Device] | None = None, mesh: 
             shape = {DATA: len(devices) // group, FSDP: cfg.mesh_fsdp, TENSOR: cfg.mesh_tensor}
         mesh = make_mesh(shape, devices)
     _check_axes(cfg, mesh)
-    policy = platforms.for_layout(platforms.for_devices(list(mesh.devices.flat)), cfg.parallelism != SHARD_MAP,
-                                  mesh.size)
+    policy = platforms.for_devices(list(mesh.devices.flat))
     if cfg.compute_dtype == "auto":
         cfg = dataclasses.replace(cfg, compute_dtype=policy.compute_dtype)
     if cfg.parallelism == SHARD_MAP:
-        return Layout(cfg, mesh, MEGATRON, tp_axis=MP, dp_axis=DP, policy=policy)
+        return Layout(cfg, mesh, MEGATRON, tp_axis=MP, dp_axis=DP, policy=platforms.for_layout(policy, gspmd=False))
     mappings = gspmd_mappings(cfg)
     _check_gspmd(cfg, mesh, mappings)
-    return Layout(cfg, mesh, mappings, tp_axis=None, dp_axis=None, policy=policy)
+    heads_spec = logical_to_spec(ACTIVATION_AXES["heads"], mappings.compute)
+    return Layout(cfg, mesh, mappings, tp_axis=None, dp_axis=None,
+                  policy=platforms.for_layout(policy, True, mesh, heads_spec))

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mesh_transformer.model import attention, families, fused, layers
+from mesh_transformer.model import attention, families, fused, layers, table
 from tests.helpers import CPU_POLICY
 
 
@@ -81,25 +81,53 @@ def test_splash_attention_equals_xlas_with_its_gradients(monkeypatch, padded):
         assert float(jnp.abs(a - b).max()) <= 1e-5 * float(jnp.abs(b).max())
 
 
-def test_splash_attention_is_refused_but_on_one_device_under_gspmd():
+def test_splash_attention_runs_under_gspmd_and_is_refused_under_shard_map():
     """A Pallas call is not partitioned by GSPMD, and under shard_map splash's output carries no mesh typing for
-    check_vma: splash goes with a GSPMD layout on one device."""
+    check_vma: splash goes with a GSPMD layout, on several devices per device over its rows and heads."""
     import dataclasses
+
+    from jax.sharding import PartitionSpec as P
 
     from mesh_transformer import config
     from mesh_transformer.parallel.layout import make_layout
 
-    def with_splash(layout):
-        return dataclasses.replace(layout, policy=dataclasses.replace(layout.policy, attention="splash"))
-
-    fsdp = config.load("configs/tiny_rot_partial.json", ["parallelism=fsdp", "mesh_fsdp=2"])
-    for refused in (make_layout(fsdp, jax.devices()[:2]),
-                    make_layout(config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1"]),
-                                jax.devices()[:1])):
-        with pytest.raises(ValueError, match="splash attention runs under a GSPMD layout on one device"):
-            with_splash(refused)
+    megatron = make_layout(config.load("configs/tiny_rot_partial.json", ["cores_per_replica=2"]), jax.devices()[:4])
+    with pytest.raises(ValueError, match="splash attention runs under a GSPMD layout"):
+        dataclasses.replace(megatron, policy=dataclasses.replace(megatron.policy, attention="splash"))
+    assert megatron.with_attention("splash").policy.attention == "xla"
     one = make_layout(config.load("configs/tiny_rot_partial.json", ["parallelism=fsdp"]), jax.devices()[:1])
-    assert with_splash(one).policy.attention == "splash"
+    assert one.with_attention("splash").policy.attention_shards is None
+    fsdp_tp = config.load("configs/tiny_rot_partial.json", ["parallelism=fsdp_tp", "mesh_fsdp=2", "mesh_tensor=2"])
+    split = make_layout(fsdp_tp, jax.devices()[:8]).with_attention("splash").policy
+    assert split.attention == "splash" and split.attention_shards[1] == P(("data", "fsdp"), None, "tensor", None)
+
+
+def test_splash_attention_over_a_gspmd_mesh_equals_one_devices_training_step(monkeypatch):
+    """The loss and gradients of a GSPMD layout on data 2 x fsdp 2 x tensor 2 with splash (Pallas' interpreter, each
+    device its rows and heads) equal one device's with XLA's attention."""
+    import dataclasses
+
+    from mesh_transformer import config
+    from mesh_transformer.parallel.layout import make_layout
+    from mesh_transformer.parallel.mesh import make_mesh
+
+    monkeypatch.setattr(attention, "SPLASH_BLOCK", 128)
+    monkeypatch.setattr(attention, "SPLASH_INTERPRET", True)
+    cfg = config.from_dict({"layers": 1, "d_model": 256, "n_heads": 2, "n_vocab": 256, "pe_rotary_dims": 16,
+                            "seq": 256, "parallelism": "fsdp_tp", "mesh_fsdp": 2, "mesh_tensor": 2, "remat": False})
+    tokens = np.random.default_rng(0).integers(0, cfg.n_vocab, (4, cfg.seq + 1)).astype(np.int32)
+    one = make_layout(dataclasses.replace(cfg, parallelism="dp", mesh_fsdp=1, mesh_tensor=1),
+                      jax.devices()[:1]).with_attention("xla")
+    split = make_layout(cfg, mesh=make_mesh({"data": 2, "fsdp": 2, "tensor": 2})).with_attention("splash")
+    assert split.policy.attention == "splash" and split.policy.attention_shards is not None
+    params = table.init_params(cfg, jax.random.PRNGKey(0))
+    (want_loss, want_grads), (loss, grads) = (
+        jax.jit(layout.loss_and_grad_fn())(jax.device_put(params, layout.param_shardings()), {}, tokens)
+        for layout in (one, split))
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        got, want = np.asarray(got), np.asarray(want)
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
 def layer_params(keys, D):

@@ -12,7 +12,7 @@ import pytest
 from mesh_transformer import config, storage
 from mesh_transformer.infer import decode, params as infer_params, sampler as sampling
 from mesh_transformer.infer.params import make_inference_layout
-from mesh_transformer.model import gptj, quant, table
+from mesh_transformer.model import gptj, quant, quant_kernel, table
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.store import checkpoint, convert
 from tests.helpers import CPU_POLICY, run_script
@@ -97,6 +97,45 @@ def test_products_in_pieces_equal_whole_products(params, weights):
     # 4 KiB of f32 weights a piece: the joined input matrix in 28 pieces, the head in 16.
     pieces = prefill_logits(params, cfg, ids, dataclasses.replace(CPU_POLICY, dot_piece_bytes=4096))
     np.testing.assert_allclose(pieces, whole, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_int8_kernel_equals_xlas_dequantizing_product(monkeypatch, dtype):
+    """model/quant_kernel.py in Pallas' interpreter, its grid over blocks of w's rows (128 rows of 256: 3 blocks),
+    against quant.by_rows: the same products of x's dtype accumulated in f32, then scaled."""
+    monkeypatch.setattr(quant_kernel, "INTERPRET", True)
+    monkeypatch.setattr(quant_kernel, "BLOCK_BYTES", 128 * 256)
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((3, 2, 256)), dtype)
+    w = quant.quantize(rng.standard_normal((256, 384)).astype(np.float32), np.full(384, 0.02, np.float32)).T
+    scale = jnp.asarray(rng.uniform(0.01, 0.03, 384), jnp.float32)
+    assert quant_kernel.applies(x, w) and quant_kernel._block_rows(384, 256) == 128
+    got, want = jax.jit(quant_kernel.by_rows)(x, w, scale), jax.jit(quant.by_rows)(x, w, scale)
+    assert got.dtype == want.dtype == dtype and got.shape == (3, 2, 384)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-6, atol=1e-6)
+    too_many_rows = jnp.zeros((quant_kernel.MAX_ROWS + 1, 256), dtype)
+    assert not quant_kernel.applies(too_many_rows, w) and not quant_kernel.applies(x[..., :192], w[:, :192])
+
+
+def test_int8_kernel_programs_on_dp2_mp4_give_one_devices_greedy_tokens(monkeypatch):
+    """The policy's int8_dot "kernel" (the interpreter) in every decode program, each device's slice of the joined
+    int8 matrices whole lanes (d_model 512, mp 4), against XLA's products on one device."""
+    monkeypatch.setattr(quant_kernel, "INTERPRET", True)
+    cfg = config.from_dict({"layers": 2, "d_model": 512, "n_heads": 4, "n_vocab": 256, "pe_rotary_dims": 16,
+                            "seq": 32, "cores_per_replica": 1, "weight_dtype": "int8"})
+    weights = jax.tree.map(np.asarray, table.init_unsharded(cfg, jax.random.PRNGKey(5)))
+    one = sampling.Sampler(make_inference_layout(cfg, mesh=make_dp_mp(1, 1)), weights)
+    layout = make_inference_layout(dataclasses.replace(cfg, cores_per_replica=4), mesh=make_dp_mp(2, 4))
+    layout = dataclasses.replace(layout, policy=dataclasses.replace(layout.policy, int8_dot="kernel"))
+    kernel = sampling.Sampler(layout, weights)
+    calls = []
+    traced = quant_kernel.by_rows
+    monkeypatch.setattr(quant_kernel, "by_rows", lambda *args: calls.append(1) or traced(*args))
+    expected = one.generate(PROMPTS, 8, temperature=0.0, return_logprobs=True)
+    for ours, ref in zip(kernel.generate(PROMPTS, 8, temperature=0.0, return_logprobs=True), expected):
+        assert ours.tokens == ref.tokens
+        np.testing.assert_allclose(ours.logprobs, ref.logprobs, atol=1e-4)
+    assert calls  # the programs traced the kernel
 
 
 @pytest.mark.parametrize("cfg", [INT8, HEAD8], ids=["layers", "with_head"])

@@ -1,0 +1,60 @@
+"""int8 weights' products for the few rows of a decode step as a Pallas TPU kernel: x [R, K] @ w [N, K].T * scale [N],
+the int8 matrix read a block of rows at a time into VMEM and converted there, so no converted copy of it is written.
+
+XLA:TPU converts an int8 weight inside its matrix-vector fusions, relaying it out into the tiling the fusion wants
+(docs/performance.md): on a v5e GPT-J-6B's joined layer matrices stream at 0.59-0.62 of the datasheet's bandwidth
+that way, 0.67-0.70 through this kernel (`bench/weight_stream_ab.py`, 8 layers, batch 1-64). The platform policy's
+`int8_dot: "kernel"` takes it (`model/layers.py`), where the rows are few (`MAX_ROWS`: a decode step, not a prefill)
+and both dims are multiples of the TPU's 128 lanes; XLA's product elsewhere.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+BLOCK_BYTES = 4 << 20  # the int8 rows of w a grid step reads (two in flight)
+MAX_ROWS = 256  # more rows of x than this (a prefill) are XLA's
+LANES = 128
+VMEM_LIMIT = 64 << 20  # of a v5e core's 128 MiB: two int8 blocks, the converted one and x
+INTERPRET = False  # run in Pallas' interpreter (the CPU's tests)
+
+
+def applies(x: jax.Array, w_NxK: jax.Array) -> bool:
+    """Whether the kernel takes this product: few rows, both dims whole lanes."""
+    rows = x.size // x.shape[-1]
+    return rows <= MAX_ROWS and w_NxK.shape[0] % LANES == 0 and w_NxK.shape[1] % LANES == 0
+
+
+def _block_rows(n: int, k: int) -> int:
+    """The rows of w a grid step reads: about BLOCK_BYTES of them, a multiple of the lanes dividing n."""
+    rows = max(LANES, min(n, BLOCK_BYTES // k // LANES * LANES))
+    while n % rows:
+        rows -= LANES
+    return rows
+
+
+def _kernel(x_ref, w_ref, s_ref, o_ref):
+    w = w_ref[...].astype(x_ref.dtype)
+    acc = lax.dot_general(x_ref[...], w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    o_ref[...] = (acc * s_ref[...]).astype(o_ref.dtype)
+
+
+def by_rows(x: jax.Array, w_NxK: jax.Array, scale_N: jax.Array) -> jax.Array:
+    """x @ w.T for an int8 w, scaled per output and returned in x's dtype, as `quant.by_rows` computes it (products
+    of x's dtype accumulated in f32, then scaled): the grid walks blocks of w's rows, x whole in VMEM."""
+    k, n = x.shape[-1], w_NxK.shape[0]
+    x_RxK = x.reshape(-1, k)
+    rows = x_RxK.shape[0]
+    block = _block_rows(n, k)
+    out = pl.pallas_call(
+        _kernel, grid=(n // block,),
+        in_specs=[pl.BlockSpec((rows, k), lambda j: (0, 0)), pl.BlockSpec((block, k), lambda j: (j, 0)),
+                  pl.BlockSpec((1, block), lambda j: (0, j))],
+        out_specs=pl.BlockSpec((rows, block), lambda j: (0, j)),
+        out_shape=jax.ShapeDtypeStruct((rows, n), x.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=VMEM_LIMIT),
+        interpret=INTERPRET)(x_RxK, w_NxK, scale_N.reshape(1, n).astype(jnp.float32))
+    return out.reshape(*x.shape[:-1], n)
