@@ -2,8 +2,9 @@
 matrices of a layer (`fused.fuse_layer`: in [3D + F, D], out [D, D + F]) for a few layers, run as decode runs them
 (each layer's input product, then its output product, one batch of rows), in bf16 and int8, the weights held
 [outputs, inputs] (as now) or [inputs, outputs], the int8 ones converted before XLA's dot, given to the dot as they
-are, or read by a Pallas kernel that converts a block at a time. Each record: the step time, the weight bytes it read
-over that time, and that rate over the datasheet's bandwidth where one is known.
+are, multiplied as int8 by the rows quantized too (w8a8) or split into two int8 halves (split16), or read by a Pallas
+kernel that converts a block at a time (`int8_nk_kernel`: the project's, model/quant_kernel.py). Each record: the
+step time, the weight bytes it read over that time, and that rate over the datasheet's bandwidth where one is known.
 
     python bench/weight_stream_ab.py [--layers 8] [--batches 1,16,32,64] [--variants all]
 """
@@ -101,6 +102,13 @@ def split16(x, w, s, nk):
     return (256.0 * y[:b] + y[b:]) * sx * s[None]
 
 
+def _project_kernel(x, w_NxK, s_N):
+    """The project's kernel (model/quant_kernel.py, the policy's int8_dot "kernel"), returning f32 as the others."""
+    from mesh_transformer.model import quant_kernel
+
+    return quant_kernel.by_rows(x, w_NxK, s_N).astype(F32)
+
+
 # name: (weight dtype, [N, K] held, product)
 VARIANTS = {
     "bf16_nk": (BF16, True, plain), "bf16_kn": (BF16, False, plain),
@@ -108,6 +116,8 @@ VARIANTS = {
     "int8_nk_mixed": (jnp.int8, True, mixed), "int8_kn_mixed": (jnp.int8, False, mixed),
     "int8_nk_w8a8": (jnp.int8, True, w8a8), "int8_kn_w8a8": (jnp.int8, False, w8a8),
     "int8_nk_split16": (jnp.int8, True, split16), "int8_kn_split16": (jnp.int8, False, split16),
+    "int8_nk_kernel": (jnp.int8, True, lambda x, w, s, nk: _project_kernel(x, w, s)),
+    "bf16_nk_pallas4m": (BF16, True, lambda x, w, s, nk: pallas_nt(x, w, s, 4 << 20)),
     "int8_nk_pallas2m": (jnp.int8, True, lambda x, w, s, nk: pallas_nt(x, w, s, 2 << 20)),
     "int8_nk_pallas4m": (jnp.int8, True, lambda x, w, s, nk: pallas_nt(x, w, s, 4 << 20)),
 }

@@ -6,7 +6,10 @@ import numpy as np
 from bench import weight_stream_ab as ab
 
 
-def test_every_form_of_the_int8_product_computes_the_same_values():
+def test_every_form_of_the_int8_product_computes_the_same_values(monkeypatch):
+    from mesh_transformer.model import quant_kernel
+
+    monkeypatch.setattr(quant_kernel, "INTERPRET", True)
     x = jax.random.normal(jax.random.PRNGKey(0), (8, 512)).astype(jnp.bfloat16)
     w_NxK = ab._hashed((1024, 512), jnp.int8, 3)
     s_N = jnp.linspace(0.01, 0.02, 1024, dtype=jnp.float32)
@@ -16,4 +19,10 @@ def test_every_form_of_the_int8_product_computes_the_same_values():
              "pallas": ab.pallas_nt(x, w_NxK, s_N, 128 * 512, interpret=True)}
     for name, got in forms.items():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-3, err_msg=name)
+    # The kernel returns x's dtype (bf16); the int8 x int8 forms quantize the rows (w8a8 to 8 bits, split16 to 16).
+    np.testing.assert_allclose(np.asarray(ab._project_kernel(x, w_NxK, s_N)), np.asarray(want), rtol=1e-2, atol=0.05)
+    scale = float(jnp.abs(want).max())
+    assert float(jnp.abs(ab.split16(x, w_NxK, s_N, True) - want).max()) <= 1e-4 * scale
+    assert float(jnp.abs(ab.split16(x, w_NxK.T, s_N, False) - want).max()) <= 1e-4 * scale
+    assert float(jnp.abs(ab.w8a8(x, w_NxK, s_N, True) - want).max()) <= 0.05 * scale
     assert int(jnp.abs(w_NxK.astype(jnp.int32)).max()) == 127 and len(np.unique(np.asarray(w_NxK))) > 200
