@@ -26,6 +26,10 @@ suite: its figures only show that everything runs). A section that fails (out of
 device is used. bench/results/ holds runs on real devices.
 
     python bench/device_suite.py [--only device,train,...] [--tiny] [--out bench/results/KIND-DATE.jsonl]
+
+For an A/B, a flag replaces one of the platform policy's choices (`--attention`, `--paged-attention`, `--int8-dot`)
+or of the sizes and configs (`--page-size`, `--train-seq`, `--train-layers`, `--train-set KEY=VALUE`); the records
+carry what ran.
 """
 from __future__ import annotations
 
@@ -52,6 +56,7 @@ from bench.common import copy_bandwidth_bytes_per_s, emit, figure, matmul_peak_f
 from bench.suite_parts import (PAGE, SIZES, CompileLog, Peaks, Sizes, decode_records, device_sizes, error_text,
                                model_config, one_device_layout, param_count, random_arrays, serving_paged_records,
                                serving_records, train_bytes)
+from mesh_transformer import config
 from mesh_transformer.model import gptj
 from mesh_transformer.model.attention import clear_kernels
 from mesh_transformer.parallel.layout import make_layout
@@ -208,10 +213,12 @@ def train_record(name: str, cfg, repeats: int, peaks: Peaks, device: jax.Device,
     return record
 
 
-def train_lora_record(sizes: Sizes, peaks: Peaks, device: jax.Device, attention: str | None = None) -> dict:
-    """The GPT-J-6B LoRA step (rank 16, all targets, base bf16, remat). Its FLOPs: the full step's less the base's
-    weight gradients (a third of the matmul work), adapters' own work ignored."""
-    cfg = model_config(sizes.lora_model, remat=True, lora_rank=16, base_dtype="bfloat16", per_replica_batch=1)
+def train_lora_record(sizes: Sizes, peaks: Peaks, device: jax.Device, attention: str | None = None,
+                      train_set: dict | None = None) -> dict:
+    """The GPT-J-6B LoRA step (rank 16, all targets, base bf16, remat; `train_set` replaces config keys). Its FLOPs:
+    the full step's less the base's weight gradients (a third of the matmul work), adapters' own work ignored."""
+    cfg = model_config(sizes.lora_model, **{"remat": True, "lora_rank": 16, "base_dtype": "bfloat16",
+                                            "per_replica_batch": 1, **(train_set or {})})
     full = train_flops_per_token(cfg)
     matmul_params = cfg.layers * (4 * cfg.d_model ** 2 + 2 * cfg.d_model * cfg.d_ff) + cfg.d_model * cfg.n_vocab
     return train_record("train_lora_6b", cfg, sizes.repeats, peaks, device, full - 2 * matmul_params, attention)
@@ -225,9 +232,11 @@ def with_choices(layout, **choices):
 
 def run_section(name: str, device: jax.Device, sizes: Sizes, peaks: Peaks | None,
                 paged_attention: str | None = None, page_size: int = PAGE,
-                attention: str | None = None, int8_dot: str | None = None) -> tuple[list[dict], Peaks]:
+                attention: str | None = None, int8_dot: str | None = None,
+                train_set: dict | None = None) -> tuple[list[dict], Peaks]:
     """The records of one section, and the peaks the others are measured against (the device section's, else
-    measured here). `paged_attention`, `attention` and `int8_dot` replace the platform policy's, for an A/B."""
+    measured here). `paged_attention`, `attention` and `int8_dot` replace the platform policy's, and `train_set`
+    the train sections' config keys, for an A/B."""
     if name == "device":
         record, peaks = measure_device(device, sizes)
         return [record], peaks
@@ -241,11 +250,12 @@ def run_section(name: str, device: jax.Device, sizes: Sizes, peaks: Peaks | None
                                      memory_stats(device).get("bytes_limit", DEFAULT_BYTES_LIMIT)), peaks
     peaks = peaks or measure_device(device, sizes)[1]  # the sections below are measured against them
     if name == "train":
-        cfg = model_config(sizes.train_model, remat=True, per_replica_batch=sizes.train_batch,
-                           gradient_accumulation_steps=sizes.train_micro_batches)
+        cfg = model_config(sizes.train_model, **{"remat": True, "per_replica_batch": sizes.train_batch,
+                                                 "gradient_accumulation_steps": sizes.train_micro_batches,
+                                                 **(train_set or {})})
         return [train_record("train", cfg, sizes.repeats, peaks, device, train_flops_per_token(cfg), attention)], peaks
     if name == "train_lora":
-        return [train_lora_record(sizes, peaks, device, attention)], peaks
+        return [train_lora_record(sizes, peaks, device, attention, train_set)], peaks
     if name == "decode":
         layout = one_device_layout(model_config(sizes.decode_model), device)
         return decode_records(layout, sizes.decode_batches, sizes, peaks), peaks
@@ -284,11 +294,19 @@ def main() -> None:
     parser.add_argument("--int8-dot", choices=("compute", "kernel"), default=None,
                         help="int8 weights' products in decode_int8, serving and serving_paged, for an A/B "
                              "(default: the platform policy's)")
+    parser.add_argument("--train-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config key of both train sections' models, for an A/B (per_replica_batch=2, "
+                             "remat=false, ...; repeatable)")
     parser.add_argument("--train-seq", type=int, default=None,
                         help="the train sections' sequence length (default 2048; the train model's layers refitted)")
     parser.add_argument("--train-layers", type=int, default=None,
                         help="the train model's layers, for an A/B at one size (default: as many as fit)")
     args = parser.parse_args()
+    try:
+        train_set = config.parse_overrides(args.train_set)
+        config.from_dict(train_set)  # known keys, valid values
+    except config.ConfigError as e:
+        parser.error(f"--train-set: {e}")
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
@@ -314,7 +332,7 @@ def main() -> None:
         compiles.start()
         try:
             records, peaks = run_section(name, device, sizes, peaks, args.paged_attention, args.page_size,
-                                         args.attention, args.int8_dot)
+                                         args.attention, args.int8_dot, train_set)
         except Exception as e:  # one failed section (out of memory, say) must not cost the others their figures
             records = [{"bench": name, "error": error_text(e)}]
             traceback.print_exc(file=sys.stderr)

@@ -74,17 +74,18 @@ def test_sizes_for_a_16_gib_chip_fit_its_memory():
 
 def test_the_ab_flags_set_attention_layout_sequence_and_int8_products():
     """`--attention` (the A/B of training attention: both sides on the GSPMD layout, where splash runs),
-    `--train-seq` and `--train-layers` reach the train records, `--int8-dot` the int8 decode records (the tiny
-    model's products are XLA's either way: 64 wide, not whole lanes); on a chip the train model's layers are refitted
-    to longer rows unless given."""
+    `--train-seq`, `--train-layers` and `--train-set` reach the train records, `--int8-dot` the int8 decode records
+    (the tiny model's products are XLA's either way: 64 wide, not whole lanes); on a chip the train model's layers
+    are refitted to longer rows unless given."""
     result = run_script("bench/device_suite.py", "--tiny", "--only", "train,train_lora,decode_int8", "--attention",
-                        "xla", "--train-seq", "32", "--train-layers", "3", "--int8-dot", "kernel")
+                        "xla", "--train-seq", "32", "--train-layers", "3", "--int8-dot", "kernel", "--train-set",
+                        "remat=false")
     assert result.returncode == 0, result.stderr[-2000:]
     records = [json.loads(line) for line in result.stdout.splitlines()]
     decodes = [r for r in records if r["bench"] == "decode"]
     assert decodes and all(r["int8_dot"] == "kernel" and r["tokens_per_s"] > 0 for r in decodes)
     trains = [r for r in records if r["bench"] in ("train", "train_lora_6b")]
-    assert [(r["attention"], r["parallelism"], r["seq"]) for r in trains] == [("xla", "dp", 32)] * 2
+    assert [(r["attention"], r["parallelism"], r["seq"], r["remat"]) for r in trains] == [("xla", "dp", 32, False)] * 2
     assert trains[0]["layers"] == 3
     longer = device_sizes(jax.devices("cpu")[0], V5E_BYTES_LIMIT, compute_dtype="bfloat16", train_seq=8192)
     assert longer.train_model["seq"] == longer.lora_model["seq"] == 8192
