@@ -114,6 +114,7 @@ def test_fit_check_compiles_every_program_for_a_target(topology):
     assert serve["argument_bytes"] >= serve["params_bytes"] + serve["kv_cache_bytes"]
     assert serve["params_bytes"] == pytest.approx(2 * train["params"] / serve["decode_mesh"]["mp"], rel=0.05)
     assert 0 < train["estimated_step_s"] and 0 < train["estimated_mfu"] < 1
+    assert train["attention"] == ("cudnn" if topology.startswith("h100") else "xla")  # shard_map: never splash
     assert scorer["total_bytes"] > 0 and prefill["total_bytes"] > 0 and sample["total_bytes"] > 0
     assert extend["total_bytes"] >= extend["params_bytes"] + extend["kv_cache_bytes"]
     assert f"on {topology} ({target.compiler})" in aot.human_line(records) and "estimated" in aot.human_line(records)
@@ -299,3 +300,18 @@ def test_the_estimate_counts_splash_attentions_products():
     # One block of 256 positions (the causal half computed whole), 2 heads of 128: forward 2 products, dq 3, dkv 4.
     product = 2.0 * rows * cfg.n_heads * cfg.seq * cfg.seq * 128
     assert estimate._Module(compiled.as_text()).weighted()[0] == pytest.approx(dense + 9 * product, rel=0.02)
+
+
+def test_splash_over_a_gspmd_slice_compiles_for_a_v5e_with_each_device_its_rows_and_heads():
+    """fsdp 4 x tensor 2 on a v5litepod-8: the TPU compiler takes the shard_map around splash, each device's kernel
+    over its 2 of the 8 sequences (2 per fsdp replica) and 1 of the 2 heads."""
+    cfg = config.from_dict({"layers": 1, "d_model": 256, "n_heads": 2, "n_vocab": 256, "pe_rotary_dims": 16,
+                            "seq": 256, "cores_per_replica": 1, "compute_dtype": "bfloat16", "remat": False,
+                            "per_replica_batch": 2})
+    programs = aot.training_programs(cfg, "fsdp_tp", targets.compile_devices(targets.target("v5litepod-8")),
+                                     {"fsdp": 4, "tensor": 2, "data": None})
+    assert programs["layout"].policy.attention == "splash"
+    hlo = programs["train"].lower(programs["state"], programs["tokens"], programs["frozen"]).compile().as_text()
+    calls = re.findall(r"%splash_mha_fwd\S* = \(.*?\) custom-call\(([^)]*)\)", hlo)
+    q_shapes = set(re.findall(r"bf16\[(\d+),(\d+),256,128\]", hlo))
+    assert calls and ("2", "1") in q_shapes  # [rows, heads, positions, head dim] on one device
