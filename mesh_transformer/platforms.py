@@ -29,7 +29,8 @@ CPU, TPU, GPU = "cpu", "tpu", "gpu"
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """The platform choices of one set of devices."""
+    """The platform choices of one set of devices; a layout's (`for_layout`) adds where splash runs across its mesh,
+    the one choice that depends on the layout, kept here because every layer already reads the policy."""
     platform: str  # "cpu", "tpu" or "gpu"
     device_kind: str
     compute_dtype: str  # what the config's compute_dtype "auto" means here
