@@ -27,9 +27,9 @@ device is used. bench/results/ holds runs on real devices.
 
     python bench/device_suite.py [--only device,train,...] [--tiny] [--out bench/results/KIND-DATE.jsonl]
 
-For an A/B, a flag replaces one of the platform policy's choices (`--attention`, `--paged-attention`, `--int8-dot`)
-or of the sizes and configs (`--page-size`, `--train-seq`, `--train-layers`, `--train-set KEY=VALUE`); the records
-carry what ran.
+For an A/B, a flag replaces one of the platform policy's choices (`--attention`, `--paged-attention`, `--int8-dot`,
+`--splash-block`) or of the sizes and configs (`--page-size`, `--train-seq`, `--train-layers`, `--train-set
+KEY=VALUE`); the records carry what ran.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ from bench.suite_parts import (PAGE, SIZES, CompileLog, Peaks, Sizes, decode_rec
                                serving_records, train_bytes)
 from mesh_transformer import config
 from mesh_transformer.model import gptj
-from mesh_transformer.model.attention import clear_kernels
+from mesh_transformer.model import attention as attention_kernels
 from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.platforms import platform_setup
 from mesh_transformer.train import optim
@@ -200,6 +200,7 @@ def train_record(name: str, cfg, repeats: int, peaks: Peaks, device: jax.Device,
               "micro_batches": micro_batches, "params": param_count(cfg), "compute_dtype": precision.compute.name,
               "param_dtype": precision.params.name, "remat": cfg.remat, "join_projections": cfg.join_projections,
               "attention": layout.policy.attention, "parallelism": cfg.parallelism,
+              "splash_block": attention_kernels.SPLASH_BLOCK if layout.policy.attention == "splash" else None,
               "compile_s": figure(compile_s), "compiled_gb": figure(compiled_bytes(step) / 1e9),
               "step_s": figure(step_s), "tokens_per_s": figure(tokens_per_s),
               "model_tflop_per_s": figure(tokens_per_s * flops_per_token / 1e12),
@@ -270,7 +271,7 @@ def memory_record(name: str, device: jax.Device) -> dict:
     (none should be) and the allocator's bytes in use and peak so far, where the device reports them."""
     gc.collect()  # the engine's thread and closures hold params in reference cycles
     jax.clear_caches()
-    clear_kernels()  # splash's mask tables
+    attention_kernels.clear_kernels()  # splash's mask tables
     arrays = jax.live_arrays()
     stats = memory_stats(device)
     record = {"bench": "memory", "section": name, "live_arrays": len(arrays),
@@ -297,11 +298,18 @@ def main() -> None:
     parser.add_argument("--train-set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config key of both train sections' models, for an A/B (per_replica_batch=2, "
                              "remat=false, ...; repeatable)")
+    parser.add_argument("--splash-block", type=int, default=None,
+                        help=f"splash attention's query and key blocks, for an A/B (default "
+                             f"{attention_kernels.SPLASH_BLOCK}; a multiple of 128)")
     parser.add_argument("--train-seq", type=int, default=None,
                         help="the train sections' sequence length (default 2048; the train model's layers refitted)")
     parser.add_argument("--train-layers", type=int, default=None,
                         help="the train model's layers, for an A/B at one size (default: as many as fit)")
     args = parser.parse_args()
+    if args.splash_block is not None:
+        if args.splash_block < 128 or args.splash_block % 128:
+            parser.error(f"--splash-block must be a positive multiple of 128, got {args.splash_block}")
+        attention_kernels.SPLASH_BLOCK = args.splash_block
     try:
         train_set = config.parse_overrides(args.train_set)
         config.from_dict(train_set)  # known keys, valid values

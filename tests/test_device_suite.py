@@ -79,13 +79,14 @@ def test_the_ab_flags_set_attention_layout_sequence_and_int8_products():
     are refitted to longer rows unless given."""
     result = run_script("bench/device_suite.py", "--tiny", "--only", "train,train_lora,decode_int8", "--attention",
                         "xla", "--train-seq", "32", "--train-layers", "3", "--int8-dot", "kernel", "--train-set",
-                        "remat=false")
+                        "remat=false", "--splash-block", "256")
     assert result.returncode == 0, result.stderr[-2000:]
     records = [json.loads(line) for line in result.stdout.splitlines()]
     decodes = [r for r in records if r["bench"] == "decode"]
     assert decodes and all(r["int8_dot"] == "kernel" and r["tokens_per_s"] > 0 for r in decodes)
     trains = [r for r in records if r["bench"] in ("train", "train_lora_6b")]
     assert [(r["attention"], r["parallelism"], r["seq"], r["remat"]) for r in trains] == [("xla", "dp", 32, False)] * 2
+    assert all(r["splash_block"] is None for r in trains)  # XLA's attention has no blocks to report
     assert trains[0]["layers"] == 3
     longer = device_sizes(jax.devices("cpu")[0], V5E_BYTES_LIMIT, compute_dtype="bfloat16", train_seq=8192)
     assert longer.train_model["seq"] == longer.lora_model["seq"] == 8192

@@ -82,7 +82,7 @@ CPU_QUERY_BLOCKS, MIN_QUERY_BLOCK = 4, 64
 
 
 KERNELS = ("blocked", "xla", "cudnn", "splash")
-SPLASH_BLOCK = 512  # splash attention's query and key blocks (fewer where a sequence is shorter)
+SPLASH_BLOCK = 512  # splash attention's query and key blocks (at most; fewer where they would not divide the rows)
 SPLASH_LANES = 128  # what splash needs the sequence and the head dim to be multiples of
 SPLASH_INTERPRET = False  # run splash in Pallas' interpreter (the CPU's tests; its TPU interpreter cannot run splash)
 
@@ -163,7 +163,10 @@ def splash_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.
     runs it per device under a GSPMD layout of several."""
     batch, length, heads, head_dim = q_BxTxHxK.shape
     q_BxTxHxK = q_BxTxHxK * jnp.asarray(1 / head_dim ** 0.5, q_BxTxHxK.dtype)
-    kernel = jax.vmap(_splash_kernel(length, heads, min(SPLASH_BLOCK, length), SPLASH_INTERPRET))
+    block = min(SPLASH_BLOCK, length)
+    while length % block:  # the largest block of whole lanes, at most SPLASH_BLOCK, that divides the rows
+        block -= SPLASH_LANES
+    kernel = jax.vmap(_splash_kernel(length, heads, block, SPLASH_INTERPRET))
     if q_BxTxHxK.dtype == jnp.bfloat16:
         kernel = _at_default_precision(kernel)
     ctx_BxHxTxK = kernel(*(x.transpose(0, 2, 1, 3) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK)))

@@ -57,13 +57,14 @@ def test_training_attention_equals_attend_with_its_gradients(dtype, padded, impl
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["causal", "causal+padding"])
-def test_splash_attention_equals_xlas_with_its_gradients(monkeypatch, padded):
+@pytest.mark.parametrize("block, length", [(128, 256), (256, 384)], ids=["128-of-256", "at-most-256-of-384"])
+def test_splash_attention_equals_xlas_with_its_gradients(monkeypatch, padded, block, length):
     """JAX's TPU splash kernel (Pallas' interpreter on the CPU), in blocks of 128 over 256 positions (the block
-    above the diagonal skipped), against XLA's attention: the output at every real position and the gradients of
-    q, k and v through them."""
-    monkeypatch.setattr(attention, "SPLASH_BLOCK", 128)
+    above the diagonal skipped), or of at most 256 over 384 (128: the largest that divides them), against XLA's
+    attention: the output at every real position and the gradients of q, k and v through them."""
+    monkeypatch.setattr(attention, "SPLASH_BLOCK", block)
     monkeypatch.setattr(attention, "SPLASH_INTERPRET", True)
-    rows, length, heads, head_dim = 2, 256, 2, 128
+    rows, heads, head_dim = 2, 2, 128
     shape = (rows, length, heads, head_dim)
     q, k, v = (jax.random.normal(key, shape) for key in jax.random.split(jax.random.key(3), 3))
     length_B = jnp.array([length, 100]) if padded else None
