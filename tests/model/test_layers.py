@@ -82,6 +82,30 @@ def test_splash_attention_equals_xlas_with_its_gradients(monkeypatch, padded, bl
         assert float(jnp.abs(a - b).max()) <= 1e-5 * float(jnp.abs(b).max())
 
 
+def test_splash_attention_in_bf16_runs_its_kernels_at_the_default_precision_under_highest(monkeypatch):
+    """bf16 products are exact at any precision, and Mosaic refuses them at "highest": splash's forward and backward
+    are traced at the default whatever the caller set, with the same values and gradients as without the setting."""
+    monkeypatch.setattr(attention, "SPLASH_BLOCK", 128)
+    monkeypatch.setattr(attention, "SPLASH_INTERPRET", True)
+    shape = (1, 256, 2, 128)
+    q, k, v = (jax.random.normal(key, shape).astype(jnp.bfloat16) for key in jax.random.split(jax.random.key(5), 3))
+    weights = jax.random.normal(jax.random.key(6), (1, 256, 256)).astype(jnp.bfloat16)
+
+    def loss(q, k, v):
+        return (attention.self_attention(q, k, v, kernel="splash") * weights).astype(jnp.float32).sum()
+
+    precisions = []
+    monkeypatch.setattr(attention, "_splash_kernel", lambda *a, made=attention._splash_kernel: (
+        lambda *x: precisions.append(jax.config.jax_default_matmul_precision) or made(*a)(*x)))
+    want, want_grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(q, k, v)
+    with jax.default_matmul_precision("highest"):
+        got, got_grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(q, k, v)
+    assert precisions and set(precisions) == {"default"}  # the kernel traced at the default both times
+    assert float(got) == float(want)
+    for a, b in zip(got_grads, want_grads):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_splash_attention_runs_under_gspmd_and_is_refused_under_shard_map():
     """A Pallas call is not partitioned by GSPMD, and under shard_map splash's output carries no mesh typing for
     check_vma: splash goes with a GSPMD layout, on several devices per device over its rows and heads."""
