@@ -45,6 +45,12 @@ def _dot_t(a: jax.Array, b: jax.Array, **kw) -> jax.Array:
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, **kw)
 
 
+def _bf16_exact(dtype) -> lax.Precision | None:
+    """bf16 products at the default precision, whatever a caller set: exact at any, and Mosaic refuses them at
+    "highest"; other dtypes follow the caller's setting."""
+    return lax.Precision.DEFAULT if dtype == jnp.bfloat16 else None
+
+
 def _rows(x_SxH: jax.Array) -> jax.Array:
     """x transposed [H, S] by a product with the identity at full precision (the matrix unit's transpose)."""
     heads = x_SxH.shape[1]
@@ -108,7 +114,7 @@ def _kernel(length_ref, table_ref, q_ref, k_hbm, v_hbm, *rest, n_rows: int, widt
         for h in range(heads):
             at = pl.ds(h, 1)
             q = q_ref[at, :]  # [1, K]
-            s = _dot_t(q, _head(k_buf, slot, h, span, q.dtype))  # [1, span]
+            s = _dot_t(q, _head(k_buf, slot, h, span, q.dtype), precision=_bf16_exact(q.dtype))  # [1, span]
             if scaled:
                 s = s * k_scales[h:h + 1]
             s = jnp.where(real, s, MASKED)
@@ -121,7 +127,7 @@ def _kernel(length_ref, table_ref, q_ref, k_hbm, v_hbm, *rest, n_rows: int, widt
             if scaled:
                 p = p * v_scales[h:h + 1]
             v = _head(v_buf, slot, h, span, q.dtype)
-            acc_ref[at, :] = alpha * acc_ref[at, :] + jnp.dot(p.astype(q.dtype), v,
+            acc_ref[at, :] = alpha * acc_ref[at, :] + jnp.dot(p.astype(q.dtype), v, precision=_bf16_exact(q.dtype),
                                                                preferred_element_type=jnp.float32)
         slot_ref[0] = 1 - slot
         return carry

@@ -38,7 +38,10 @@ def _block_rows(n: int, k: int) -> int:
 
 def _kernel(x_ref, w_ref, s_ref, o_ref):
     w = w_ref[...].astype(x_ref.dtype)
-    acc = lax.dot_general(x_ref[...], w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    # bf16 products are exact at any precision, and Mosaic refuses them at a caller's "highest"
+    precision = lax.Precision.DEFAULT if x_ref.dtype == jnp.bfloat16 else None
+    acc = lax.dot_general(x_ref[...], w, (((1,), (1,)), ((), ())), precision=precision,
+                          preferred_element_type=jnp.float32)
     o_ref[...] = (acc * s_ref[...]).astype(o_ref.dtype)
 
 

@@ -1,6 +1,8 @@
 """The paged KV cache computes what the slot cache does: the same logits for prompts, decode steps and prompt tails
 after a prefix whose pages are shared, on one device and split over dp 2 x mp 4."""
 import dataclasses
+import re
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -287,6 +289,25 @@ def test_the_paged_kernel_attends_over_each_rows_pages_up_to_its_length(int8, pe
         got = paged_decode_attention(q, k, v, k_scales, v_scales, length, table, pages_per_block=per_block)
     want = kernel_reference(q, k, v, k_scales, v_scales, length, table)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("int8", [True, False], ids=["int8", "bf16"])
+def test_the_paged_kernels_bf16_products_are_at_the_default_precision_under_a_callers_highest(int8):
+    """Mosaic refuses bf16 products at "highest" (found on a v5e with splash): the kernel's bf16 query products are
+    at the default whatever the caller set (exact either way); its f32 transpose of the scales stays at HIGHEST."""
+    from mesh_transformer.infer.paged_kernel import paged_decode_attention
+
+    q = jnp.zeros((2, 4, 128), jnp.bfloat16)
+    pages = jnp.zeros((6, 4, 8, 128), jnp.int8 if int8 else jnp.bfloat16)
+    scales = jnp.ones((6, 8, 4), jnp.float32) if int8 else None
+    with jax.default_matmul_precision("highest"):
+        jaxpr = str(jax.make_jaxpr(partial(paged_decode_attention, pages_per_block=1))(
+            q, pages, pages, scales, scales, jnp.array([3, 9]), jnp.array([[0, 1], [2, 3]], jnp.int32)))
+    precisions = re.findall(r"precision=\((Precision\.\w+), Precision\.\w+\)", jaxpr)
+    heads = q.shape[1]  # per head: the scores and the weighted values
+    assert precisions.count("Precision.DEFAULT") == 2 * heads
+    assert set(precisions) <= {"Precision.DEFAULT", "Precision.HIGHEST"}
+    assert precisions.count("Precision.HIGHEST") == (2 if int8 else 0)
 
 
 def test_kernel_decode_programs_on_dp2_mp4_give_the_gather_programs_greedy_tokens():

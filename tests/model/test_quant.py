@@ -207,3 +207,14 @@ def test_int8_is_written_slim_only_and_the_int8_head_needs_int8_weights(int8_che
         convert.write_checkpoint(f32, CFG, str(tmp_path / "full"), dtype="int8")
     with pytest.raises(config.ConfigError, match="quantize_head"):
         config.from_dict({**CFG.to_dict(), "quantize_head": True})
+
+
+def test_the_int8_kernels_bf16_products_are_at_the_default_precision_under_a_callers_highest():
+    """Mosaic refuses bf16 products at "highest" (found on a v5e with splash): the kernel's are at the default
+    whatever the caller set (exact either way); an f32 one follows the caller."""
+    w, scale = jnp.zeros((256, 256), jnp.int8), jnp.ones((256,), jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        bf16, f32 = (str(jax.make_jaxpr(quant_kernel.by_rows)(jnp.zeros((2, 256), dtype), w, scale))
+                     for dtype in (jnp.bfloat16, jnp.float32))
+    assert "precision=(Precision.DEFAULT, Precision.DEFAULT)" in bf16 and "HIGHEST" not in bf16
+    assert "precision=(Precision.HIGHEST, Precision.HIGHEST)" in f32
