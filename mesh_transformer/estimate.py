@@ -74,13 +74,13 @@ _SPLASH_PRODUCTS = {"splash_mha_fwd": 2, "splash_mha_dq": 3, "splash_mha_dkv": 4
 def _splash_flops(name: str, shapes: dict, operands: list[str]) -> float:
     """A splash kernel's FLOPs (operands: two mask tables, then q and k [..., heads, positions, head dim]): its
     products over the causal blocks it computes (of n blocks a side, n (n + 1) / 2), 0 for any other Pallas call."""
-    from mesh_transformer.model.attention import SPLASH_BLOCK
+    from mesh_transformer.model.attention import splash_block
 
     kind = next((k for k in _SPLASH_PRODUCTS if name.startswith(k)), None)
     if kind is None or len(operands) < 4 or operands[2] not in shapes or operands[3] not in shapes:
         return 0.0
     q, keys = _dims(shapes[operands[2]]), _dims(shapes[operands[3]])[-2]
-    blocks = max(1, keys // min(SPLASH_BLOCK, keys))
+    blocks = keys // splash_block(keys)
     return _SPLASH_PRODUCTS[kind] * 2.0 * math.prod(q) * keys * (blocks + 1) / (2 * blocks)
 
 

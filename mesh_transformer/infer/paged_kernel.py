@@ -29,6 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mesh_transformer.model.quant_kernel import bf16_exact
+
 PAGE_ORDER = (0, 2, 1, 3)  # the pages' axes, as positions of [P, page, H, K]
 SCALE_ORDER = (0, 1, 2)  # the scales' axes, as positions of [P, page, H]
 VMEM_LIMIT = 64 * 2 ** 20  # of a v5e core's 128 MiB: two blocks of 512 bf16 positions' keys and values and their work
@@ -43,12 +45,6 @@ def _head(buf, slot, h: int, span: int, dtype) -> jax.Array:
 def _dot_t(a: jax.Array, b: jax.Array, **kw) -> jax.Array:
     """a @ b.T in f32."""
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, **kw)
-
-
-def _bf16_exact(dtype) -> lax.Precision | None:
-    """bf16 products at the default precision, whatever a caller set: exact at any, and Mosaic refuses them at
-    "highest"; other dtypes follow the caller's setting."""
-    return lax.Precision.DEFAULT if dtype == jnp.bfloat16 else None
 
 
 def _rows(x_SxH: jax.Array) -> jax.Array:
@@ -114,7 +110,7 @@ def _kernel(length_ref, table_ref, q_ref, k_hbm, v_hbm, *rest, n_rows: int, widt
         for h in range(heads):
             at = pl.ds(h, 1)
             q = q_ref[at, :]  # [1, K]
-            s = _dot_t(q, _head(k_buf, slot, h, span, q.dtype), precision=_bf16_exact(q.dtype))  # [1, span]
+            s = _dot_t(q, _head(k_buf, slot, h, span, q.dtype), precision=bf16_exact(q.dtype))  # [1, span]
             if scaled:
                 s = s * k_scales[h:h + 1]
             s = jnp.where(real, s, MASKED)
@@ -127,7 +123,7 @@ def _kernel(length_ref, table_ref, q_ref, k_hbm, v_hbm, *rest, n_rows: int, widt
             if scaled:
                 p = p * v_scales[h:h + 1]
             v = _head(v_buf, slot, h, span, q.dtype)
-            acc_ref[at, :] = alpha * acc_ref[at, :] + jnp.dot(p.astype(q.dtype), v, precision=_bf16_exact(q.dtype),
+            acc_ref[at, :] = alpha * acc_ref[at, :] + jnp.dot(p.astype(q.dtype), v, precision=bf16_exact(q.dtype),
                                                                preferred_element_type=jnp.float32)
         slot_ref[0] = 1 - slot
         return carry

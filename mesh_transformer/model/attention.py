@@ -134,6 +134,15 @@ def _splash_kernel(length: int, heads: int, block: int, interpret: bool):
         return splash.make_splash_mha_single_device(mask, block_sizes=sizes, interpret=interpret)
 
 
+def splash_block(length: int) -> int:
+    """Splash's query and key blocks over rows of `length` positions (a multiple of 128): the largest multiple of 128,
+    at most SPLASH_BLOCK, that divides them."""
+    block = min(SPLASH_BLOCK, length)
+    while length % block:
+        block -= SPLASH_LANES
+    return block
+
+
 def clear_kernels() -> None:
     """Drop the splash kernels made so far (each holds its mask tables in device memory)."""
     _splash_kernel.cache_clear()
@@ -163,10 +172,7 @@ def splash_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.
     runs it per device under a GSPMD layout of several."""
     batch, length, heads, head_dim = q_BxTxHxK.shape
     q_BxTxHxK = q_BxTxHxK * jnp.asarray(1 / head_dim ** 0.5, q_BxTxHxK.dtype)
-    block = min(SPLASH_BLOCK, length)
-    while length % block:  # the largest block of whole lanes, at most SPLASH_BLOCK, that divides the rows
-        block -= SPLASH_LANES
-    kernel = jax.vmap(_splash_kernel(length, heads, block, SPLASH_INTERPRET))
+    kernel = jax.vmap(_splash_kernel(length, heads, splash_block(length), SPLASH_INTERPRET))
     if q_BxTxHxK.dtype == jnp.bfloat16:
         kernel = _at_default_precision(kernel)
     ctx_BxHxTxK = kernel(*(x.transpose(0, 2, 1, 3) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK)))

@@ -36,11 +36,15 @@ def _block_rows(n: int, k: int) -> int:
     return rows
 
 
+def bf16_exact(dtype) -> lax.Precision | None:
+    """A Pallas kernel's products of `dtype` at the default precision where it is bf16, whatever a caller set: exact at
+    any, and Mosaic refuses them at "highest"; other dtypes follow the caller's setting."""
+    return lax.Precision.DEFAULT if dtype == jnp.bfloat16 else None
+
+
 def _kernel(x_ref, w_ref, s_ref, o_ref):
     w = w_ref[...].astype(x_ref.dtype)
-    # bf16 products are exact at any precision, and Mosaic refuses them at a caller's "highest"
-    precision = lax.Precision.DEFAULT if x_ref.dtype == jnp.bfloat16 else None
-    acc = lax.dot_general(x_ref[...], w, (((1,), (1,)), ((), ())), precision=precision,
+    acc = lax.dot_general(x_ref[...], w, (((1,), (1,)), ((), ())), precision=bf16_exact(x_ref.dtype),
                           preferred_element_type=jnp.float32)
     o_ref[...] = (acc * s_ref[...]).astype(o_ref.dtype)
 
