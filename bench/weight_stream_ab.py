@@ -3,7 +3,8 @@ matrices of a layer (`fused.fuse_layer`: in [3D + F, D], out [D, D + F]) for a f
 (each layer's input product, then its output product, one batch of rows), in bf16 and int8, the weights held
 [outputs, inputs] (as now) or [inputs, outputs], the int8 ones converted before XLA's dot, given to the dot as they
 are, multiplied as int8 by the rows quantized too (w8a8) or split into two int8 halves (split16), or read by a Pallas
-kernel that converts a block at a time (`int8_nk_kernel`: the project's, model/quant_kernel.py). Each record: the
+kernel a block at a time (`pallas_int`: converted there, or as int8 x int8 w8a8 or split16; `pallas_tn`: the weights
+as the product's streamed operand; `int8_nk_kernel`: the project's, model/quant_kernel.py). Each record: the
 step time, the weight bytes it read over that time, and that rate over the datasheet's bandwidth where one is known.
 
     python bench/weight_stream_ab.py [--layers 8] [--batches 1,16,32,64] [--variants all]
@@ -49,27 +50,91 @@ def mixed(x, w, s, nk):
     return (_nt if nk else _nn)(x, w) * s[None]
 
 
-def pallas_nt(x, w_NxK, s_N, block_bytes: int, interpret: bool = False):
-    """x @ w.T * s with w int8 [N, K]: a grid over blocks of rows of w, each converted to x's dtype in the kernel."""
+def _rows_int8(q, rows: int):
+    """int8 rows padded to a whole int8 tile of sublanes (32), as Mosaic lays them out."""
+    return jnp.pad(q, ((0, rows - q.shape[0]), (0, 0))).astype(jnp.int8)
+
+
+def pallas_int(x, w, s_N, nk: bool, mode: str, block_bytes: int = 4 << 20, interpret: bool = False):
+    """x @ w (w int8, [N, K] if nk else [K, N]) in a Pallas kernel whose grid walks blocks of w's outputs; `mode`
+    "convert": each block converted to x's dtype for a bf16 product; "w8a8": the rows quantized to int8 (a scale
+    each) for an int8 x int8 product; "split16": the rows as 16-bit fixed point in two int8 halves (q = 256 hi + lo)
+    stacked as one int8 x int8 product of twice the rows, the halves recombined in f32. No block is converted in the
+    int8 modes: the matrix unit takes the weights as they are read."""
     from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    n, k = (w.shape if nk else w.shape[::-1])
+    b = x.shape[0]
+    bn = max(128, min(n, (block_bytes // (k * w.dtype.itemsize)) // 128 * 128))
+    while n % bn:
+        bn -= 128
+    rows = -(-b // 32) * 32
+    sx = None
+    if mode == "convert":
+        lhs = x
+    else:
+        xf = x.astype(F32)
+        top = 127 if mode == "w8a8" else SPLIT_MAX
+        sx = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / top + 1e-30
+        q = jnp.round(xf / sx).astype(jnp.int32)
+        if mode == "w8a8":
+            lhs = _rows_int8(q, rows)
+        else:
+            hi = jnp.floor_divide(q + 128, 256)
+            lhs = jnp.concatenate([_rows_int8(hi, rows), _rows_int8(q - 256 * hi, rows)])
+    dims = (((1,), (1 if nk else 0,)), ((), ()))
+
+    def kernel(x_ref, w_ref, s_ref, o_ref):
+        if mode == "convert":
+            acc = lax.dot_general(x_ref[...], w_ref[...].astype(x_ref.dtype), dims, preferred_element_type=F32)
+        else:
+            acc = lax.dot_general(x_ref[...], w_ref[...], dims, preferred_element_type=jnp.int32).astype(F32)
+            if mode == "split16":
+                acc = 256.0 * acc[:rows] + acc[rows:]
+        o_ref[...] = acc * s_ref[...]
+
+    out_rows = b if mode == "convert" else rows
+    out = pl.pallas_call(
+        kernel, grid=(n // bn,),
+        in_specs=[pl.BlockSpec(lhs.shape, lambda j: (0, 0)),
+                  pl.BlockSpec((bn, k), lambda j: (j, 0)) if nk else pl.BlockSpec((k, bn), lambda j: (0, j)),
+                  pl.BlockSpec((1, bn), lambda j: (0, j))],
+        out_specs=pl.BlockSpec((out_rows, bn), lambda j: (0, j)),
+        out_shape=jax.ShapeDtypeStruct((out_rows, n), F32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=64 << 20),
+        interpret=interpret)(lhs, w, s_N.reshape(1, n))
+    return out if sx is None else out[:b] * sx
+
+
+def pallas_tn(x, w_NxK, s_N, block_bytes: int = 4 << 20, interpret: bool = False):
+    """x @ w.T as (w @ x.T).T in a Pallas kernel: each int8 block of w, converted, is the product's streamed operand
+    and the rows (padded to 128 lanes) the held one, so the matrix unit never loads the weights as its matrix."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
 
     n, k = w_NxK.shape
     b = x.shape[0]
     bn = max(128, min(n, (block_bytes // k) // 128 * 128))
     while n % bn:
         bn -= 128
+    lanes = -(-b // 128) * 128
+    x_KxB = jnp.pad(x, ((0, lanes - b), (0, 0))).T
 
     def kernel(x_ref, w_ref, s_ref, o_ref):
-        acc = lax.dot_general(x_ref[...], w_ref[...].astype(x_ref.dtype), (((1,), (1,)), ((), ())),
+        acc = lax.dot_general(w_ref[...].astype(x_ref.dtype), x_ref[...], (((1,), (0,)), ((), ())),
                               preferred_element_type=F32)
         o_ref[...] = acc * s_ref[...]
 
-    return pl.pallas_call(
+    out = pl.pallas_call(
         kernel, grid=(n // bn,),
-        in_specs=[pl.BlockSpec((b, k), lambda j: (0, 0)), pl.BlockSpec((bn, k), lambda j: (j, 0)),
-                  pl.BlockSpec((1, bn), lambda j: (0, j))],
-        out_specs=pl.BlockSpec((b, bn), lambda j: (0, j)),
-        out_shape=jax.ShapeDtypeStruct((b, n), F32), interpret=interpret)(x, w_NxK, s_N.reshape(1, n))
+        in_specs=[pl.BlockSpec((k, lanes), lambda j: (0, 0)), pl.BlockSpec((bn, k), lambda j: (j, 0)),
+                  pl.BlockSpec((bn, 1), lambda j: (j, 0))],
+        out_specs=pl.BlockSpec((bn, lanes), lambda j: (j, 0)),
+        out_shape=jax.ShapeDtypeStruct((n, lanes), F32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=64 << 20),
+        interpret=interpret)(x_KxB, w_NxK, s_N.reshape(n, 1))
+    return out[:, :b].T
 
 
 def w8a8(x, w, s, nk):
@@ -117,9 +182,15 @@ VARIANTS = {
     "int8_nk_w8a8": (jnp.int8, True, w8a8), "int8_kn_w8a8": (jnp.int8, False, w8a8),
     "int8_nk_split16": (jnp.int8, True, split16), "int8_kn_split16": (jnp.int8, False, split16),
     "int8_nk_kernel": (jnp.int8, True, lambda x, w, s, nk: _project_kernel(x, w, s)),
-    "bf16_nk_pallas4m": (BF16, True, lambda x, w, s, nk: pallas_nt(x, w, s, 4 << 20)),
-    "int8_nk_pallas2m": (jnp.int8, True, lambda x, w, s, nk: pallas_nt(x, w, s, 2 << 20)),
-    "int8_nk_pallas4m": (jnp.int8, True, lambda x, w, s, nk: pallas_nt(x, w, s, 4 << 20)),
+    # Pallas kernels (`pallas_int`): blocks of 2, 4 or 8 MB of the weights, [N, K] (nk) or [K, N] (kn)
+    **{f"{dt}_nk_pallas{mb}m": (BF16 if dt == "bf16" else jnp.int8, True,
+                                functools.partial(pallas_int, mode="convert", block_bytes=mb << 20))
+       for dt, mb in (("bf16", 4), ("int8", 2), ("int8", 4), ("int8", 8))},
+    "bf16_kn_pallas4m": (BF16, False, functools.partial(pallas_int, mode="convert")),
+    "int8_kn_pallas4m": (jnp.int8, False, functools.partial(pallas_int, mode="convert")),
+    **{f"int8_{lay}_pallas_{mode}": (jnp.int8, lay == "nk", functools.partial(pallas_int, mode=mode))
+       for mode in ("w8a8", "split16") for lay in ("nk", "kn")},
+    "int8_nk_pallas_tn": (jnp.int8, True, lambda x, w, s, nk: pallas_tn(x, w, s)),
 }
 
 

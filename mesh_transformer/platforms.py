@@ -43,7 +43,8 @@ class Policy:
     cache_order: tuple  # a KV cache block's axes, as positions of [slots, positions, heads, head dim]
     loop_hoisting: bool = True  # XLA's loop-invariant code motion (the CPU fit check can turn it off)
     int8_dot: str = "compute"  # int8 weights enter their products as "compute" (the activations' dtype), "float32",
-    # or "kernel": a decode step's few rows through model/quant_kernel.py (TPU Pallas), XLA's "compute" elsewhere
+    # or "kernel": a decode step's few rows through model/quant_kernel.py (TPU Pallas; on a v5e GPT-J-6B's int8 decode
+    # step 1.14x XLA's at batch 1 and 32, docs/performance.md), XLA's "compute" elsewhere
     dot_piece_bytes: int = 0  # inference products over bf16/int8 weights in pieces of this many f32 bytes (0: whole)
     dot_piece_tokens: int = 0  # ... where they are over at most this many tokens (`model.order.in_pieces`)
     host_loading: bool = False  # a checkpoint's layers joined, converted and quantized on the host, else on the devices
@@ -61,12 +62,12 @@ _POLICIES = {
                 cache_bits=True, cache_order=(0, 2, 3, 1), int8_dot="float32",
                 dot_piece_bytes=64 << 20, dot_piece_tokens=256, host_loading=True),
     TPU: Policy(TPU, "", "bfloat16", attention="splash", dense_backward="autodiff", ordered_converts=False,
-                cache_bits=False, cache_order=(0, 1, 2, 3), paged_attention="kernel"),
+                cache_bits=False, cache_order=(0, 1, 2, 3), paged_attention="kernel", int8_dot="kernel"),
     GPU: Policy(GPU, "", "bfloat16", attention="cudnn", dense_backward="autodiff", ordered_converts=False,
                 cache_bits=False, cache_order=(0, 2, 1, 3)),
 }
-# TPUs whose Mosaic compiler has no bf16 matrix products (the Pallas kernels'): their paged cache is gathered and
-# their attention is XLA's.
+# TPUs whose Mosaic compiler has no bf16 matrix products (the Pallas kernels'): their paged cache is gathered, their
+# attention and their int8 products are XLA's.
 NO_PALLAS_BF16 = ("TPU v2", "TPU v3")
 _PLATFORM_NAMES = {"cpu": CPU, "tpu": TPU, "gpu": GPU, "cuda": GPU, "rocm": GPU}
 
@@ -78,7 +79,7 @@ def for_platform(platform: str, device_kind: str = "") -> Policy:
         raise ValueError(f"no platform policy for {platform!r}")
     policy = dataclasses.replace(_POLICIES[name], device_kind=device_kind or name)
     if name == TPU and device_kind.startswith(NO_PALLAS_BF16):
-        policy = dataclasses.replace(policy, paged_attention="gather", attention="xla")
+        policy = dataclasses.replace(policy, paged_attention="gather", attention="xla", int8_dot="compute")
     return policy
 
 

@@ -119,10 +119,11 @@ def test_jax_starts_on_the_attached_platform_and_the_cpu_only(monkeypatch):
 def test_the_pallas_kernels_are_the_tpu_policys_where_mosaic_has_bf16_products():
     from mesh_transformer.platforms import for_platform
 
-    kinds = {kind: (for_platform("tpu", kind).paged_attention, for_platform("tpu", kind).attention)
-             for kind in ("TPU v3", "TPU v4", "TPU v5 lite", "TPU v6 lite")}
-    assert kinds == {"TPU v3": ("gather", "xla"), "TPU v4": ("kernel", "splash"), "TPU v5 lite": ("kernel", "splash"),
-                     "TPU v6 lite": ("kernel", "splash")}
+    kinds = {kind: (for_platform("tpu", kind).paged_attention, for_platform("tpu", kind).attention,
+                    for_platform("tpu", kind).int8_dot) for kind in ("TPU v3", "TPU v4", "TPU v5 lite", "TPU v6 lite")}
+    pallas = ("kernel", "splash", "kernel")
+    assert kinds == {"TPU v3": ("gather", "xla", "compute"), "TPU v4": pallas, "TPU v5 lite": pallas,
+                     "TPU v6 lite": pallas}
     assert for_platform("cpu").paged_attention == for_platform("gpu").paged_attention == "gather"
 
 
