@@ -142,12 +142,14 @@ def _abstract_sampling(sharding: NamedSharding, n: int, bias: bool = False) -> S
     return _abstract_like(fill_sampling(n, [], bias=bias), sharding)
 
 
-def _measure_inference(train_layout: Layout, n_slots: int, common: dict) -> list[dict]:
+def _measure_inference(train_layout: Layout, n_slots: int, common: dict,
+                       chip: targets.Chip | None = None) -> list[dict]:
     """The programs inference really runs, every slot busy and the whole context used: the serving engine's decode
     step (block cache), prefill (one full-length prompt per dp group) and extend (half a context after a cached
     prefix per dp group), the offline sampler's decode loop (one
     block of seq) and the scorer (lm-eval, echo + logprobs: one full-length row per dp group, every position
-    scored). The engine's decode is compiled at two slot counts too, which gives the slots that fit."""
+    scored). The engine's decode is compiled at two slot counts too, which gives the slots that fit; with the
+    target's chip, its estimated step time and tokens/s (every slot a token a step)."""
     cfg, layout = train_layout.cfg, _inference_layout(train_layout)
     programs, dp, policy = Programs(layout), layout.mesh.shape[DP], layout.policy
     params = abstract_params(layout)
@@ -156,15 +158,18 @@ def _measure_inference(train_layout: Layout, n_slots: int, common: dict) -> list
     base = {**common, "decode_mesh": dict(layout.mesh.shape), "params_bytes": shard_bytes(params),
             "cache_length": cfg.seq}
 
-    def decode(slots: int, sizes: list[int]) -> tuple[dict, dict]:
+    def decode(slots: int, sizes: list[int]) -> tuple[dict, dict, object]:
         cache, last, steps = _abstract_slots(programs, slots, sizes)
         compiled, seconds = _compile(programs.jitted["decode"], params, cache, last, steps, policy=policy,
                                      rows=slots // dp, n_blocks=len(sizes))
         return {**base, "slots": slots, "compile_s": round(seconds, 1), "kv_cache_bytes": shard_bytes(cache)}, \
-            _memory(compiled)
+            _memory(compiled), compiled
 
-    serve, serve_memory = decode(n_slots, serve_blocks)
-    _, double_memory = decode(2 * n_slots, serve_blocks)
+    serve, serve_memory, serve_step = decode(n_slots, serve_blocks)
+    if chip is not None and not isinstance(serve_step, Refused):
+        est = estimate.step_estimate(serve_step, chip.peak_flops, chip.bandwidth, n_slots, 0.0, chip.attained)
+        serve.update(estimated_step_s=est["estimated_step_s"], estimated_tokens_per_s=est["estimated_tokens_per_s"])
+    _, double_memory, _ = decode(2 * n_slots, serve_blocks)
     per_slot = (double_memory["total_bytes"] - serve_memory["total_bytes"]) / n_slots
     fixed = serve_memory["total_bytes"] - per_slot * n_slots
     gibs = {16, 24, 80, round(common.get("device_memory_bytes", 16 * 2 ** 30) / 2 ** 30, 2)}
@@ -286,7 +291,8 @@ def _train_record(compiled: dict, common: dict, no_loop_hoisting: bool = False,
         n_tokens = math.prod(compiled["tokens"].shape[:2]) * cfg.seq
         n_devices = layout.mesh.devices.size
         model_flops = n_tokens * estimate.model_flops_per_token(cfg, lora=bool(frozen)) / n_devices
-        record.update(estimate.step_estimate(train, chip.peak_flops, chip.bandwidth, n_tokens, model_flops))
+        record.update(estimate.step_estimate(train, chip.peak_flops, chip.bandwidth, n_tokens, model_flops,
+                                             chip.attained))
     return {**record, **_memory(train)}
 
 
@@ -327,7 +333,8 @@ def measure(cfg: Config, mode: str, devices: list, sizes: dict | None, n_slots: 
         if not inference_only:
             records.append(_train_record(compiled, common, no_loop_hoisting, target.chip if target else None))
             records.append(_loading_record(compiled, common))
-    return records if train_only else [*records, *_measure_inference(first["layout"], n_slots, common)]
+    return records if train_only else [*records, *_measure_inference(first["layout"], n_slots, common,
+                                                                      target.chip if target else None)]
 
 
 def verdict(records: list[dict], device_memory: int) -> dict:
@@ -371,8 +378,12 @@ def human_line(records: list[dict]) -> str:
     trains = [r for r in records if "train_step" in r["check"]]
     lines = [_train_line(r) for r in trains]
     if decode := next((r for r in records if r["check"] == "serve_decode_step"), None):
-        lines.append(f"serving decode step {_size(decode['total_bytes'])} for {decode['slots']} slots (params "
-                     f"{_size(decode['params_bytes'])}, KV cache {_size(decode['kv_cache_bytes'])})")
+        line = (f"serving decode step {_size(decode['total_bytes'])} for {decode['slots']} slots (params "
+                f"{_size(decode['params_bytes'])}, KV cache {_size(decode['kv_cache_bytes'])})")
+        if "estimated_step_s" in decode:
+            line += (f", estimated {1e3 * decode['estimated_step_s']:.1f} ms a step, "
+                     f"{decode['estimated_tokens_per_s']:,.0f} tokens/s with every slot busy over the whole context")
+        lines.append(line)
     if paged := next((r for r in records if r["check"] == "serve_paged_decode_step"), None):
         request = "+".join(map(str, paged["request_tokens"]))
         lines.append(f"paged serving ({paged['kv_cache_dtype']} cache, pages of {paged['page_size']}): "

@@ -4,11 +4,12 @@ XLA's cost analysis (`flops`, `bytes accessed`, and on TPU `optimal_seconds`) co
 the 6B train step's layer scan and micro-step scan each look like one trip, and its figures cannot be scaled as a
 whole (the optimizer update outside the loops would be multiplied too). So this module reads the optimized HLO
 itself: each computation's matrix-product FLOPs (dot, convolution, cuBLAS gemm) and each scheduled instruction's
-memory traffic (its operands and result; a slice of a stacked array counts as the slice), multiplied by the trip
-counts of the loops around it (XLA's `known_trip_count` where it wrote one, else the loop condition's bound). The
-estimated time is the sum over instructions of max(FLOPs / peak, bytes / bandwidth), a per-instruction roofline
-(`step_estimate`, which gives its measured error on a v5e chip): an estimate, not a measurement. Collectives,
-their overlap with compute and the host are not modelled.
+memory traffic (its operands and result; a slice of a stacked array counts as the slice, an in-place update as the
+update), multiplied by the trip counts of the loops around it (XLA's `known_trip_count` where it wrote one, else the
+loop condition's bound). The estimated time is the sum over instructions of max(FLOPs / peak, bytes / bandwidth), a
+per-instruction roofline at the rates the chip attains where they were measured on one (`targets.Chip.attained`),
+else at its datasheet's (`step_estimate` gives its measured error on a v5e chip): an estimate, not a measurement.
+Collectives, their overlap with compute and the host are not modelled.
 """
 from __future__ import annotations
 
@@ -239,6 +240,8 @@ class _Module:
             return 0.0, float(_bytes(shape))  # where it is device memory (a prefetch into VMEM writes none)
         if opcode == "dynamic-update-slice":
             return 0.0, 2.0 * _bytes(shapes.get(operands[1], ""))
+        if opcode == "scatter" and len(operands) == 3:  # in place: its updates read and written
+            return 0.0, 2.0 * _bytes(shapes.get(operands[2], ""))
         if opcode != "fusion":
             line = self._defining(computation, name)
             return self._flops(opcode, shape, shapes, line.split(f" {opcode}(", 1)[-1], name), \
@@ -254,7 +257,8 @@ class _Module:
 
     def _parameter_reads(self, fused: str, index: int, shape: str) -> float:
         """Bytes a fusion reads of its operand `index`: the slices where it only slices it (here or in a fusion it
-        calls), nothing where it only updates it in place, else the whole operand."""
+        calls), nothing where it only updates it in place (a dynamic-update-slice or scatter into it), else the whole
+        operand."""
         instructions = self.instructions[fused]
         parameter = next((n for n, _, op, _ in instructions if op == "parameter" and re.search(
             rf"parameter\({index}\)", self._defining(fused, n))), None)
@@ -264,7 +268,7 @@ class _Module:
                 continue
             if opcode in _SLICES:
                 reads += _bytes(user_shape)
-            elif opcode == "dynamic-update-slice" and operands[0] == parameter:
+            elif opcode in ("dynamic-update-slice", "scatter") and operands[0] == parameter:
                 continue
             elif opcode == "fusion":
                 nested = re.search(r"calls=%?([\w.\-]+)", self._defining(fused, name)).group(1)
@@ -274,7 +278,8 @@ class _Module:
         return min(reads, _bytes(shape)) if parameter is not None else _bytes(shape)
 
     def _fusion_writes(self, fused: str, shape: str) -> float:
-        """Bytes a fusion writes: its result, but for an in-place update (through bitcasts) only the update."""
+        """Bytes a fusion writes: its result, but for an in-place update (through bitcasts; a dynamic-update-slice or
+        a scatter, the KV cache's) only the update."""
         by_name = {n: (s, op, ops) for n, s, op, ops in self.instructions[fused]}
         root = next((line for line in self.lines[fused] if line.lstrip().startswith("ROOT ")), "")
         match = _INSTRUCTION.match(root)
@@ -288,6 +293,8 @@ class _Module:
             part_shape, op, ops = by_name.get(name, ("", "", []))
             if op == "bitcast" and ops:
                 return written(ops[0])
+            if op == "scatter" and len(ops) == 3:
+                return _bytes(by_name.get(ops[2], ("",))[0])
             return _bytes(by_name.get(ops[1], ("",))[0]) if op == "dynamic-update-slice" else _bytes(part_shape)
 
         return sum(written(part) for part in parts)
@@ -322,22 +329,25 @@ def executed_flops_per_token(cfg, remat: bool) -> float:
     return model_flops_per_token(cfg) + recompute
 
 
-def step_estimate(compiled, peak_flops: float, bandwidth: float, tokens: int, model_flops: float) -> dict:
-    """Estimated seconds, tokens/s and MFU of one run of a compiled step on devices of this peak (FLOP/s) and
-    memory bandwidth (bytes/s) each. `tokens`: the step's, all devices'; `model_flops`: one device's share.
+def step_estimate(compiled, peak_flops: float, bandwidth: float, tokens: int, model_flops: float,
+                  attained: tuple = (1.0, 1.0)) -> dict:
+    """Estimated seconds, tokens/s and MFU of one run of a compiled step on devices of this datasheet peak (FLOP/s)
+    and memory bandwidth (bytes/s) each, of which they attain the fractions `attained` (`targets.Chip.attained`).
+    `tokens`: the step's, all devices'; `model_flops`: one device's share.
 
-    The step's time is the sum over its scheduled instructions of max(FLOPs / peak, bytes / bandwidth), an
-    instruction's bytes being those it moves in device memory (not a TPU core's VMEM; an asynchronous slice or copy
-    counted once, at its start). Against one v5e chip (bench/device_suite.py, bench/chip_flow.py, bench/results/) it
-    read 0.86-0.87 of the measured GPT-J-6B LoRA step (1 x 2048 tokens: 0.402 s for 0.466 with splash attention,
-    0.456 for 0.523 with XLA's), 0.78 / 0.83 of a 10-layer d_model 2048 train step at 4 x 2048 (splash / XLA's), and
-    0.85 / 1.06 of the GPT-J-6B bf16 decode step at batch 1 / 16; int8 decode it models poorly (0.68 at batch 1, 1.53
-    at batch 64). `estimated_compute_s` and `estimated_memory_s` are the two sums apart."""
+    The step's time is the sum over its scheduled instructions of max(FLOPs / attained peak, bytes / attained
+    bandwidth), an instruction's bytes being those it moves in device memory (not a TPU core's VMEM; an asynchronous
+    slice or copy counted once, at its start; an in-place update, the KV cache's, as its update). Against one v5e
+    chip (bench/estimate_check.py over bench/results/) it read 0.90 of a 10-layer d_model 2048 full-training step
+    (16 x 2048 tokens, splash attention), 1.02 of GPT-J-6B's LoRA step, 1.08 / 1.11 of its bf16 decode step at batch
+    1 / 16 and 0.98 / 1.08 / 1.07 of its int8 decode step at batch 1 / 32 / 64 (docs/performance.md).
+    `estimated_compute_s` and `estimated_memory_s` are the two sums apart; `estimated_mfu` is against the datasheet's
+    peak."""
     module = _Module(compiled.as_text())
     weighted, once = module.weighted()
     cost = compiled.cost_analysis() or {}  # None on GPU
     cost = cost[0] if isinstance(cost, list) else cost
-    seconds, compute_s, memory_s = module.times_s(peak_flops, bandwidth)
+    seconds, compute_s, memory_s = module.times_s(peak_flops * attained[0], bandwidth * attained[1])
     return {"estimated_flops": weighted, "xla_counted_flops": float(cost.get("flops", 0.0)),
             "estimated_compute_s": compute_s, "estimated_memory_s": memory_s,
             "loop_scale": round(weighted / once, 2) if once else 1.0, "estimated_step_s": seconds,

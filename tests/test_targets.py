@@ -114,6 +114,7 @@ def test_fit_check_compiles_every_program_for_a_target(topology):
     assert serve["argument_bytes"] >= serve["params_bytes"] + serve["kv_cache_bytes"]
     assert serve["params_bytes"] == pytest.approx(2 * train["params"] / serve["decode_mesh"]["mp"], rel=0.05)
     assert 0 < train["estimated_step_s"] and 0 < train["estimated_mfu"] < 1
+    assert serve["estimated_tokens_per_s"] == pytest.approx(serve["slots"] / serve["estimated_step_s"])
     assert train["attention"] == ("cudnn" if topology.startswith("h100") else "xla")  # shard_map: never splash
     assert scorer["total_bytes"] > 0 and prefill["total_bytes"] > 0 and sample["total_bytes"] > 0
     assert extend["total_bytes"] >= extend["params_bytes"] + extend["kv_cache_bytes"]
@@ -282,6 +283,35 @@ ENTRY %main (p: bf16[16,64]) -> f32[16,64] {
     assert estimate._Module(prefetch).times_s(1.0, 1.0)[2] == (16 * 64 * 2 + 4) + 16 * 64 * 4
     assert estimate._bytes("bf16[4,64]{1,0:T(8,128)(2,1)S(1)}") == 0
     assert estimate._bytes("bf16[4,64]{1,0:T(8,128)(2,1)S(1)}", vmem=True) == estimate._bytes("bf16[4,64]{1,0}") == 512
+
+
+def test_the_estimate_counts_an_in_place_scatter_as_its_updates_and_takes_the_rates_a_chip_attains():
+    # A KV cache's scatter (fused or not) updates its operand in place: it moves its updates, not the cache.
+    hlo = """HloModule m
+
+%fused (param_0: bf16[64,256], param_1: s32[2,1], param_2: bf16[2,256]) -> bf16[64,256] {
+  %param_0 = bf16[64,256]{1,0} parameter(0)
+  %param_1 = s32[2,1]{1,0} parameter(1)
+  %param_2 = bf16[2,256]{1,0} parameter(2)
+  ROOT %scatter.1 = bf16[64,256]{1,0} scatter(%param_0, %param_1, %param_2), ATTRS
+}
+
+ENTRY %main (c: bf16[64,256], i: s32[2,1], u: bf16[2,256]) -> bf16[64,256] {
+  %c = bf16[64,256]{1,0} parameter(0)
+  %i = s32[2,1]{1,0} parameter(1)
+  %u = bf16[2,256]{1,0} parameter(2)
+  %scatter_fusion = bf16[64,256]{1,0} fusion(%c, %i, %u), kind=kCustom, calls=%fused
+  ROOT %scatter.2 = bf16[64,256]{1,0} scatter(%scatter_fusion, %i, %u), ATTRS
+}
+"""
+    hlo = hlo.replace("ATTRS", "update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, "
+                      "index_vector_dim=1, to_apply=%region")
+    update = 2 * 256 * 2
+    fused = 2 * 4 + update + update  # the indices and the updates read, the updates written
+    assert estimate._Module(hlo).times_s(1.0, 1.0)[2] == fused + 2 * update
+    # A v5e's estimate takes the measured fractions of its datasheet: a memory-bound program's time over 0.79.
+    chip = targets.target("v5litepod-1").chip
+    assert chip.attained == (0.86, 0.79) and targets.target("v3-8").chip.attained == (1.0, 1.0)
 
 
 def test_the_estimate_counts_splash_attentions_products():
