@@ -353,19 +353,22 @@ def test_client_disconnecting_from_a_non_streamed_request_frees_its_slot(engine,
     host, port = url.removeprefix("http://").split(":")
     first, second = threading.Event(), threading.Event()
     held = [engine.call(first.wait)]
-    with socket.create_connection((host, int(port))) as client:
-        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                       b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
-                       + b"\r\n\r\n" + body)
-        wait_for(http, lambda s: s["queue"]["waiting"] + s["slots"]["busy"] == 1)
-        held.append(engine.call(second.wait))  # the engine's next round admits the request, then waits here
+    try:
+        with socket.create_connection((host, int(port))) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: "
+                           + str(len(body)).encode() + b"\r\n\r\n" + body)
+            wait_for(http, lambda s: s["queue"]["waiting"] + s["slots"]["busy"] == 1)
+            held.append(engine.call(second.wait))  # the engine's next round admits the request, then waits here
+            first.set()
+            wait_for(http, lambda s: s["slots"]["busy"] == 1)
+        deadline = time.monotonic() + 60
+        while not any(slot is not None and slot.request.cancelled.is_set() for slot in engine._slots):
+            assert time.monotonic() < deadline, "the server never cancelled the request"
+            time.sleep(0.01)
+    finally:  # the shared engine is let go whatever happened, so a failure here stays this test's
         first.set()
-        wait_for(http, lambda s: s["slots"]["busy"] == 1)
-    deadline = time.monotonic() + 60
-    while not any(slot is not None and slot.request.cancelled.is_set() for slot in engine._slots):
-        assert time.monotonic() < deadline, "the server never cancelled the request"
-        time.sleep(0.01)
-    second.set()
+        second.set()
     for future in held:
         future.result(timeout=60)
     wait_for(http, lambda s: s["slots"]["busy"] == 0 and s["requests"]["cancelled"] == cancelled + 1)
