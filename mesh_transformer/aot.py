@@ -280,6 +280,7 @@ def _train_record(compiled: dict, common: dict, no_loop_hoisting: bool = False,
     record = {"check": "lora_train_step" if frozen else "train_step", **common, "mode": cfg.parallelism,
               "mesh": dict(layout.mesh.shape), "params": sum(x.size for x in jax.tree.leaves(params)),
               "tokens": list(compiled["tokens"].shape), "compute_dtype": cfg.compute_dtype, "remat": cfg.remat,
+              "remat_policy": cfg.remat_policy,
               "attention": layout.policy.attention,
               "compile_s": round(train_s, 1), "params_bytes": shard_bytes(params),
               "opt_state_bytes": shard_bytes(train_state["opt_state"]), "no_loop_hoisting": no_loop_hoisting}

@@ -62,6 +62,7 @@ class Config:
     # New keys.
     compute_dtype: str = "auto"
     remat: bool = True
+    remat_policy: str = "full"  # with remat: "full" keeps each layer's input, "save_qkv" / "save_mlp_hidden" more
     join_projections: bool = False
     seed: int = 0
     tokenizer: str = "gpt2"
@@ -107,6 +108,7 @@ _CHOICES = {
     "base_dtype": ("float32", "bfloat16"),
     "weight_dtype": ("compute", "int8"),
     "kv_cache_dtype": ("compute", "int8"),
+    "remat_policy": ("full", "save_qkv", "save_mlp_hidden"),
 }
 
 

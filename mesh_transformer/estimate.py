@@ -323,9 +323,13 @@ def executed_flops_per_token(cfg, remat: bool) -> float:
     """The matrix FLOPs a full train step runs per token: the model FLOPs (XLA's attention computes the masked scores
     too, as that count has it) and, with remat, a second forward of the products whose outputs the backward reads
     (q, k, v, fc_in and attention; the out and fc_out products' outputs are not read, so XLA drops their
-    recompute)."""
+    recompute; remat_policy "save_qkv" keeps q, k and v's, "save_mlp_hidden" fc_in's)."""
     d, layers = cfg.d_model, cfg.layers
-    recompute = 2.0 * layers * (3 * d * d + d * cfg.d_ff) + 4.0 * layers * cfg.seq * d if remat else 0.0
+    kept = getattr(cfg, "remat_policy", "full")  # a kept product's output is not recomputed
+    recompute = (2.0 * layers * ((0 if kept == "save_qkv" else 3 * d * d) + (0 if kept == "save_mlp_hidden" else
+                                                                             d * cfg.d_ff))
+                 + 4.0 * layers * cfg.seq * d)
+    recompute = recompute if remat else 0.0
     return model_flops_per_token(cfg) + recompute
 
 

@@ -172,13 +172,14 @@ def test_the_estimate_counts_every_trip_of_the_loops(v3_8):
     # steps), which must agree with the analytic count of the step's matrix FLOPs (remat's recompute included).
     cfg = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=4", "layers=4", "d_model=256",
                                                         "seq=64", "gradient_accumulation_steps=3"])
-    for remat in (True, False):
-        step = aot.training_programs(dataclasses.replace(cfg, remat=remat), "shard_map", v3_8, None)
+    for remat, policy in ((True, "full"), (False, "full"), (True, "save_qkv"), (True, "save_mlp_hidden")):
+        changed = dataclasses.replace(cfg, remat=remat, remat_policy=policy)
+        step = aot.training_programs(changed, "shard_map", v3_8, None)
         lowered = step["train"].lower(step["state"], step["tokens"], step["frozen"])
         weighted, once = estimate.loop_flops(lowered.compile().as_text())
         tokens = 3 * step["layout"].global_batch * cfg.seq
-        analytic = estimate.executed_flops_per_token(cfg, remat) * tokens / 8
-        assert weighted == pytest.approx(analytic, rel=0.02), (remat, weighted / analytic)
+        analytic = estimate.executed_flops_per_token(changed, remat) * tokens / 8
+        assert weighted == pytest.approx(analytic, rel=0.02), (remat, policy, weighted / analytic)
         assert weighted > 3 * once  # at least the micro-steps' three trips and the layers' four
 
 

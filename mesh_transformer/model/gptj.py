@@ -85,11 +85,19 @@ class KV(Protocol):
 LayerLoop = Callable[[Callable, jax.Array, Any, Any], tuple[jax.Array, Any]]
 
 
-def scanned(step: Callable, h_BxTxD: jax.Array, layers_: tuple, states: Any, *, remat: bool = False):
+# What remat keeps of a layer besides its input (config key remat_policy; `layers.block` names them): "save_qkv" the
+# q, k and v products' outputs, "save_mlp_hidden" the MLP's hidden pre-activation (fc_in's output), so the backward
+# recomputes the rest but not those products.
+REMAT_POLICIES = {"full": None, "save_qkv": jax.checkpoint_policies.save_only_these_names("qkv"),
+                  "save_mlp_hidden": jax.checkpoint_policies.save_only_these_names("mlp_hidden")}
+
+
+def scanned(step: Callable, h_BxTxD: jax.Array, layers_: tuple, states: Any, *, remat: bool = False,
+            remat_policy: str = "full"):
     """The layers (params and adapters) stacked on a leading axis, run by lax.scan (with remat: each layer's input
-    saved, the rest recomputed in the backward)."""
+    saved, and what `remat_policy` names, the rest recomputed in the backward)."""
     if remat:
-        step = jax.checkpoint(step, prevent_cse=False)
+        step = jax.checkpoint(step, prevent_cse=False, policy=REMAT_POLICIES[remat_policy])
     return lax.scan(lambda h, xs: step(h, *xs), h_BxTxD, (layers_, states))
 
 
@@ -137,7 +145,8 @@ def run(params: dict, ids_BxT: jax.Array, positions_BxT: jax.Array, cfg: Config,
 
     stacked = not isinstance(params["layers"], list)
     if loop is None:
-        loop = partial(scanned, remat=cfg.remat) if stacked else partial(unrolled, policy=policy)
+        loop = (partial(scanned, remat=cfg.remat, remat_policy=cfg.remat_policy) if stacked
+                else partial(unrolled, policy=policy))
     layers_ = (params["layers"], adapters) if stacked else [(layer, None) for layer in params["layers"]]
     h_BxTxD, kv_states = loop(step, h_BxTxD, layers_, kv_states)
     if columns_BxC is not None:

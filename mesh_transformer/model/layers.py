@@ -18,6 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from mesh_transformer.model import order, quant, quant_kernel
 from mesh_transformer.model.attention import attend, causal_mask, self_attention
@@ -153,15 +154,15 @@ def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, *, arch, mask_BxTx
     proj = projections(p, join, policy)
     n_BxTxD = layer_norm(h_BxTxD, p["ln_1"])
 
-    def attention(q, k, v):
-        q, k, v = (x.reshape(*x.shape[:-1], -1, head_dim) for x in (q, k, v))
+    def attention(q, k, v):  # q, k and v are what remat_policy "save_qkv" keeps
+        q, k, v = (checkpoint_name(x, "qkv").reshape(*x.shape[:-1], -1, head_dim) for x in (q, k, v))
         half = arch.rotary == "half"
         q, k = apply_rotary(q, *sincos, half=half), apply_rotary(k, *sincos, half=half)
         attend_self = partial(self_attention, kernel=proj.attention, shards=policy.attention_shards)
         return _attention(q, k, v, mask_BxTxT, past, attend_self), (k, v)
 
-    def act(pre):
-        return jax.nn.gelu(pre, approximate=arch.gelu_tanh)
+    def act(pre):  # its input is what remat_policy "save_mlp_hidden" keeps (`gptj.REMAT_POLICIES`)
+        return jax.nn.gelu(checkpoint_name(pre, "mlp_hidden"), approximate=arch.gelu_tanh)
 
     if not arch.parallel:
         attn, kv = attention(*proj.attn_inputs(n_BxTxD))

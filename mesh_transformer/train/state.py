@@ -78,8 +78,10 @@ def make_train_step(layout: Layout, optimizer: optax.GradientTransformation, sch
     split = split or split_of(layout.cfg)
     shardings = shardings_of(abstract_train_state(layout, optimizer, split))
     # Micro-batches add their layer gradients into the sum inside the backward (`accumulate.into`). That backward
-    # recomputes each layer, as remat does, so it is used where remat is on.
-    into = layout.loss_and_grad_fn(split, accumulate.into(split)) if layout.cfg.remat else None
+    # recomputes each layer whole, as remat "full" does, so it is used there; a policy that keeps more of a layer
+    # (remat_policy) takes the plain sum of each micro-batch's gradients, a second set of them.
+    into = (layout.loss_and_grad_fn(split, accumulate.into(split))
+            if layout.cfg.remat and layout.cfg.remat_policy == "full" else None)
     step = accumulate.accumulated_train_step(layout.loss_and_grad_fn(split), optimizer, schedule, into)
     frozen = frozen_shardings(layout, split) if frozen_formats is None else frozen_formats
     return jax.jit(step, in_shardings=(shardings, layout.batch_sharding(), frozen),

@@ -135,11 +135,13 @@ def test_changing_a_token_changes_no_earlier_logit(params, tokens):
 
 
 def test_remat_gives_equal_gradients(params, tokens):
-    def grads(remat):
-        cfg = dataclasses.replace(CFG, remat=remat)
+    def grads(remat, remat_policy="full"):
+        cfg = dataclasses.replace(CFG, remat=remat, remat_policy=remat_policy)
         return jax.jit(jax.grad(lambda p, x: model.loss_fn(p, x, cfg, policy=CPU_POLICY)))(params, tokens)
 
-    assert max_diff(grads(True), grads(False)) < 1e-6
+    plain = grads(False)
+    for policy in ("full", "save_qkv", "save_mlp_hidden"):
+        assert max_diff(grads(True, policy), plain) < 1e-6, policy
 
 
 def test_bf16_compute_stays_close_to_f32(params, tokens):
