@@ -4,6 +4,7 @@ recipe, sampling in bf16 and int8, each stage a child process whose wall time, p
 figures it logs are emitted as JSON lines (with the commit, device kind and JAX version in a first record).
 
     python bench/chip_flow.py --work /tmp/g6b [--only write,lora,sample_bf16,sample_int8] [--lora-steps 4]
+        [--lora-set remat_policy=save_qkv]
 """
 from __future__ import annotations
 
@@ -109,6 +110,8 @@ def main() -> None:
     parser.add_argument("--lora-steps", type=int, default=4)
     parser.add_argument("--config", default=CONFIG, help=f"the model (default {CONFIG})")
     parser.add_argument("--lora-config", default=LORA_CONFIG, help=f"the LoRA recipe (default {LORA_CONFIG})")
+    parser.add_argument("--lora-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config key of the LoRA run, for an A/B (remat_policy=save_qkv, ...; repeatable)")
     parser.add_argument("--seq", type=int, default=2048, help="the training data's sequence length")
     parser.add_argument("--logs", default=None, help="where each stage's output goes (default: --work)")
     args = parser.parse_args()
@@ -132,9 +135,10 @@ def main() -> None:
         stage("lora_train_from_original", [
             py, "device_train.py", "--config", args.lora_config, "--tune-model-path", original, "--set",
             f"train_set={data}/train.index", "--set", f"model_dir={model_dir}", "--set",
-            f"total_steps={args.lora_steps}", "--set", f"ckpt_every={args.lora_steps}", "--set", "wandb_project=null"],
-            f"{logs}/lora.log")
-        emit(bench="chip_flow", stage="lora_metrics", config=args.lora_config, **lora_metrics(model_dir))
+            f"total_steps={args.lora_steps}", "--set", f"ckpt_every={args.lora_steps}", "--set", "wandb_project=null",
+            *[word for item in args.lora_set for word in ("--set", item)]], f"{logs}/lora.log")
+        emit(bench="chip_flow", stage="lora_metrics", config=args.lora_config, lora_set=args.lora_set,
+             **lora_metrics(model_dir))
     sample = [py, "-c", SAMPLE_LOGGED, "--ckpt", original, "--config", args.config, "--prompt", PROMPT,
               "--max-new-tokens", "32", "--temperature", "0"]
     if "sample_bf16" in stages:

@@ -62,14 +62,16 @@ def test_bf16_inference_programs_hold_one_layer_in_f32_at_a_time_not_the_model()
     cfg = config.from_dict({"layers": 8, "d_model": 256, "n_heads": 4, "n_vocab": 512, "pe_rotary_dims": 16,
                             "seq": 64, "cores_per_replica": 1, "per_replica_batch": 1,
                             "compute_dtype": "bfloat16"})
-    records = aot.measure(cfg, "shard_map", aot.start_devices(1), {})
-    for record in records[2:6]:  # the decode stack's programs (the scorer does not order its converts)
+    records = aot.measure(cfg, "shard_map", aot.start_devices(1), {}, inference_only=True)
+    assert [r["check"] for r in records[:4]] == ["serve_decode_step", "serve_prefill", "serve_extend",
+                                                 "serve_paged_decode_step"]
+    for record in records[:4]:  # the decode stack's programs (the scorer does not order its converts)
         assert record["temp_bytes"] < 0.7 * record["params_bytes"], record  # untied: 2.8x
 
 
 def test_aot_check_reports_the_lora_train_step():
     cfg = dataclasses.replace(CFG, lora_rank=4, base_dtype="bfloat16", cores_per_replica=2)
-    train, *_ = aot.run(cfg, "shard_map", "", 8, "16GiB", no_loop_hoisting=True)
+    train, *_ = aot.run(cfg, "shard_map", "", 8, "16GiB", no_loop_hoisting=True, train_only=True)
     assert train["check"] == "lora_train_step" and train["lora_rank"] == 4 and train["base_dtype"] == "bfloat16"
     assert train["params_bytes"] == pytest.approx(2 * train["params"] / 2, rel=0.1)  # the base in bf16, mp 2
     assert train["adapters_bytes"] < train["params_bytes"] / 4 and train["opt_state_bytes"] < train["params_bytes"]
