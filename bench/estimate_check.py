@@ -29,11 +29,16 @@ DECODE = {"bfloat16": (16, (1, 16)), "int8": (64, (1, 32, 64))}  # weights: (cac
 DECODE_CONTEXT, DECODE_STEPS = 128, 12  # the suite's cached positions and timed steps (n_blocks from them)
 
 
-def newest(records: list[dict], **match) -> dict | None:
-    """The last record with these values (a tuple: any of its values) and a step time."""
-    found = [r for r in records if "step_s" in r and all(
-        r.get(k) in (v if isinstance(v, tuple) else (v,)) for k, v in match.items())]
-    return found[-1] if found else None
+def newest(records: list[dict], **match) -> tuple[dict | None, str | None]:
+    """The last record with these values (a tuple: any of its values) and a step time, and the commit of the run it
+    is from (its `meta` record's)."""
+    found, commit = (None, None), None
+    for r in records:
+        if r["bench"] == "meta":
+            commit = r.get("git_commit", r.get("commit"))
+        elif "step_s" in r and all(r.get(k) in (v if isinstance(v, tuple) else (v,)) for k, v in match.items()):
+            found = (r, commit)
+    return found
 
 
 def train_cases(devices: list) -> list[tuple[dict, object, dict]]:
@@ -97,11 +102,9 @@ def main() -> None:
     for what, compiled, match in cases:
         chip = target.chip
         est = estimate.step_estimate(compiled, chip.peak_flops, chip.bandwidth, what["tokens"], 1.0, chip.attained)
-        measured = newest(records, **match)
+        measured, commit = newest(records, **match)
         emit(bench="estimate_check", **what, estimated_step_s=figure(est["estimated_step_s"]),
-             measured_step_s=measured and measured["step_s"],
-             measured_commit=measured and next((r.get("git_commit") for r in reversed(records[:records.index(
-                 measured)]) if r["bench"] == "meta" and "git_commit" in r), None),
+             measured_step_s=measured and measured["step_s"], measured_commit=commit,
              estimated_over_measured=measured and figure(est["estimated_step_s"] / measured["step_s"], 3))
 
 

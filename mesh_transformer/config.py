@@ -192,6 +192,9 @@ def _check_lora(cfg: Config) -> None:
     if unknown or (cfg.lora_rank and not targets) or len(set(map(repr, targets))) < len(targets):
         raise ConfigError(f"config key 'lora_targets' must list distinct names from {', '.join(LORA_TARGETS)}, "
                           f"got {cfg.lora_targets!r}")
+    if not cfg.remat and cfg.remat_policy != "full":
+        raise ConfigError(f"config key 'remat_policy' ({cfg.remat_policy!r}) says what remat keeps: use it with remat "
+                          "true, or leave it \"full\"")
     if cfg.lora_rank and cfg.join_projections:
         raise ConfigError("config key 'join_projections' joins the base weights, which LoRA adapts one by one: "
                           "set it false with lora_rank > 0")

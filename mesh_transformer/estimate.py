@@ -325,11 +325,9 @@ def executed_flops_per_token(cfg, remat: bool) -> float:
     (q, k, v, fc_in and attention; the out and fc_out products' outputs are not read, so XLA drops their
     recompute; remat_policy "save_qkv" keeps q, k and v's, "save_mlp_hidden" fc_in's)."""
     d, layers = cfg.d_model, cfg.layers
-    kept = getattr(cfg, "remat_policy", "full")  # a kept product's output is not recomputed
-    recompute = (2.0 * layers * ((0 if kept == "save_qkv" else 3 * d * d) + (0 if kept == "save_mlp_hidden" else
-                                                                             d * cfg.d_ff))
-                 + 4.0 * layers * cfg.seq * d)
-    recompute = recompute if remat else 0.0
+    kept = cfg.remat_policy  # a kept product's output is not recomputed
+    products = (0 if kept == "save_qkv" else 3 * d * d) + (0 if kept == "save_mlp_hidden" else d * cfg.d_ff)
+    recompute = 2.0 * layers * products + 4.0 * layers * cfg.seq * d if remat else 0.0
     return model_flops_per_token(cfg) + recompute
 
 

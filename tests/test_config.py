@@ -62,6 +62,8 @@ def test_overrides_are_parsed_and_checked(tmp_path):
     ({"pe_rotary_dims": 512}, "'pe_rotary_dims' .* at most the head dimension"),
     ({"compute_dtype": "int8"}, "'compute_dtype' must be one of"),
     ({"layers": 0}, "'layers' must be at least 1"),
+    ({"remat_policy": "dots"}, "'remat_policy' must be one of"),
+    ({"remat": False, "remat_policy": "save_qkv"}, "'remat_policy' .* with remat true"),
 ])
 def test_bad_config_is_one_line_error_naming_the_key(tmp_path, raw, message):
     with pytest.raises(ConfigError, match=message) as err:
