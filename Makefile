@@ -19,7 +19,7 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 # Two pytest workers: most of a test is one process compiling, which leaves the second core idle (on 2 cores the
 # suite takes about three quarters of its one-process time).
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist worksteal tests
+	$(PY) -m pytest -q -n 2 tests
 
 # The device tier (tests/device): the chip against the CPU, and every script end to end on the chip. Collected only
 # where a TPU or GPU is attached, in one process (one program at a time can hold a chip). On a TPU VM without a venv,

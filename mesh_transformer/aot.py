@@ -299,17 +299,24 @@ def _train_record(compiled: dict, common: dict, no_loop_hoisting: bool = False,
 
 def _loading_record(compiled: dict, common: dict) -> dict:
     """The programs that place a fine-tune's params or a LoRA base before the first step (each stacked param made
-    and written a layer at a time: `store.placing`; a LoRA base's fingerprint), compiled for the target: the largest
-    one's memory, and any the compiler refused (a TPU core's 128 MiB VMEM, say)."""
+    and written a layer at a time: `store.placing`; a LoRA base's fingerprint), compiled for the target (those of
+    params alike in shape, dtype and sharding once: they are one program): the largest one's memory, and any the
+    compiler refused (a TPU core's 128 MiB VMEM, say)."""
     layout, policy = compiled["layout"], compiled["layout"].policy
     placed = compiled["frozen"] or compiled["state"]["params"]
-    programs = [_compile(fn, *args, policy=policy)[0]  # blocks of f32 layers: the largest a checkpoint gives
-                for like in jax.tree.leaves(placed) for fn, args in placing.programs(like, jnp.float32)]
+    runs, programs = 0, {}
+    for like in jax.tree.leaves(placed):
+        for i, (fn, args) in enumerate(placing.programs(like, jnp.float32)):  # blocks of f32 layers: the largest
+            runs += 1  # a checkpoint gives
+            key = (i, like.shape, like.dtype, like.sharding)
+            programs[key] = programs.get(key) or _compile(fn, *args, policy=policy)[0]
+    programs = list(programs.values())
     if compiled["frozen"]:
         programs.append(_compile(finetune.fingerprint_fn(layout.replicated), placed, policy=policy)[0])
+        runs += 1
     memory = [_memory(program) for program in programs]
     largest = max(memory, key=lambda m: m["total_bytes"])
-    record = {"check": "load_params", **common, "programs": len(programs), **largest}
+    record = {"check": "load_params", **common, "programs": runs, "distinct_programs": len(programs), **largest}
     refused = [m["refused"] for m in memory if "refused" in m]
     if refused:
         record["refused"] = refused[0]
