@@ -167,6 +167,25 @@ def test_the_sampler_loop_keeps_the_tpu_cache_where_it_lies():
     assert copies[0] == 0 and copies[1] > 0
 
 
+def test_a_v5e_decode_step_over_int8_weights_runs_the_int8_kernel_and_a_v3_xlas_products():
+    # The TPU policy's int8 products (model/quant_kernel.py, by Mosaic) in the decode step of 8 rows for a v5e; a v3,
+    # whose Mosaic has no bf16 products, keeps XLA's.
+    cfg = config.load("configs/tiny_rot_partial.json", [
+        "cores_per_replica=1", "layers=2", "d_model=512", "n_heads=4", "pe_rotary_dims=64", "seq=256", "n_vocab=1024",
+        "compute_dtype=bfloat16", "weight_dtype=int8"])
+    kernels = {}
+    for name in ("v5litepod-1", "v3-8"):
+        devices = targets.target(name).devices()[:1]
+        layout = aot._inference_layout(aot.training_programs(cfg, "shard_map", devices, None)["layout"])
+        programs = Programs(layout)
+        cache, last, steps = aot._abstract_slots(programs, 8, [cfg.seq])
+        compiled = programs.jitted["decode"].lower(abstract_params(layout), cache, last, steps, rows=8,
+                                                   n_blocks=1).compile()
+        kernels[name] = (layout.policy.int8_dot, compiled.as_text().count('custom_call_target="tpu_custom_call"'))
+    assert kernels["v5litepod-1"] == ("kernel", 2 * cfg.layers)  # each layer's input and output products
+    assert kernels["v3-8"] == ("compute", 0)
+
+
 def test_the_estimate_counts_every_trip_of_the_loops(v3_8):
     # XLA's cost analysis counts each loop body once; the estimate multiplies by the trip counts (layers, micro
     # steps), which must agree with the analytic count of the step's matrix FLOPs (remat's recompute included).
