@@ -15,14 +15,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mesh_transformer import aot, estimate, targets
-from mesh_transformer.infer.decode import block_sizes, default_block
 from mesh_transformer.infer.params import abstract_params, make_inference_layout
 from mesh_transformer.infer.programs import Programs
 from mesh_transformer.model import quant_kernel
 from mesh_transformer.parallel.mesh import make_dp_mp
 
 from bench.common import emit, figure
-from bench.suite_parts import GPTJ_6B, GPTJ_TRAIN, INT8, model_config
+from bench.suite_parts import GPTJ_6B, GPTJ_TRAIN, INT8, decode_blocks, model_config
 
 TRAIN = {"layers": 10, "micro_batches": 16}  # the suite's train section on a v5e (layers: as many as fit)
 DECODE = {"bfloat16": (16, (1, 16)), "int8": (64, (1, 32, 64))}  # weights: (cache slots, batches), as on a v5e
@@ -69,8 +68,7 @@ def decode_cases(devices: list) -> list[tuple[dict, object, dict]]:
         cfg = model_config({**GPTJ_6B, "seq": 256, **(INT8 if weights == "int8" else {})}, compute_dtype="bfloat16")
         layout = make_inference_layout(cfg, mesh=make_dp_mp(1, 1, devices))
         programs, params = Programs(layout), abstract_params(layout)
-        blocks = block_sizes(cfg.seq, default_block(cfg.seq))
-        n_blocks = min(len(blocks), -(-(DECODE_CONTEXT + DECODE_STEPS + 2) // blocks[0]))
+        blocks, n_blocks = decode_blocks(cfg.seq, DECODE_CONTEXT + DECODE_STEPS)
         cache, last, steps = aot._abstract_slots(programs, n_slots, blocks)
         for batch in batches:
             compiled, _ = aot._compile(programs.jitted["decode"], params, cache, last, steps, policy=layout.policy,
@@ -100,8 +98,7 @@ def main() -> None:
     cases = (train_cases(devices) if "train" in args.only else []) + \
         (decode_cases(devices) if "decode" in args.only else [])
     for what, compiled, match in cases:
-        chip = target.chip
-        est = estimate.step_estimate(compiled, chip.peak_flops, chip.bandwidth, what["tokens"], 1.0, chip.attained)
+        est = estimate.step_estimate(compiled, target.chip, what["tokens"], 1.0)
         measured, commit = newest(records, **match)
         emit(bench="estimate_check", **what, estimated_step_s=figure(est["estimated_step_s"]),
              measured_step_s=measured and measured["step_s"], measured_commit=commit,

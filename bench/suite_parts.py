@@ -261,6 +261,13 @@ class CompileLog:
 
 
 # ------------------------------------------------------------------------------------------------------ decode
+def decode_blocks(seq: int, positions: int) -> tuple[list[int], int]:
+    """The serving cache's blocks for a context of `seq`, and how many of them a decode step reads to hold
+    `positions` cached positions (and two more)."""
+    blocks = block_sizes(seq, default_block(seq))
+    return blocks, min(len(blocks), -(-(positions + 2) // blocks[0]))
+
+
 def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks: Peaks) -> list[dict]:
     """Decode tokens/s of random weights (`random_decode_params`) at each batch against the bandwidth roofline: the
     bytes a step reads over the datasheet's bandwidth where it is known (else the measured copy's), and over the
@@ -272,9 +279,8 @@ def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks
     cfg = layout.cfg
     params = random_decode_params(layout)
     programs = Programs(layout)
-    blocks = block_sizes(cfg.seq, default_block(cfg.seq))
     n_steps = 4 * sizes.repeats
-    n_blocks = min(len(blocks), -(-(sizes.decode_context + n_steps + 2) // blocks[0]))
+    blocks, n_blocks = decode_blocks(cfg.seq, sizes.decode_context + n_steps)
     span = sum(blocks[:n_blocks])
     n_slots = max(batches)
     cache, last_N = programs.new_cache(n_slots, blocks), programs.new_slots(n_slots)

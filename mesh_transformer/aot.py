@@ -167,7 +167,7 @@ def _measure_inference(train_layout: Layout, n_slots: int, common: dict,
 
     serve, serve_memory, serve_step = decode(n_slots, serve_blocks)
     if chip is not None and not isinstance(serve_step, Refused):
-        est = estimate.step_estimate(serve_step, chip.peak_flops, chip.bandwidth, n_slots, 0.0, chip.attained)
+        est = estimate.step_estimate(serve_step, chip, n_slots, 0.0)
         serve.update(estimated_step_s=est["estimated_step_s"], estimated_tokens_per_s=est["estimated_tokens_per_s"])
     _, double_memory, _ = decode(2 * n_slots, serve_blocks)
     per_slot = (double_memory["total_bytes"] - serve_memory["total_bytes"]) / n_slots
@@ -292,8 +292,7 @@ def _train_record(compiled: dict, common: dict, no_loop_hoisting: bool = False,
         n_tokens = math.prod(compiled["tokens"].shape[:2]) * cfg.seq
         n_devices = layout.mesh.devices.size
         model_flops = n_tokens * estimate.model_flops_per_token(cfg, lora=bool(frozen)) / n_devices
-        record.update(estimate.step_estimate(train, chip.peak_flops, chip.bandwidth, n_tokens, model_flops,
-                                             chip.attained))
+        record.update(estimate.step_estimate(train, chip, n_tokens, model_flops))
     return {**record, **_memory(train)}
 
 
@@ -304,13 +303,14 @@ def _loading_record(compiled: dict, common: dict) -> dict:
     compiler refused (a TPU core's 128 MiB VMEM, say)."""
     layout, policy = compiled["layout"], compiled["layout"].policy
     placed = compiled["frozen"] or compiled["state"]["params"]
-    runs, programs = 0, {}
-    for like in jax.tree.leaves(placed):
-        for i, (fn, args) in enumerate(placing.programs(like, jnp.float32)):  # blocks of f32 layers: the largest
-            runs += 1  # a checkpoint gives
+    runs, distinct = 0, {}
+    for like in jax.tree.leaves(placed):  # blocks of f32 layers: the largest a checkpoint gives
+        for i, (fn, args) in enumerate(placing.programs(like, jnp.float32)):
+            runs += 1
             key = (i, like.shape, like.dtype, like.sharding)
-            programs[key] = programs.get(key) or _compile(fn, *args, policy=policy)[0]
-    programs = list(programs.values())
+            if key not in distinct:
+                distinct[key] = _compile(fn, *args, policy=policy)[0]
+    programs = list(distinct.values())
     if compiled["frozen"]:
         programs.append(_compile(finetune.fingerprint_fn(layout.replicated), placed, policy=policy)[0])
         runs += 1

@@ -331,11 +331,10 @@ def executed_flops_per_token(cfg, remat: bool) -> float:
     return model_flops_per_token(cfg) + recompute
 
 
-def step_estimate(compiled, peak_flops: float, bandwidth: float, tokens: int, model_flops: float,
-                  attained: tuple = (1.0, 1.0)) -> dict:
-    """Estimated seconds, tokens/s and MFU of one run of a compiled step on devices of this datasheet peak (FLOP/s)
-    and memory bandwidth (bytes/s) each, of which they attain the fractions `attained` (`targets.Chip.attained`).
-    `tokens`: the step's, all devices'; `model_flops`: one device's share.
+def step_estimate(compiled, chip, tokens: int, model_flops: float) -> dict:
+    """Estimated seconds, tokens/s and MFU of one run of a compiled step on devices of `chip`'s kind
+    (`targets.Chip`: its datasheet's peak FLOP/s and bandwidth, and the fractions of them it attains). `tokens`: the
+    step's, all devices'; `model_flops`: one device's share.
 
     The step's time is the sum over its scheduled instructions of max(FLOPs / attained peak, bytes / attained
     bandwidth), an instruction's bytes being those it moves in device memory (not a TPU core's VMEM; an asynchronous
@@ -349,8 +348,9 @@ def step_estimate(compiled, peak_flops: float, bandwidth: float, tokens: int, mo
     weighted, once = module.weighted()
     cost = compiled.cost_analysis() or {}  # None on GPU
     cost = cost[0] if isinstance(cost, list) else cost
-    seconds, compute_s, memory_s = module.times_s(peak_flops * attained[0], bandwidth * attained[1])
+    seconds, compute_s, memory_s = module.times_s(chip.peak_flops * chip.attained[0],
+                                                  chip.bandwidth * chip.attained[1])
     return {"estimated_flops": weighted, "xla_counted_flops": float(cost.get("flops", 0.0)),
             "estimated_compute_s": compute_s, "estimated_memory_s": memory_s,
             "loop_scale": round(weighted / once, 2) if once else 1.0, "estimated_step_s": seconds,
-            "estimated_tokens_per_s": tokens / seconds, "estimated_mfu": model_flops / (seconds * peak_flops)}
+            "estimated_tokens_per_s": tokens / seconds, "estimated_mfu": model_flops / (seconds * chip.peak_flops)}

@@ -219,7 +219,7 @@ def test_the_estimate_reads_one_layer_of_stacked_weights_per_trip(v3_8):
         w = jax.ShapeDtypeStruct((n_layers, 1024, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
         compiled = jax.jit(layers).lower(h, w).compile()
         chip = targets.target("v3-8").chip
-        return estimate.step_estimate(compiled, chip.peak_flops, chip.bandwidth, 1, 1.0)["estimated_step_s"]
+        return estimate.step_estimate(compiled, chip, 1, 1.0)["estimated_step_s"]
 
     assert seconds(16) / seconds(4) == pytest.approx(4, rel=0.15)
 
