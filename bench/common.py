@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 
@@ -18,6 +19,80 @@ def emit(**record) -> None:
 def figure(x: float, digits: int = 4) -> float:
     """x to `digits` significant digits, for a JSON record (a small figure keeps its digits, unlike round)."""
     return float(f"{x:.{digits}g}")
+
+
+def device_op_times(trace_dir: str, steps: int, top: int = 24) -> dict:
+    """What a `jax.profiler.trace` into `trace_dir` of `steps` runs of one program shows the device doing: its ops'
+    time a step (the `top` longest, each with its HLO category and, where the trace has them, bytes accessed and
+    the rate they were moved at), the time by category, the modules' own time a step and the device's idle time
+    between them, and the host's events that took longest (their total a step, by thread and name: nested events
+    both count). Device figures come from accelerator planes only: a CPU trace gives none."""
+    import glob
+
+    from jax.profiler import ProfileData
+
+    ops: dict[str, dict] = {}
+    host: dict[tuple[str, str], int] = {}
+    module_ns, spans = 0, []
+    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
+        for plane in ProfileData.from_file(path).planes:
+            if plane.name.startswith("/host:CPU"):
+                for line in plane.lines:
+                    for e in line.events:  # but the profiler's own
+                        if "profiler.py" not in e.name and "contextlib.py" not in e.name:
+                            host[line.name, e.name] = host.get((line.name, e.name), 0) + e.duration_ns
+            if not plane.name.startswith("/device:") or "CUSTOM" in plane.name:
+                continue
+            for line in plane.lines:
+                if line.name == "XLA Modules":
+                    module_ns += sum(e.duration_ns for e in line.events)
+                    spans += [(e.start_ns, e.end_ns) for e in line.events]
+                if line.name != "XLA Ops":
+                    continue
+                for e in line.events:
+                    op = ops.setdefault(e.name, {"ns": 0, "n": 0})
+                    op["ns"] += e.duration_ns
+                    op["n"] += 1
+                    if "stats" not in op:
+                        op["stats"] = {k: v for k, v in e.stats}
+    by_category: dict[str, float] = {}
+    rows = []
+    for name, op in ops.items():
+        stats = op.get("stats", {})
+        us = op["ns"] / 1e3 / steps
+        category = str(stats.get("hlo_category", "?"))
+        by_category[category] = by_category.get(category, 0.0) + us
+        row = {"op": name, "category": category, "us_per_step": figure(us), "runs_per_step": op["n"] / steps}
+        accessed = stats.get("bytes_accessed")
+        if accessed:
+            row.update(bytes_accessed=int(accessed), gb_per_s=figure(int(accessed) * op["n"] / op["ns"]))
+        if "long_name" in stats:
+            row["long_name"] = str(stats["long_name"])[:200]
+        rows.append(row)
+    rows.sort(key=lambda r: -r["us_per_step"])
+    kinds: dict[str, list] = {}  # ops alike: the name less its number, the result's type, a custom call's target
+    for row in rows:
+        head, _, text = row["op"].partition(" = ")
+        result = text.split("{")[0].split(" ")[0]
+        target = re.search(r"custom_call_target=\"?([\w.-]+)", text)
+        name = re.sub(r"[.]\d+$", "", head.lstrip("%"))
+        kind = f"{name} {result}" + (f" {target.group(1)}" if target else "")
+        entry = kinds.setdefault(kind, [0.0, 0])
+        entry[0] += row["us_per_step"]
+        entry[1] += row["runs_per_step"]
+    stat_keys = sorted({k for op in ops.values() for k in op.get("stats", {})})
+    spans.sort()
+    gaps_us = [(b[0] - a[1]) / 1e3 for a, b in zip(spans, spans[1:])]
+    host_top = sorted(host.items(), key=lambda kv: -kv[1])[:top]
+    return {"module_gaps_us": [figure(g) for g in gaps_us],
+            "host_top": [{"thread": t, "event": n[:160], "us_per_step": figure(ns / 1e3 / steps)}
+                         for (t, n), ns in host_top],
+            "device_ops_us_per_step": figure(sum(r["us_per_step"] for r in rows)) if rows else 0.0,
+            "modules_us_per_step": figure(module_ns / 1e3 / steps), "ops": len(rows),
+            "by_category_us": {k: figure(v) for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
+            "by_kind": [{"kind": k[:200], "us_per_step": figure(us), "runs_per_step": n}
+                        for k, (us, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])[:top]],
+            "top_ops": rows[:top], "stat_keys": stat_keys}
 
 
 def interleaved_times_s(fns: list[Callable[[], object]], repeats: int = 5, warmup: int = 1) -> list[list[float]]:

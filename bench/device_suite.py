@@ -235,10 +235,10 @@ def with_choices(layout, **choices):
 def run_section(name: str, device: jax.Device, sizes: Sizes, peaks: Peaks | None,
                 paged_attention: str | None = None, page_size: int = PAGE,
                 attention: str | None = None, int8_dot: str | None = None,
-                train_set: dict | None = None) -> tuple[list[dict], Peaks]:
+                train_set: dict | None = None, profile_steps: int = 0) -> tuple[list[dict], Peaks]:
     """The records of one section, and the peaks the others are measured against (the device section's, else
     measured here). `paged_attention`, `attention` and `int8_dot` replace the platform policy's, and `train_set`
-    the train sections' config keys, for an A/B."""
+    the train sections' config keys, for an A/B; `profile_steps` traces that many decode steps a batch."""
     if name == "device":
         record, peaks = measure_device(device, sizes)
         return [record], peaks
@@ -260,10 +260,11 @@ def run_section(name: str, device: jax.Device, sizes: Sizes, peaks: Peaks | None
         return [train_lora_record(sizes, peaks, device, attention, train_set)], peaks
     if name == "decode":
         layout = one_device_layout(model_config(sizes.decode_model), device)
-        return decode_records(layout, sizes.decode_batches, sizes, peaks), peaks
+        return decode_records(layout, sizes.decode_batches, sizes, peaks, profile_steps), peaks
     if name == "decode_int8":  # int8 weights (model/quant.py): the bytes a step reads, about halved
         layout = one_device_layout(model_config(sizes.decode_model, weight_dtype="int8"), device)
-        return decode_records(with_choices(layout, int8_dot=int8_dot), sizes.decode_int8_batches, sizes, peaks), peaks
+        return decode_records(with_choices(layout, int8_dot=int8_dot), sizes.decode_int8_batches, sizes, peaks,
+                              profile_steps), peaks
     raise ValueError(name)
 
 
@@ -306,6 +307,9 @@ def main() -> None:
                         help="the train sections' sequence length (default 2048; the train model's layers refitted)")
     parser.add_argument("--train-layers", type=int, default=None,
                         help="the train model's layers, for an A/B at one size (default: as many as fit)")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="the decode sections also trace this many steps a batch and say what the device did in "
+                             "them (a decode_profile record: its ops' time a step, by op and by category)")
     args = parser.parse_args()
     if args.splash_block is not None:
         if args.splash_block < 128 or args.splash_block % 128:
@@ -341,7 +345,7 @@ def main() -> None:
         compiles.start()
         try:
             records, peaks = run_section(name, device, sizes, peaks, args.paged_attention, args.page_size,
-                                         args.attention, args.int8_dot, train_set)
+                                         args.attention, args.int8_dot, train_set, args.profile_steps)
         except Exception as e:  # one failed section (out of memory, say) must not cost the others their figures
             records = [{"bench": name, "error": error_text(e)}]
             traceback.print_exc(file=sys.stderr)

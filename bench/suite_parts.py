@@ -8,6 +8,7 @@ import functools
 import json
 import math
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, NamedTuple
@@ -17,14 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from bench.common import figure
+from bench.common import device_op_times, figure
 from mesh_transformer import config
 from mesh_transformer.aot import shard_bytes
 from mesh_transformer.infer.choose import fill_sampling
 from mesh_transformer.infer.decode import Steps, block_sizes, default_block
 from mesh_transformer.infer.params import abstract_params, make_inference_layout
 from mesh_transformer.infer.programs import Programs
-from mesh_transformer.model import gptj, quant, table
+from mesh_transformer.model import gptj, quant, quant_kernel, table
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.platforms import for_devices
@@ -268,19 +269,25 @@ def decode_blocks(seq: int, positions: int) -> tuple[list[int], int]:
     return blocks, min(len(blocks), -(-(positions + 2) // blocks[0]))
 
 
-def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks: Peaks) -> list[dict]:
+def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks: Peaks,
+                   profile_steps: int = 0) -> list[dict]:
     """Decode tokens/s of random weights (`random_decode_params`) at each batch against the bandwidth roofline: the
     bytes a step reads over the datasheet's bandwidth where it is known (else the measured copy's), and over the
     measured copy's too. A step almost only reads, where the copy reads and writes alike, so it can beat the copy
     (one TPU v5e: 695 GB/s against 645, fraction_of_measured_roofline 1.07): the datasheet's is the primary figure.
     One program per batch, compiled ahead (one after another: compiled at once on one TPU v5e's host they took as
-    long in all), each run for sizes.repeats x 4 steps from sizes.decode_context cached positions. A batch that
-    fails (out of memory, say) gives an "error" record and ends the section: the larger ones would too."""
+    long in all), run from sizes.decode_context cached positions in two loops of n = sizes.repeats x 4 and 2n steps,
+    each dispatched back to back and waited for once: a step is the difference over n, the steady rate of a long
+    generation, and `loop_fixed_s` what a loop costs besides its steps (one TPU v5e: about 10 ms, 0.8 ms a step of
+    a 12-step loop's int8 batch 1 had been read as decode time). A batch that
+    fails (out of memory, say) gives an "error" record and ends the section: the larger ones would too. With
+    `profile_steps`, each batch's timed steps are followed by that many under the profiler, and a `decode_profile`
+    record says what the device did in them (`common.device_op_times`)."""
     cfg = layout.cfg
     params = random_decode_params(layout)
     programs = Programs(layout)
     n_steps = 4 * sizes.repeats
-    blocks, n_blocks = decode_blocks(cfg.seq, sizes.decode_context + n_steps)
+    blocks, n_blocks = decode_blocks(cfg.seq, sizes.decode_context + 3 * n_steps + profile_steps)
     span = sum(blocks[:n_blocks])
     n_slots = max(batches)
     cache, last_N = programs.new_cache(n_slots, blocks), programs.new_slots(n_slots)
@@ -294,6 +301,11 @@ def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks
     base = {"bench": "decode", "layers": cfg.layers, "d_model": cfg.d_model, "dtype": precision.compute.name,
             "weight_dtype": precision.weights.name, "int8_dot": layout.policy.int8_dot, "cache_slots": n_slots,
             "cached_positions_read": span}
+
+    def ran(rows: int) -> str:  # the int8 products a step of `rows` ran: the policy's kernel takes few rows
+        kernel = layout.policy.int8_dot == "kernel" and rows <= quant_kernel.MAX_ROWS
+        return "compute" if layout.policy.int8_dot == "kernel" and not kernel else layout.policy.int8_dot
+
     records = []
     for batch in batches:
         steps = Steps(zeros + sizes.decode_context, zeros, fill_sampling(n_slots, []))
@@ -303,18 +315,36 @@ def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks
             compile_s = time.perf_counter() - start
             _, _, last_N, steps, cache = step(params, cache, last_N, steps)
             jax.block_until_ready(last_N)
-            start = time.perf_counter()
-            for _ in range(n_steps):
-                _, _, last_N, steps, cache = step(params, cache, last_N, steps)
-            jax.block_until_ready(last_N)
-            step_s = (time.perf_counter() - start) / n_steps
+            loop_s = []
+            for n in (n_steps, 2 * n_steps):
+                start = time.perf_counter()
+                for _ in range(n):
+                    _, _, last_N, steps, cache = step(params, cache, last_N, steps)
+                jax.block_until_ready(last_N)
+                loop_s.append(time.perf_counter() - start)
+            # A loop's fixed cost (its first dispatch, the wait) cancels. Where it is not below n steps' time (a tiny
+            # model on a busy host) the difference is mostly noise, and the longer loop's mean is the figure.
+            step_s = ((loop_s[1] - loop_s[0]) / n_steps if loop_s[1] > 1.5 * loop_s[0]
+                      else loop_s[1] / (2 * n_steps))
+            if profile_steps:
+                with tempfile.TemporaryDirectory() as trace_dir:
+                    with jax.profiler.trace(trace_dir):
+                        for _ in range(profile_steps):
+                            _, _, last_N, steps, cache = step(params, cache, last_N, steps)
+                        jax.block_until_ready(last_N)
+                    profile = device_op_times(trace_dir, profile_steps)
+                records.append({"bench": "decode_profile", "weight_dtype": precision.weights.name,
+                                "int8_dot": ran(batch), "batch": batch, "step_us": figure(step_s * 1e6),
+                                **profile})
         except Exception as e:  # the cache may be donated to the failed step: no later batch can run
             records.append({**base, "batch": batch, "error": error_text(e)})
             break
         bytes_per_step = weight_bytes + batch * kv_bytes_per_row
         roofline, measured_roofline = (batch * rate / bytes_per_step for rate in (sheet_bytes_per_s,
                                                                                   peaks.bytes_per_s))
-        records.append({**base, "batch": batch, "compile_s": figure(compile_s), "step_s": figure(step_s),
+        fixed_s = loop_s[0] - n_steps * step_s  # what the loops show a loop costs besides its steps, if anything
+        records.append({**base, "batch": batch, "int8_dot": ran(batch), "compile_s": figure(compile_s),
+                        "step_s": figure(step_s), **({"loop_fixed_s": figure(fixed_s)} if fixed_s > 0 else {}),
                         "tokens_per_s": figure(batch / step_s), "gb_read_per_step": figure(bytes_per_step / 1e9),
                         "read_gb_per_s": figure(bytes_per_step / step_s / 1e9),
                         "roofline_bandwidth": "datasheet" if peaks.datasheet_bytes_per_s else "measured_copy",

@@ -137,6 +137,80 @@ def pallas_tn(x, w_NxK, s_N, block_bytes: int = 4 << 20, interpret: bool = False
     return out[:, :b].T
 
 
+def pack4(w_NxK):
+    """An int8 [N, K] as int32 [N, K / 4]: word i of a row holds its int8s i, i + K/4, i + K/2 and i + 3K/4, lowest
+    byte first, so the weights stream as 32-bit words (the DMA and tiling of an f32 array) and unpack by shifts."""
+    n, k = w_NxK.shape
+    parts = w_NxK.reshape(n, 4, k // 4).astype(jnp.int32) & 0xFF
+    word = parts[:, 0] | (parts[:, 1] << 8) | (parts[:, 2] << 16) | (parts[:, 3] << 24)
+    return word
+
+
+def pallas_packed(x, p_NxK4, s_N, block_bytes: int = 4 << 20, interpret: bool = False):
+    """x @ w.T for w packed by `pack4`: each block of words read, its four int8s taken out by shifts (VPU work, no
+    int8 layout anywhere) and converted, four bf16 products of a quarter of K each summed in f32."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    n, k4 = p_NxK4.shape
+    b = x.shape[0]
+    bn = max(128, min(n, (block_bytes // (k4 * 4)) // 128 * 128))
+    while n % bn:
+        bn -= 128
+    x4 = x.reshape(b, 4, k4).transpose(1, 0, 2)  # [4, b, K/4]: the quarter of K each byte of a word holds
+
+    def kernel(x_ref, p_ref, s_ref, o_ref):
+        p = p_ref[...]
+        acc = jnp.zeros((b, bn), F32)
+        for j in range(4):
+            w = lax.shift_right_arithmetic(lax.shift_left(p, jnp.int32(24 - 8 * j)), jnp.int32(24))
+            acc += lax.dot_general(x_ref[j], w.astype(F32).astype(x_ref.dtype), (((1,), (1,)), ((), ())),
+                                   preferred_element_type=F32)
+        o_ref[...] = acc * s_ref[...]
+
+    return pl.pallas_call(
+        kernel, grid=(n // bn,),
+        in_specs=[pl.BlockSpec((4, b, k4), lambda j: (0, 0, 0)), pl.BlockSpec((bn, k4), lambda j: (j, 0)),
+                  pl.BlockSpec((1, bn), lambda j: (0, j))],
+        out_specs=pl.BlockSpec((b, bn), lambda j: (0, j)),
+        out_shape=jax.ShapeDtypeStruct((b, n), F32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=64 << 20),
+        interpret=interpret)(x4, p_NxK4, s_N.reshape(1, n))
+
+
+VPU_ROWS = 64  # sublanes of w a VPU step multiplies into its accumulator
+
+
+def pallas_vpu(x, w_KxN, s_N, block_n: int = 512, interpret: bool = False):
+    """x @ w for one row and an int8 w [K, N] on the vector unit, no matrix unit: each block of outputs accumulates
+    x[k] * w[k, :] over K in f32, x held lane-broadcast [K, 128] in VMEM, summed over sublanes at the end."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    k, n = w_KxN.shape
+    if x.shape[0] != 1:
+        raise ValueError("the VPU form takes one row")
+    x_b = jnp.broadcast_to(x.reshape(k, 1).astype(F32), (k, 128))
+
+    def kernel(x_ref, w_ref, s_ref, o_ref):
+        for c in range(block_n // 128):
+            def body(i, acc, c=c):
+                r = pl.multiple_of(i * VPU_ROWS, VPU_ROWS)
+                w = w_ref[pl.ds(r, VPU_ROWS), pl.ds(c * 128, 128)].astype(jnp.int32).astype(F32)
+                return acc + x_ref[pl.ds(r, VPU_ROWS), :] * w
+            acc = lax.fori_loop(0, k // VPU_ROWS, body, jnp.zeros((VPU_ROWS, 128), F32), unroll=4)
+            o_ref[:, pl.ds(c * 128, 128)] = jnp.sum(acc, axis=0, keepdims=True) * s_ref[:, pl.ds(c * 128, 128)]
+
+    return pl.pallas_call(
+        kernel, grid=(n // block_n,),
+        in_specs=[pl.BlockSpec((k, 128), lambda j: (0, 0)), pl.BlockSpec((k, block_n), lambda j: (0, j)),
+                  pl.BlockSpec((1, block_n), lambda j: (0, j))],
+        out_specs=pl.BlockSpec((1, block_n), lambda j: (0, j)),
+        out_shape=jax.ShapeDtypeStruct((1, n), F32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=64 << 20),
+        interpret=interpret)(x_b, w_KxN, s_N.reshape(1, n))
+
+
 def w8a8(x, w, s, nk):
     """The rows quantized to int8 (a scale each), the product int8 x int8 on the matrix unit in int32."""
     xf = x.astype(F32)
@@ -174,6 +248,8 @@ def _project_kernel(x, w_NxK, s_N):
     return quant_kernel.by_rows(x, w_NxK, s_N).astype(F32)
 
 
+PACKED = "int8 as int32"  # the weights' dtype in VARIANTS for `pack4`'s words
+
 # name: (weight dtype, [N, K] held, product)
 VARIANTS = {
     "bf16_nk": (BF16, True, plain), "bf16_kn": (BF16, False, plain),
@@ -191,6 +267,9 @@ VARIANTS = {
     **{f"int8_{lay}_pallas_{mode}": (jnp.int8, lay == "nk", functools.partial(pallas_int, mode=mode))
        for mode in ("w8a8", "split16") for lay in ("nk", "kn")},
     "int8_nk_pallas_tn": (jnp.int8, True, lambda x, w, s, nk: pallas_tn(x, w, s)),
+    "int8_nk_packed32": (PACKED, True, lambda x, w, s, nk: pallas_packed(x, w, s)),
+    "int8_nk_packed32_8m": (PACKED, True, lambda x, w, s, nk: pallas_packed(x, w, s, 8 << 20)),
+    "int8_kn_vpu": (jnp.int8, False, lambda x, w, s, nk: pallas_vpu(x, w, s)),
 }
 
 
@@ -202,8 +281,10 @@ def make_weights(dtype, nk: bool, layers: int) -> list:
         layer = []
         for j, (n, k) in enumerate(shapes):
             shape = (n, k) if nk else (k, n)
-            w = jax.jit(functools.partial(_hashed, shape, dtype, 2 * i + j))()
-            layer.append((w, jnp.full((n,), 0.02 / 127 if dtype == jnp.int8 else 1.0, F32)))
+            w = jax.jit(functools.partial(_hashed, shape, jnp.int8 if dtype == PACKED else dtype, 2 * i + j))()
+            if dtype == PACKED:
+                w = jax.jit(pack4)(w)
+            layer.append((w, jnp.full((n,), 1.0 if dtype == BF16 else 0.02 / 127, F32)))
         out.append(layer)
     return out
 
@@ -228,6 +309,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--variants", default="all")
+    ap.add_argument("--copies", action="store_true", help="first, the rate of an elementwise pass over one layer's "
+                    "input matrix as int8, int32 and bf16 (the same bytes), by XLA and by a Pallas copy")
     args = ap.parse_args()
     names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     device = jax.devices()[0]
@@ -235,12 +318,26 @@ def main() -> None:
     emit(bench="meta", script="weight_stream_ab", device_kind=device.device_kind, jax=jax.__version__,
          commit=os.environ.get("MTJ_COMMIT", "unknown"), layers=args.layers)
     batches = [int(b) for b in args.batches.split(",")]
+    if args.copies:
+        for record in copy_rates(datasheet):
+            emit(**record)
     for name in names:
         try:
             for record in measure(name, args.layers, batches, datasheet):
                 emit(**record)
         except Exception as e:  # a variant the compiler refuses is a result too
             emit(bench="weight_stream", variant=name, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+
+
+CHAINED = 10  # steps timed back to back, each taking the last one's output, with one wait at the end
+
+
+def _chained(fn, x, weights):
+    """CHAINED steps dispatched without waiting between them, as decode runs: the time is the device's, not a
+    host's round trip a step (about 0.6 ms on one TPU v5e's host, a third of an int8 step of 8 layers)."""
+    for _ in range(CHAINED):
+        x = fn(x, weights)
+    return x.block_until_ready()
 
 
 def measure(name: str, layers: int, batches: list[int], datasheet: float | None):
@@ -252,12 +349,56 @@ def measure(name: str, layers: int, batches: list[int], datasheet: float | None)
     for b in batches:
         start = time.perf_counter()
         x = jax.random.normal(jax.random.PRNGKey(b), (b, D), F32).astype(BF16)
-        t = best_time_s(lambda x=x: fn(x, weights).block_until_ready(), repeats=10, warmup=2)
+        t = best_time_s(functools.partial(_chained, fn, x, weights), repeats=5, warmup=1) / CHAINED
         rate = n_bytes / t
         yield dict(bench="weight_stream", variant=name, batch=b, step_ms=figure(t * 1e3),
                    weight_gb=figure(n_bytes / 1e9), bytes_per_s=figure(rate),
                    fraction_of_datasheet=None if datasheet is None else figure(rate / datasheet, 3),
                    wall_s=round(time.perf_counter() - start, 1))
+
+def _pallas_copy(a, block_bytes: int = 4 << 20):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    n, k = a.shape
+    bn = max(32, min(n, block_bytes // (k * a.dtype.itemsize) // 32 * 32))
+    while n % bn:
+        bn -= 32
+
+    def kernel(a_ref, o_ref):
+        o_ref[...] = a_ref[...] + jnp.ones((), a.dtype)
+
+    return pl.pallas_call(
+        kernel, grid=(n // bn,), in_specs=[pl.BlockSpec((bn, k), lambda j: (j, 0))],
+        out_specs=pl.BlockSpec((bn, k), lambda j: (j, 0)), out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=64 << 20))(a)
+
+
+def _copies(fn, a):
+    for _ in range(CHAINED):
+        a = fn(a)
+    return a.block_until_ready()
+
+
+def copy_rates(datasheet: float | None):
+    """Bytes read and written per second by `a + 1` over one layer's input matrix (GPT-J-6B: [3D + F, D], 117 MB as
+    int8), held as int8, as int32 words and as bf16 of the same bytes, by XLA's fusion and by a Pallas kernel."""
+    n, k = 3 * D + F, D
+    for dtype, cols in ((jnp.int8, k), (jnp.int32, k // 4), (BF16, k // 2)):
+        a = jax.jit(lambda cols=cols, dtype=dtype: lax.broadcasted_iota(jnp.int32, (n, cols), 1).astype(dtype))()
+        for how, fn in (("xla", jax.jit(lambda a: a + jnp.ones((), a.dtype))), ("pallas", jax.jit(_pallas_copy))):
+            try:
+                t = best_time_s(functools.partial(_copies, fn, a), repeats=5, warmup=1) / CHAINED
+            except Exception as e:
+                yield dict(bench="dtype_copy", dtype=jnp.dtype(dtype).name, how=how,
+                           error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                continue
+            rate = 2 * a.nbytes / t
+            yield dict(bench="dtype_copy", dtype=jnp.dtype(dtype).name, how=how, shape=[n, cols], ms=figure(t * 1e3),
+                       bytes_per_s=figure(rate),
+                       fraction_of_datasheet=None if datasheet is None else figure(rate / datasheet, 3))
+        del a
+
 
 if __name__ == "__main__":
     main()

@@ -33,3 +33,9 @@ def test_every_form_of_the_int8_product_computes_the_same_values(monkeypatch):
         w8a8 = ab.pallas_int(x, w, s_N, nk, "w8a8", 128 * 512, interpret=True)
         assert float(jnp.abs(w8a8 - want).max()) <= 0.05 * scale
     assert int(jnp.abs(w_NxK.astype(jnp.int32)).max()) == 127 and len(np.unique(np.asarray(w_NxK))) > 200
+    # The int8s packed four to a word (negative ones included) and unpacked by shifts in the kernel; one row on the
+    # vector unit over [K, N].
+    packed = ab.pallas_packed(x, ab.pack4(w_NxK), s_N, 128 * 512, interpret=True)
+    np.testing.assert_allclose(np.asarray(packed), np.asarray(want), rtol=1e-5, atol=1e-3)
+    vpu = ab.pallas_vpu(x[:1], w_NxK.T, s_N, 256, interpret=True)
+    np.testing.assert_allclose(np.asarray(vpu), np.asarray(want[:1]), rtol=1e-2, atol=1e-2)
