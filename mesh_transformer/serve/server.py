@@ -361,9 +361,15 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
     return app
 
 
+# How long an idle keep-alive connection stays open. Clients drop theirs after their own expiry (httpx's, which the
+# openai client uses: 5 s); a server that closes at that same moment (uvicorn's default, 5 s) races a client reusing
+# the connection, which then reads "connection reset". Longer than the clients' expiry, the client always closes first.
+KEEP_ALIVE_S = 75
+
+
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 5000) -> None:
     """Serve until interrupted."""
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    uvicorn.run(app, host=host, port=port, log_level="info", timeout_keep_alive=KEEP_ALIVE_S)
 
 
 class BackgroundServer:
@@ -375,7 +381,7 @@ class BackgroundServer:
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))  # bound here, so the port is known and cannot be taken meanwhile
         self.host, self.port = host, self._socket.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S))
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]}, daemon=True)
 
     @property

@@ -677,3 +677,20 @@ def test_paged_engine_waits_for_pages_reuses_shared_prefix_pages_and_keeps_the_g
     small.close()
     with pytest.raises(config.ConfigError, match="multiple of the data-parallel size 2"):
         serving.Engine(layout(), params, tokenizer, programs=programs, n_pages=5)
+
+
+def test_server_keeps_idle_connections_past_the_clients_expiry_and_still_stops_at_once():
+    """A client drops an idle pooled connection after its keep-alive expiry (httpx's, the openai client's: 5 s); a
+    server closing at that same moment races a reuse ("connection reset"), so the server's is longer. Stopping the
+    server does not wait for a client's idle connection."""
+    from fastapi import FastAPI
+
+    app = FastAPI()
+    app.get("/ping")(lambda: {"ok": True})
+    running = server.BackgroundServer(app)
+    assert running.server.config.timeout_keep_alive > httpx.Limits().keepalive_expiry
+    with httpx.Client() as client:
+        with running:
+            assert client.get(f"{running.url}/ping").json() == {"ok": True}
+            start = time.monotonic()  # the client holds its idle connection as the server stops
+        assert not running._thread.is_alive() and time.monotonic() - start < 5
