@@ -8,6 +8,7 @@ Runs on a CPU machine (the target's compiler, compile-only); the measured side i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -25,7 +26,7 @@ from bench.suite_parts import GPTJ_6B, GPTJ_TRAIN, INT8, decode_blocks, model_co
 
 TRAIN = {"layers": 10, "micro_batches": 16}  # the suite's train section on a v5e (layers: as many as fit)
 DECODE = {"bfloat16": (16, (1, 16)), "int8": (64, (1, 32, 64))}  # weights: (cache slots, batches), as on a v5e
-DECODE_CONTEXT, DECODE_STEPS = 128, 12  # the suite's cached positions and timed steps (n_blocks from them)
+DECODE_CONTEXT, DECODE_STEPS = 128, 36  # the suite's cached positions and steps run (n_blocks from them)
 
 
 def newest(records: list[dict], **match) -> tuple[dict | None, str | None]:
@@ -48,15 +49,17 @@ def train_cases(devices: list) -> list[tuple[dict, object, dict]]:
                         parallelism="dp")
     lora = model_config({**GPTJ_6B, "seq": GPTJ_TRAIN["seq"]}, remat=True, lora_rank=16, base_dtype="bfloat16",
                         per_replica_batch=1, compute_dtype="bfloat16", parallelism="dp")
-    for bench, cfg in (("train", full), ("train_lora_6b", lora)):
+    for bench, cfg in (("train", full), ("train_lora_6b", lora),
+                       ("train_lora_6b", dataclasses.replace(lora, remat_policy="save_qkv"))):
         programs = aot.training_programs(cfg, "dp", devices, {"fsdp": 1, "tensor": 1, "data": None})
         compiled = programs["train"].lower(programs["state"], programs["tokens"], programs["frozen"]).compile()
         attention = programs["layout"].policy.attention
         match = {"bench": bench, "layers": cfg.layers, "micro_batches": cfg.gradient_accumulation_steps,
-                 "attention": attention, "remat": True, "batch": 1, "seq": cfg.seq}
+                 "attention": attention, "remat": True, "batch": 1, "seq": cfg.seq,
+                 "remat_policy": (cfg.remat_policy, None) if cfg.remat_policy == "full" else cfg.remat_policy}
         if attention == "splash":
             match["splash_block"] = (512, None)  # None: records from before the field, at the default 512
-        cases.append(({"step": bench, "layers": cfg.layers, "attention": attention,
+        cases.append(({"step": bench, "layers": cfg.layers, "attention": attention, "remat_policy": cfg.remat_policy,
                        "tokens": cfg.gradient_accumulation_steps * cfg.seq}, compiled, match))
     return cases
 
@@ -76,8 +79,9 @@ def decode_cases(devices: list) -> list[tuple[dict, object, dict]]:
             kernel = weights == "int8" and layout.policy.int8_dot == "kernel" and batch <= quant_kernel.MAX_ROWS
             int8_dot = "kernel" if kernel else "compute"
             match = {"bench": "decode", "weight_dtype": weights, "batch": batch, "cache_slots": n_slots}
-            if weights == "int8":
-                match["int8_dot"] = int8_dot
+            if weights == "int8":  # a record names the products that ran; earlier ones the policy's choice, which
+                # at 64 rows was the kernel until f1c6293 made it XLA's (the newest record is the one taken)
+                match["int8_dot"] = int8_dot if kernel or layout.policy.int8_dot != "kernel" else ("compute", "kernel")
             cases.append(({"step": f"decode_{weights}", "batch": batch, "int8_dot": int8_dot, "tokens": batch},
                           compiled, match))
     return cases

@@ -339,9 +339,9 @@ def step_estimate(compiled, chip, tokens: int, model_flops: float) -> dict:
     The step's time is the sum over its scheduled instructions of max(FLOPs / attained peak, bytes / attained
     bandwidth), an instruction's bytes being those it moves in device memory (not a TPU core's VMEM; an asynchronous
     slice or copy counted once, at its start; an in-place update, the KV cache's, as its update). Against one v5e
-    chip (bench/estimate_check.py over bench/results/) it read 0.90 of a 10-layer d_model 2048 full-training step
-    (16 x 2048 tokens, splash attention), 1.02 of GPT-J-6B's LoRA step, 1.08 / 1.11 of its bf16 decode step at batch
-    1 / 16 and 0.98 / 1.08 / 1.07 of its int8 decode step at batch 1 / 32 / 64 (docs/performance.md).
+    chip (bench/estimate_check.py over bench/results/) it read 0.88 of a 10-layer d_model 2048 full-training step
+    (16 x 2048 tokens, splash attention), 0.98-1.00 of GPT-J-6B's LoRA step, 1.01 / 1.04 of its bf16 decode step at
+    batch 1 / 16 and 1.00 / 1.03 / 1.01 of its int8 decode step at batch 1 / 32 / 64 (docs/performance.md).
     `estimated_compute_s` and `estimated_memory_s` are the two sums apart; `estimated_mfu` is against the datasheet's
     peak."""
     module = _Module(compiled.as_text())

@@ -38,10 +38,12 @@ TPU_CHIPS = {
     "v2": Chip("TPU v2 core", 8 * GIB, 22.5e12, 350e9),
     "v3": Chip("TPU v3 core", 16 * GIB, 61.5e12, 450e9),
     "v4": Chip("TPU v4 chip", 32 * GIB, 275e12, 1200e9),
-    # Measured on a v5e chip (`bench/device_suite.py`, 2026-12-06): of its 16 GiB a program gets 15.75
-    # (`memory_stats()["bytes_limit"]`, what the chip refuses beyond); a bf16 8192^3 product runs at 169.7 TFLOP/s, a
-    # 1 GiB copy (read and written) at 644 GB/s.
-    "v5e": Chip("TPU v5e chip", 16_909_336_064, 197e12, 819e9, attained=(0.86, 0.79)),
+    # Measured on a v5e chip (2026-12-06): of its 16 GiB a program gets 15.75 (`memory_stats()["bytes_limit"]`, what
+    # the chip refuses beyond); a bf16 8192^3 product runs at 169.7 TFLOP/s (`bench/device_suite.py`), and a chain
+    # of bf16 weight products streams its weights at 739 GB/s (`bench/weight_stream_ab.py`, 8 layers of GPT-J-6B's
+    # two joined matrices, steps back to back). A copy, which writes as much as it reads, reaches 644 GB/s (0.79):
+    # a step's bytes are mostly read.
+    "v5e": Chip("TPU v5e chip", 16_909_336_064, 197e12, 819e9, attained=(0.86, 0.90)),
     "v5p": Chip("TPU v5p chip", 95 * GIB, 459e12, 2765e9),
     "v6e": Chip("TPU v6e chip", 32 * GIB, 918e12, 1640e9),
 }
