@@ -21,78 +21,63 @@ def figure(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
-def device_op_times(trace_dir: str, steps: int, top: int = 24) -> dict:
-    """What a `jax.profiler.trace` into `trace_dir` of `steps` runs of one program shows the device doing: its ops'
-    time a step (the `top` longest, each with its HLO category and, where the trace has them, bytes accessed and
-    the rate they were moved at), the time by category, the modules' own time a step and the device's idle time
-    between them, and the host's events that took longest (their total a step, by thread and name: nested events
-    both count). Device figures come from accelerator planes only: a CPU trace gives none."""
+def _traced(trace_dir: str) -> tuple[dict, dict, list]:
+    """A `jax.profiler.trace`'s events: the device's ops ({name: [ns, runs]}, accelerator planes' "XLA Ops"), the
+    host's events ({(thread, name): ns}, the profiler's own left out) and the device's modules' (start, end) ns."""
     import glob
 
     from jax.profiler import ProfileData
 
-    ops: dict[str, dict] = {}
+    ops: dict[str, list] = {}
     host: dict[tuple[str, str], int] = {}
-    module_ns, spans = 0, []
+    modules = []
     for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
         for plane in ProfileData.from_file(path).planes:
-            if plane.name.startswith("/host:CPU"):
-                for line in plane.lines:
-                    for e in line.events:  # but the profiler's own
+            device = plane.name.startswith("/device:") and "CUSTOM" not in plane.name
+            for line in plane.lines if device or plane.name.startswith("/host:CPU") else []:
+                for e in line.events:
+                    if not device:
                         if "profiler.py" not in e.name and "contextlib.py" not in e.name:
                             host[line.name, e.name] = host.get((line.name, e.name), 0) + e.duration_ns
-            if not plane.name.startswith("/device:") or "CUSTOM" in plane.name:
-                continue
-            for line in plane.lines:
-                if line.name == "XLA Modules":
-                    module_ns += sum(e.duration_ns for e in line.events)
-                    spans += [(e.start_ns, e.end_ns) for e in line.events]
-                if line.name != "XLA Ops":
-                    continue
-                for e in line.events:
-                    op = ops.setdefault(e.name, {"ns": 0, "n": 0})
-                    op["ns"] += e.duration_ns
-                    op["n"] += 1
-                    if "stats" not in op:
-                        op["stats"] = {k: v for k, v in e.stats}
-    by_category: dict[str, float] = {}
-    rows = []
-    for name, op in ops.items():
-        stats = op.get("stats", {})
-        us = op["ns"] / 1e3 / steps
-        category = str(stats.get("hlo_category", "?"))
-        by_category[category] = by_category.get(category, 0.0) + us
-        row = {"op": name, "category": category, "us_per_step": figure(us), "runs_per_step": op["n"] / steps}
-        accessed = stats.get("bytes_accessed")
-        if accessed:
-            row.update(bytes_accessed=int(accessed), gb_per_s=figure(int(accessed) * op["n"] / op["ns"]))
-        if "long_name" in stats:
-            row["long_name"] = str(stats["long_name"])[:200]
-        rows.append(row)
-    rows.sort(key=lambda r: -r["us_per_step"])
-    kinds: dict[str, list] = {}  # ops alike: the name less its number, the result's type, a custom call's target
-    for row in rows:
-        head, _, text = row["op"].partition(" = ")
-        result = text.split("{")[0].split(" ")[0]
-        target = re.search(r"custom_call_target=\"?([\w.-]+)", text)
-        name = re.sub(r"[.]\d+$", "", head.lstrip("%"))
-        kind = f"{name} {result}" + (f" {target.group(1)}" if target else "")
-        entry = kinds.setdefault(kind, [0.0, 0])
-        entry[0] += row["us_per_step"]
-        entry[1] += row["runs_per_step"]
-    stat_keys = sorted({k for op in ops.values() for k in op.get("stats", {})})
-    spans.sort()
-    gaps_us = [(b[0] - a[1]) / 1e3 for a, b in zip(spans, spans[1:])]
-    host_top = sorted(host.items(), key=lambda kv: -kv[1])[:top]
-    return {"module_gaps_us": [figure(g) for g in gaps_us],
+                    elif line.name == "XLA Modules":
+                        modules.append((e.start_ns, e.end_ns))
+                    elif line.name == "XLA Ops":
+                        op = ops.setdefault(e.name, [0, 0])
+                        op[0] += e.duration_ns
+                        op[1] += 1
+    return ops, host, sorted(modules)
+
+
+def _kind(op: str) -> str:
+    """Ops alike: an op's name less its number, its result's type, and a custom call's target."""
+    head, _, text = op.partition(" = ")
+    target = re.search(r"custom_call_target=\"?([\w.-]+)", text)
+    return f"{re.sub(r'[.][0-9]+$', '', head.lstrip('%'))} {text.split('{')[0].split(' ')[0]}" + (
+        f" {target.group(1)}" if target else "")
+
+
+def device_op_times(trace_dir: str, steps: int, top: int = 24) -> dict:
+    """What a `jax.profiler.trace` into `trace_dir` of `steps` runs of one program shows: the device's modules' time
+    a step and its idle time between them, its ops' time a step (the `top` longest ops, and by kind), and the host's
+    events that took longest (their total a step, by thread and name: nested events both count). A CPU trace has no
+    device planes: its device figures are empty."""
+    ops, host, modules = _traced(trace_dir)
+    per_step = {name: ns / 1e3 / steps for name, (ns, _) in ops.items()}
+    kinds: dict[str, list] = {}
+    for name, (_, runs) in ops.items():
+        entry = kinds.setdefault(_kind(name), [0.0, 0.0])
+        entry[0] += per_step[name]
+        entry[1] += runs / steps
+    longest = sorted(per_step, key=per_step.get, reverse=True)[:top]
+    return {"modules_us_per_step": figure(sum(b - a for a, b in modules) / 1e3 / steps),
+            "module_gaps_us": [figure((b[0] - a[1]) / 1e3) for a, b in zip(modules, modules[1:])],
+            "device_ops_us_per_step": figure(sum(per_step.values())), "ops": len(ops),
+            "by_kind": [{"kind": k[:200], "us_per_step": figure(us), "runs_per_step": runs}
+                        for k, (us, runs) in sorted(kinds.items(), key=lambda kv: -kv[1][0])[:top]],
+            "top_ops": [{"op": name[:300], "us_per_step": figure(per_step[name]), "runs_per_step": ops[name][1] / steps}
+                        for name in longest],
             "host_top": [{"thread": t, "event": n[:160], "us_per_step": figure(ns / 1e3 / steps)}
-                         for (t, n), ns in host_top],
-            "device_ops_us_per_step": figure(sum(r["us_per_step"] for r in rows)) if rows else 0.0,
-            "modules_us_per_step": figure(module_ns / 1e3 / steps), "ops": len(rows),
-            "by_category_us": {k: figure(v) for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
-            "by_kind": [{"kind": k[:200], "us_per_step": figure(us), "runs_per_step": n}
-                        for k, (us, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])[:top]],
-            "top_ops": rows[:top], "stat_keys": stat_keys}
+                         for (t, n), ns in sorted(host.items(), key=lambda kv: -kv[1])[:top]]}
 
 
 def interleaved_times_s(fns: list[Callable[[], object]], repeats: int = 5, warmup: int = 1) -> list[list[float]]:

@@ -8,9 +8,10 @@ appended to `--out` too).
 - train: tokens/s and MFU (against both peaks) of the train step of a GPT-J-style model (d_model 2048, 16 heads,
   seq 2048, the compute dtype, f32 master params and Adam, remat) with as many layers as fit the device;
 - train_lora: the GPT-J-6B LoRA step (rank 16, base bf16);
-- decode: GPT-J-6B (random weights, compute dtype) tokens/s at the batches whose KV cache fits, against the
-  bandwidth roofline (weight bytes + KV-cache bytes read per step over the datasheet's bandwidth, and over the
-  measured one); decode_int8: the same with the layers' weights in int8 (model/quant.py);
+- decode: GPT-J-6B (random weights, compute dtype) tokens/s of the steady step at 1, 16, 32 and the largest batches
+  whose KV cache fits, against the bandwidth roofline (weight bytes + KV-cache bytes read per step over the
+  datasheet's bandwidth, and over the measured one); decode_int8: the same with the layers' weights in int8
+  (model/quant.py); with `--profile-steps N`, also what the device did in N traced steps (decode_profile);
 - serving: the continuous-batching engine over GPT-J-6B's int8 weights, with as many slots as fit, at 64 concurrent
   requests against one at a time: tokens/s and time to first token;
 - serving_paged: the engine over a paged int8 KV cache (int8 weights), a slot per client and the pages they need:

@@ -25,7 +25,7 @@ from bench.common import emit, figure
 from bench.suite_parts import GPTJ_6B, GPTJ_TRAIN, INT8, decode_blocks, model_config
 
 TRAIN = {"layers": 10, "micro_batches": 16}  # the suite's train section on a v5e (layers: as many as fit)
-DECODE = {"bfloat16": (16, (1, 16)), "int8": (64, (1, 32, 64))}  # weights: (cache slots, batches), as on a v5e
+DECODE = {"bfloat16": (16, (1, 16)), "int8": (64, (1, 16, 32, 64))}  # weights: (cache slots, batches), as on a v5e
 DECODE_CONTEXT, DECODE_STEPS = 128, 36  # the suite's cached positions and steps run (n_blocks from them)
 
 

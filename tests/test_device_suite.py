@@ -54,7 +54,7 @@ def test_sizes_for_a_16_gib_chip_fit_its_memory():
     device = jax.devices("cpu")[0]
     sizes = device_sizes(device, V5E_BYTES_LIMIT, compute_dtype="bfloat16")
     plan = HEADROOM * V5E_BYTES_LIMIT
-    assert sizes.decode_batches == (1, 8, 16) and sizes.decode_int8_batches == (1, 32, 64)
+    assert sizes.decode_batches == (1, 8, 16) and sizes.decode_int8_batches == (1, 16, 32, 64)
     assert sizes.serving_slots == 32 and sizes.serving_model["seq"] == 512
     assert sizes.train_model["layers"] == 10
     for model, batches in ((sizes.decode_model, sizes.decode_batches),
@@ -91,3 +91,24 @@ def test_the_ab_flags_set_attention_layout_sequence_and_int8_products():
     longer = device_sizes(jax.devices("cpu")[0], V5E_BYTES_LIMIT, compute_dtype="bfloat16", train_seq=8192)
     assert longer.train_model["seq"] == longer.lora_model["seq"] == 8192
     assert 1 <= longer.train_model["layers"] < 10
+
+
+def test_a_trace_sums_the_hosts_events_and_a_cpu_trace_has_no_device_ops(tmp_path):
+    import jax.numpy as jnp
+
+    from bench.common import _kind, device_op_times
+
+    square = jax.jit(lambda a: jnp.tanh(a @ a))
+    a = jnp.ones((64, 64))
+    square(a).block_until_ready()
+    with jax.profiler.trace(str(tmp_path)):
+        for _ in range(2):
+            square(a).block_until_ready()
+    got = device_op_times(str(tmp_path), steps=2)
+    assert got["ops"] == 0 and got["top_ops"] == [] and got["modules_us_per_step"] == 0
+    calls = [h for h in got["host_top"] if h["event"].startswith("PjitFunction(")]  # the jitted calls, on the host
+    assert calls and all(h["us_per_step"] > 0 for h in calls), got["host_top"]
+    # A TPU op's kind: its name less the number, its result's type, a custom call's target.
+    assert _kind('%_decode.80 = bf16[32,28672]{1,0:T(8,128)} custom-call(s8[28672,4096]{1,0} %b.3), '
+                 'custom_call_target="tpu_custom_call"') == "_decode bf16[32,28672] tpu_custom_call"
+    assert _kind("%fusion.30 = bf16[28672]{0:T(1024)} fusion(%p), kind=kLoop") == "fusion bf16[28672]"
