@@ -4,10 +4,13 @@ matrices of a layer (`fused.fuse_layer`: in [3D + F, D], out [D, D + F]) for a f
 [outputs, inputs] (as now) or [inputs, outputs], the int8 ones converted before XLA's dot, given to the dot as they
 are, multiplied as int8 by the rows quantized too (w8a8) or split into two int8 halves (split16), or read by a Pallas
 kernel a block at a time (`pallas_int`: converted there, or as int8 x int8 w8a8 or split16; `pallas_tn`: the weights
-as the product's streamed operand; `int8_nk_kernel`: the project's, model/quant_kernel.py). Each record: the
-step time, the weight bytes it read over that time, and that rate over the datasheet's bandwidth where one is known.
+as the product's streamed operand; `int8_nk_packed32`: the int8s packed four to an int32 word, unpacked by shifts;
+`int8_kn_vpu`: one row on the vector unit; `int8_nk_kernel`: the project's, model/quant_kernel.py). Each record:
+the step time (of CHAINED steps back to back), the weight bytes it read over that time, and that rate over the
+datasheet's bandwidth where one is known. `--copies` first times an `x + 1` pass over one layer's input matrix as
+int8, int32 and bf16.
 
-    python bench/weight_stream_ab.py [--layers 8] [--batches 1,16,32,64] [--variants all]
+    python bench/weight_stream_ab.py [--layers 8] [--batches 1,16,32,64] [--variants all] [--copies]
 """
 from __future__ import annotations
 
@@ -334,7 +337,7 @@ CHAINED = 10  # steps timed back to back, each taking the last one's output, wit
 
 def _chained(fn, x, weights):
     """CHAINED steps dispatched without waiting between them, as decode runs: the time is the device's, not a
-    host's round trip a step (about 0.6 ms on one TPU v5e's host, a third of an int8 step of 8 layers)."""
+    host's round trip a step (about 0.6 ms on one TPU v5e's host, a quarter of an int8 step of 8 layers)."""
     for _ in range(CHAINED):
         x = fn(x, weights)
     return x.block_until_ready()
