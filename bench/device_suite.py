@@ -29,8 +29,8 @@ device is used. bench/results/ holds runs on real devices.
     python bench/device_suite.py [--only device,train,...] [--tiny] [--out bench/results/KIND-DATE.jsonl]
 
 For an A/B, a flag replaces one of the platform policy's choices (`--attention`, `--paged-attention`, `--int8-dot`,
-`--splash-block`) or of the sizes and configs (`--page-size`, `--train-seq`, `--train-layers`, `--train-set
-KEY=VALUE`); the records carry what ran.
+`--cache-order`, `--splash-block`) or of the sizes and configs (`--page-size`, `--train-seq`, `--train-layers`,
+`--train-set KEY=VALUE`); the records carry what ran.
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ import subprocess
 import sys
 import time
 import traceback
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -227,45 +228,53 @@ def train_lora_record(sizes: Sizes, peaks: Peaks, device: jax.Device, attention:
     return train_record("train_lora_6b", cfg, sizes.repeats, peaks, device, full - 2 * matmul_params, attention)
 
 
-def with_choices(layout, **choices):
-    """The layout with the platform policy's choices replaced where given (an A/B)."""
-    given = {key: value for key, value in choices.items() if value}
+class Choices(NamedTuple):
+    """What an A/B replaces: the platform policy's choices (None: the policy's own), the paged cache's page size,
+    the train sections' config keys, and how many decode steps a batch are traced."""
+    paged_attention: str | None = None
+    attention: str | None = None
+    int8_dot: str | None = None
+    cache_order: tuple | None = None
+    page_size: int = PAGE
+    train_set: dict | None = None
+    profile_steps: int = 0
+
+
+def with_choices(layout, choices: Choices):
+    """The layout with the platform policy's inference choices replaced where `choices` gives them."""
+    given = {key: getattr(choices, key) for key in ("paged_attention", "int8_dot", "cache_order")
+             if getattr(choices, key)}
     return dataclasses.replace(layout, policy=dataclasses.replace(layout.policy, **given)) if given else layout
 
 
 def run_section(name: str, device: jax.Device, sizes: Sizes, peaks: Peaks | None,
-                paged_attention: str | None = None, page_size: int = PAGE,
-                attention: str | None = None, int8_dot: str | None = None,
-                train_set: dict | None = None, profile_steps: int = 0) -> tuple[list[dict], Peaks]:
+                choices: Choices = Choices()) -> tuple[list[dict], Peaks]:
     """The records of one section, and the peaks the others are measured against (the device section's, else
-    measured here). `paged_attention`, `attention` and `int8_dot` replace the platform policy's, and `train_set`
-    the train sections' config keys, for an A/B; `profile_steps` traces that many decode steps a batch."""
+    measured here), with an A/B's `choices`."""
     if name == "device":
         record, peaks = measure_device(device, sizes)
         return [record], peaks
     if name == "serving":
         layout = one_device_layout(model_config(sizes.serving_model), device)
-        return serving_records(with_choices(layout, int8_dot=int8_dot), sizes), peaks
+        return serving_records(with_choices(layout, choices), sizes), peaks
     if name == "serving_paged":  # int8 weights and an int8 paged cache
         layout = one_device_layout(model_config(sizes.serving_model, kv_cache_dtype="int8"), device)
-        layout = with_choices(layout, paged_attention=paged_attention, int8_dot=int8_dot)
-        return serving_paged_records(layout, sizes, page_size,
+        return serving_paged_records(with_choices(layout, choices), sizes, choices.page_size,
                                      memory_stats(device).get("bytes_limit", DEFAULT_BYTES_LIMIT)), peaks
     peaks = peaks or measure_device(device, sizes)[1]  # the sections below are measured against them
     if name == "train":
         cfg = model_config(sizes.train_model, **{"remat": True, "per_replica_batch": sizes.train_batch,
                                                  "gradient_accumulation_steps": sizes.train_micro_batches,
-                                                 **(train_set or {})})
-        return [train_record("train", cfg, sizes.repeats, peaks, device, train_flops_per_token(cfg), attention)], peaks
+                                                 **(choices.train_set or {})})
+        return [train_record("train", cfg, sizes.repeats, peaks, device, train_flops_per_token(cfg),
+                             choices.attention)], peaks
     if name == "train_lora":
-        return [train_lora_record(sizes, peaks, device, attention, train_set)], peaks
-    if name == "decode":
-        layout = one_device_layout(model_config(sizes.decode_model), device)
-        return decode_records(layout, sizes.decode_batches, sizes, peaks, profile_steps), peaks
-    if name == "decode_int8":  # int8 weights (model/quant.py): the bytes a step reads, about halved
-        layout = one_device_layout(model_config(sizes.decode_model, weight_dtype="int8"), device)
-        return decode_records(with_choices(layout, int8_dot=int8_dot), sizes.decode_int8_batches, sizes, peaks,
-                              profile_steps), peaks
+        return [train_lora_record(sizes, peaks, device, choices.attention, choices.train_set)], peaks
+    if name in ("decode", "decode_int8"):  # decode_int8: int8 weights (model/quant.py), the bytes a step about halved
+        int8 = {"weight_dtype": "int8"} if name == "decode_int8" else {}
+        layout = with_choices(one_device_layout(model_config(sizes.decode_model, **int8), device), choices)
+        batches = sizes.decode_int8_batches if int8 else sizes.decode_batches
+        return decode_records(layout, batches, sizes, peaks, choices.profile_steps), peaks
     raise ValueError(name)
 
 
@@ -310,8 +319,20 @@ def main() -> None:
                         help="the train model's layers, for an A/B at one size (default: as many as fit)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="the decode sections also trace this many steps a batch and say what the device did in "
-                             "them (a decode_profile record: its ops' time a step, by op and by category)")
+                             "them (a decode_profile record: its ops' time a step, by op and by kind)")
+    parser.add_argument("--cache-order", default=None, metavar="0,1,2,3",
+                        help="the decode sections' and serving's KV cache block order, a permutation of [slots, "
+                             "positions, heads, head dim] with slots first, for an A/B (default: the platform "
+                             "policy's; the CPU's is 0,2,3,1)")
     args = parser.parse_args()
+    cache_order = None
+    if args.cache_order:
+        try:
+            cache_order = tuple(int(axis) for axis in args.cache_order.split(","))
+        except ValueError:
+            cache_order = ()
+        if sorted(cache_order) != [0, 1, 2, 3] or cache_order[0] != 0:
+            parser.error(f"--cache-order must be a permutation of 0,1,2,3 starting with 0, got {args.cache_order!r}")
     if args.splash_block is not None:
         if args.splash_block < 128 or args.splash_block % 128:
             parser.error(f"--splash-block must be a positive multiple of 128, got {args.splash_block}")
@@ -321,6 +342,8 @@ def main() -> None:
         config.from_dict(train_set)  # known keys, valid values
     except config.ConfigError as e:
         parser.error(f"--train-set: {e}")
+    choices = Choices(args.paged_attention, args.attention, args.int8_dot, cache_order, args.page_size, train_set,
+                      args.profile_steps)
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
@@ -345,8 +368,7 @@ def main() -> None:
         start = time.perf_counter()
         compiles.start()
         try:
-            records, peaks = run_section(name, device, sizes, peaks, args.paged_attention, args.page_size,
-                                         args.attention, args.int8_dot, train_set, args.profile_steps)
+            records, peaks = run_section(name, device, sizes, peaks, choices)
         except Exception as e:  # one failed section (out of memory, say) must not cost the others their figures
             records = [{"bench": name, "error": error_text(e)}]
             traceback.print_exc(file=sys.stderr)

@@ -301,6 +301,7 @@ def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks
     sheet_bytes_per_s = peaks.datasheet_bytes_per_s or peaks.bytes_per_s
     base = {"bench": "decode", "layers": cfg.layers, "d_model": cfg.d_model, "dtype": precision.compute.name,
             "weight_dtype": precision.weights.name, "int8_dot": layout.policy.int8_dot, "cache_slots": n_slots,
+            "cache_order": ",".join(map(str, layout.policy.cache_order)),
             "cached_positions_read": span}
 
     def ran(rows: int) -> str:  # the int8 products a step of `rows` ran: the policy's kernel takes few rows

@@ -74,16 +74,17 @@ def test_sizes_for_a_16_gib_chip_fit_its_memory():
 
 def test_the_ab_flags_set_attention_layout_sequence_and_int8_products():
     """`--attention` (the A/B of training attention: both sides on the GSPMD layout, where splash runs),
-    `--train-seq`, `--train-layers` and `--train-set` reach the train records, `--int8-dot` the int8 decode records
-    (the tiny model's products are XLA's either way: 64 wide, not whole lanes); on a chip the train model's layers
-    are refitted to longer rows unless given."""
+    `--train-seq`, `--train-layers` and `--train-set` reach the train records, `--int8-dot` and `--cache-order` the
+    int8 decode records (the tiny model's products are XLA's either way: 64 wide, not whole lanes; a bad order is a
+    one-line error); on a chip the train model's layers are refitted to longer rows unless given."""
     result = run_script("bench/device_suite.py", "--tiny", "--only", "train,train_lora,decode_int8", "--attention",
                         "xla", "--train-seq", "32", "--train-layers", "3", "--int8-dot", "kernel", "--train-set",
-                        "remat=false", "--splash-block", "256")
+                        "remat=false", "--splash-block", "256", "--cache-order", "0,1,2,3")
     assert result.returncode == 0, result.stderr[-2000:]
     records = [json.loads(line) for line in result.stdout.splitlines()]
     decodes = [r for r in records if r["bench"] == "decode"]
     assert decodes and all(r["int8_dot"] == "kernel" and r["tokens_per_s"] > 0 for r in decodes)
+    assert all(r["cache_order"] == "0,1,2,3" for r in decodes)  # the TPU's order, where the CPU's is 0,2,3,1
     trains = [r for r in records if r["bench"] in ("train", "train_lora_6b")]
     assert [(r["attention"], r["parallelism"], r["seq"], r["remat"]) for r in trains] == [("xla", "dp", 32, False)] * 2
     assert all(r["splash_block"] is None for r in trains)  # XLA's attention has no blocks to report
@@ -91,6 +92,8 @@ def test_the_ab_flags_set_attention_layout_sequence_and_int8_products():
     longer = device_sizes(jax.devices("cpu")[0], V5E_BYTES_LIMIT, compute_dtype="bfloat16", train_seq=8192)
     assert longer.train_model["seq"] == longer.lora_model["seq"] == 8192
     assert 1 <= longer.train_model["layers"] < 10
+    bad = run_script("bench/device_suite.py", "--tiny", "--only", "decode", "--cache-order", "1,0,2,3")
+    assert bad.returncode == 2 and "--cache-order must be a permutation of 0,1,2,3 starting with 0" in bad.stderr
 
 
 def test_a_trace_sums_the_hosts_events_and_a_cpu_trace_has_no_device_ops(tmp_path):
