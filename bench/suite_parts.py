@@ -277,13 +277,10 @@ def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks
     measured copy's too. A step almost only reads, where the copy reads and writes alike, so it can beat the copy
     (one TPU v5e: 695 GB/s against 645, fraction_of_measured_roofline 1.07): the datasheet's is the primary figure.
     One program per batch, compiled ahead (one after another: compiled at once on one TPU v5e's host they took as
-    long in all), run from sizes.decode_context cached positions in two loops of n = sizes.repeats x 4 and 2n steps,
-    each dispatched back to back and waited for once: a step is the difference over n, the steady rate of a long
-    generation, and `loop_fixed_s` what a loop costs besides its steps (one TPU v5e: about 10 ms, 0.8 ms a step of
-    a 12-step loop's int8 batch 1 had been read as decode time). A batch that
-    fails (out of memory, say) gives an "error" record and ends the section: the larger ones would too. With
-    `profile_steps`, each batch's timed steps are followed by that many under the profiler, and a `decode_profile`
-    record says what the device did in them (`common.device_op_times`)."""
+    long in all), run from sizes.decode_context cached positions (`steady_step_s`). A batch that fails (out of
+    memory, say) gives an "error" record and ends the section: the larger ones would too. With `profile_steps`, each
+    batch's timed steps are followed by that many under the profiler, and a `decode_profile` record says what the
+    device did in them (`common.device_op_times`)."""
     cfg = layout.cfg
     params = random_decode_params(layout)
     programs = Programs(layout)
@@ -315,36 +312,23 @@ def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks
             start = time.perf_counter()
             step = programs.lower("decode", params, cache, last_N, steps, rows=batch, n_blocks=n_blocks).compile()
             compile_s = time.perf_counter() - start
-            _, _, last_N, steps, cache = step(params, cache, last_N, steps)
-            jax.block_until_ready(last_N)
-            loop_s = []
-            for n in (n_steps, 2 * n_steps):
-                start = time.perf_counter()
-                for _ in range(n):
-                    _, _, last_N, steps, cache = step(params, cache, last_N, steps)
-                jax.block_until_ready(last_N)
-                loop_s.append(time.perf_counter() - start)
-            # A loop's fixed cost (its first dispatch, the wait) cancels. Where it is not below n steps' time (a tiny
-            # model on a busy host) the difference is mostly noise, and the longer loop's mean is the figure.
-            step_s = ((loop_s[1] - loop_s[0]) / n_steps if loop_s[1] > 1.5 * loop_s[0]
-                      else loop_s[1] / (2 * n_steps))
+            state, _ = run_steps(step, params, (cache, last_N, steps), 1)
+            state, step_s, fixed_s = steady_step_s(step, params, state, n_steps)
             if profile_steps:
                 with tempfile.TemporaryDirectory() as trace_dir:
                     with jax.profiler.trace(trace_dir):
-                        for _ in range(profile_steps):
-                            _, _, last_N, steps, cache = step(params, cache, last_N, steps)
-                        jax.block_until_ready(last_N)
+                        state, _ = run_steps(step, params, state, profile_steps)
                     profile = device_op_times(trace_dir, profile_steps)
                 records.append({"bench": "decode_profile", "weight_dtype": precision.weights.name,
                                 "int8_dot": ran(batch), "batch": batch, "step_us": figure(step_s * 1e6),
                                 **profile})
+            cache, last_N, _ = state  # the steps donated the cache they were given: the next batch takes this one
         except Exception as e:  # the cache may be donated to the failed step: no later batch can run
             records.append({**base, "batch": batch, "error": error_text(e)})
             break
         bytes_per_step = weight_bytes + batch * kv_bytes_per_row
         roofline, measured_roofline = (batch * rate / bytes_per_step for rate in (sheet_bytes_per_s,
                                                                                   peaks.bytes_per_s))
-        fixed_s = loop_s[0] - n_steps * step_s  # what the loops show a loop costs besides its steps, if anything
         records.append({**base, "batch": batch, "int8_dot": ran(batch), "compile_s": figure(compile_s),
                         "step_s": figure(step_s), **({"loop_fixed_s": figure(fixed_s)} if fixed_s > 0 else {}),
                         "tokens_per_s": figure(batch / step_s), "gb_read_per_step": figure(bytes_per_step / 1e9),
@@ -355,6 +339,29 @@ def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks
                         "measured_roofline_tokens_per_s": figure(measured_roofline),
                         "fraction_of_measured_roofline": figure(batch / step_s / measured_roofline)})
     return records
+
+
+def run_steps(step, params, state: tuple, n: int) -> tuple[tuple, float]:
+    """n decode steps from state (cache, last_N, steps), dispatched back to back and waited for once: the state
+    after them, and the seconds."""
+    cache, last_N, steps = state
+    start = time.perf_counter()
+    for _ in range(n):
+        _, _, last_N, steps, cache = step(params, cache, last_N, steps)
+    jax.block_until_ready(last_N)
+    return (cache, last_N, steps), time.perf_counter() - start
+
+
+def steady_step_s(step, params, state: tuple, n: int) -> tuple[tuple, float, float]:
+    """The steady decode step, the rate of a long generation: n and then 2n steps (`run_steps`), the difference over
+    n, so a loop's fixed cost (its first dispatch after a wait, the final wait: 13-15 ms on one TPU v5e's host, where
+    a 12-step loop's mean read int8 batch 1 at 9.66 ms a step for a steady 8.34) cancels. Returns the state after,
+    the step's seconds and that fixed cost (0 where the loops show none). Where the fixed cost is not below n steps'
+    time (a tiny model on a busy host) the difference is mostly noise, and the longer loop's mean is the figure."""
+    state, short_s = run_steps(step, params, state, n)
+    state, long_s = run_steps(step, params, state, 2 * n)
+    step_s = (long_s - short_s) / n if long_s > 1.5 * short_s else long_s / (2 * n)
+    return state, step_s, max(0.0, short_s - n * step_s)
 
 
 def error_text(e: BaseException) -> str:
