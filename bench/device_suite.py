@@ -325,6 +325,8 @@ def main() -> None:
                              "positions, heads, head dim] with slots first, for an A/B (default: the platform "
                              "policy's; the CPU's is 0,2,3,1)")
     args = parser.parse_args()
+    if args.profile_steps < 0:
+        parser.error(f"--profile-steps must be 0 or more, got {args.profile_steps}")
     cache_order = None
     if args.cache_order:
         try:

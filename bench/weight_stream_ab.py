@@ -145,8 +145,7 @@ def pack4(w_NxK):
     byte first, so the weights stream as 32-bit words (the DMA and tiling of an f32 array) and unpack by shifts."""
     n, k = w_NxK.shape
     parts = w_NxK.reshape(n, 4, k // 4).astype(jnp.int32) & 0xFF
-    word = parts[:, 0] | (parts[:, 1] << 8) | (parts[:, 2] << 16) | (parts[:, 3] << 24)
-    return word
+    return parts[:, 0] | (parts[:, 1] << 8) | (parts[:, 2] << 16) | (parts[:, 3] << 24)
 
 
 def pallas_packed(x, p_NxK4, s_N, block_bytes: int = 4 << 20, interpret: bool = False):
