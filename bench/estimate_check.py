@@ -18,11 +18,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mesh_transformer import aot, estimate, targets
 from mesh_transformer.infer.params import abstract_params, make_inference_layout
 from mesh_transformer.infer.programs import Programs
-from mesh_transformer.model import quant_kernel
 from mesh_transformer.parallel.mesh import make_dp_mp
 
 from bench.common import emit, figure
-from bench.suite_parts import GPTJ_6B, GPTJ_TRAIN, INT8, decode_blocks, model_config
+from bench.suite_parts import GPTJ_6B, GPTJ_TRAIN, INT8, decode_blocks, int8_products, model_config
 
 TRAIN = {"layers": 10, "micro_batches": 16}  # the suite's train section on a v5e (layers: as many as fit)
 DECODE = {"bfloat16": (16, (1, 16)), "int8": (64, (1, 16, 32, 64))}  # weights: (cache slots, batches), as on a v5e
@@ -76,12 +75,11 @@ def decode_cases(devices: list) -> list[tuple[dict, object, dict]]:
         for batch in batches:
             compiled, _ = aot._compile(programs.jitted["decode"], params, cache, last, steps, policy=layout.policy,
                                        rows=batch, n_blocks=n_blocks)
-            kernel = weights == "int8" and layout.policy.int8_dot == "kernel" and batch <= quant_kernel.MAX_ROWS
-            int8_dot = "kernel" if kernel else "compute"
+            int8_dot = int8_products(layout.policy, batch) if weights == "int8" else "compute"
             match = {"bench": "decode", "weight_dtype": weights, "batch": batch, "cache_slots": n_slots}
             if weights == "int8":  # a record names the products that ran; earlier ones the policy's choice, which
                 # at 64 rows was the kernel until f1c6293 made it XLA's (the newest record is the one taken)
-                match["int8_dot"] = int8_dot if kernel or layout.policy.int8_dot != "kernel" else ("compute", "kernel")
+                match["int8_dot"] = int8_dot if int8_dot == layout.policy.int8_dot else (int8_dot, "kernel")
             cases.append(({"step": f"decode_{weights}", "batch": batch, "int8_dot": int8_dot, "tokens": batch},
                           compiled, match))
     return cases

@@ -270,6 +270,12 @@ def decode_blocks(seq: int, positions: int) -> tuple[list[int], int]:
     return blocks, min(len(blocks), -(-(positions + 2) // blocks[0]))
 
 
+def int8_products(policy, rows: int) -> str:
+    """The int8 products a decode step of `rows` runs under this policy: its `int8_dot`, but XLA's ("compute") where
+    the kernel's choice meets more rows than the kernel takes (`quant_kernel.MAX_ROWS`)."""
+    return "compute" if policy.int8_dot == "kernel" and rows > quant_kernel.MAX_ROWS else policy.int8_dot
+
+
 def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks: Peaks,
                    profile_steps: int = 0) -> list[dict]:
     """Decode tokens/s of random weights (`random_decode_params`) at each batch against the bandwidth roofline: the
@@ -301,12 +307,9 @@ def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks
             "cache_order": ",".join(map(str, layout.policy.cache_order)),
             "cached_positions_read": span}
 
-    def ran(rows: int) -> str:  # the int8 products a step of `rows` ran: the policy's kernel takes few rows
-        kernel = layout.policy.int8_dot == "kernel" and rows <= quant_kernel.MAX_ROWS
-        return "compute" if layout.policy.int8_dot == "kernel" and not kernel else layout.policy.int8_dot
-
     records = []
     for batch in batches:
+        int8_dot = int8_products(layout.policy, batch)
         steps = Steps(zeros + sizes.decode_context, zeros, fill_sampling(n_slots, []))
         try:
             start = time.perf_counter()
@@ -320,7 +323,7 @@ def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks
                         state, _ = run_steps(step, params, state, profile_steps)
                     profile = device_op_times(trace_dir, profile_steps)
                 records.append({"bench": "decode_profile", "weight_dtype": precision.weights.name,
-                                "int8_dot": ran(batch), "batch": batch, "step_us": figure(step_s * 1e6),
+                                "int8_dot": int8_dot, "batch": batch, "step_us": figure(step_s * 1e6),
                                 **profile})
             cache, last_N, _ = state  # the steps donated the cache they were given: the next batch takes this one
         except Exception as e:  # the cache may be donated to the failed step: no later batch can run
@@ -329,7 +332,7 @@ def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks
         bytes_per_step = weight_bytes + batch * kv_bytes_per_row
         roofline, measured_roofline = (batch * rate / bytes_per_step for rate in (sheet_bytes_per_s,
                                                                                   peaks.bytes_per_s))
-        records.append({**base, "batch": batch, "int8_dot": ran(batch), "compile_s": figure(compile_s),
+        records.append({**base, "batch": batch, "int8_dot": int8_dot, "compile_s": figure(compile_s),
                         "step_s": figure(step_s), **({"loop_fixed_s": figure(fixed_s)} if fixed_s > 0 else {}),
                         "tokens_per_s": figure(batch / step_s), "gb_read_per_step": figure(bytes_per_step / 1e9),
                         "read_gb_per_s": figure(bytes_per_step / step_s / 1e9),

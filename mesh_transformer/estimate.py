@@ -95,6 +95,14 @@ def _gemm_flops(out_shape: str, shapes: dict, operands: list[str], rest: str) ->
     return 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracting)
 
 
+def _update(opcode: str, operands: list) -> str | None:
+    """The operand an in-place update writes into its first operand: a dynamic-update-slice's update, a scatter's
+    updates (one array scattered); None for any other instruction."""
+    if opcode == "dynamic-update-slice":
+        return operands[1]
+    return operands[2] if opcode == "scatter" and len(operands) == 3 else None
+
+
 class _Module:
     """The optimized HLO text of one program: per computation its matrix FLOPs, what it calls, its while loops."""
 
@@ -238,10 +246,8 @@ class _Module:
             return 0.0, max(0, _bytes(shape, vmem=True) - _bytes(shapes.get(operands[0], ""), vmem=True))
         if opcode == "copy-start":  # (destination, source, context): the source read, the destination written
             return 0.0, float(_bytes(shape))  # where it is device memory (a prefetch into VMEM writes none)
-        if opcode == "dynamic-update-slice":
-            return 0.0, 2.0 * _bytes(shapes.get(operands[1], ""))
-        if opcode == "scatter" and len(operands) == 3:  # in place: its updates read and written
-            return 0.0, 2.0 * _bytes(shapes.get(operands[2], ""))
+        if update := _update(opcode, operands):  # in place: the update read and written
+            return 0.0, 2.0 * _bytes(shapes.get(update, ""))
         if opcode != "fusion":
             line = self._defining(computation, name)
             return self._flops(opcode, shape, shapes, line.split(f" {opcode}(", 1)[-1], name), \
@@ -268,7 +274,7 @@ class _Module:
                 continue
             if opcode in _SLICES:
                 reads += _bytes(user_shape)
-            elif opcode in ("dynamic-update-slice", "scatter") and operands[0] == parameter:
+            elif _update(opcode, operands) and operands[0] == parameter:
                 continue
             elif opcode == "fusion":
                 nested = re.search(r"calls=%?([\w.\-]+)", self._defining(fused, name)).group(1)
@@ -293,9 +299,8 @@ class _Module:
             part_shape, op, ops = by_name.get(name, ("", "", []))
             if op == "bitcast" and ops:
                 return written(ops[0])
-            if op == "scatter" and len(ops) == 3:
-                return _bytes(by_name.get(ops[2], ("",))[0])
-            return _bytes(by_name.get(ops[1], ("",))[0]) if op == "dynamic-update-slice" else _bytes(part_shape)
+            update = _update(op, ops)
+            return _bytes(by_name.get(update, ("",))[0]) if update else _bytes(part_shape)
 
         return sum(written(part) for part in parts)
 

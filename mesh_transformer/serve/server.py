@@ -361,9 +361,8 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
     return app
 
 
-# How long an idle keep-alive connection stays open. Clients drop theirs after their own expiry (httpx's, which the
-# openai client uses: 5 s); a server that closes at that same moment (uvicorn's default, 5 s) races a client reusing
-# the connection, which then reads "connection reset". Longer than the clients' expiry, the client always closes first.
+# An idle connection's life: beyond clients' keep-alive expiry (httpx's, the openai client's: 5 s), so the client
+# closes first; at uvicorn's default, also 5 s, a client reusing its connection can meet the close ("connection reset").
 KEEP_ALIVE_S = 75
 
 
