@@ -233,6 +233,7 @@ class Choices(NamedTuple):
     the train sections' config keys, and how many decode steps a batch are traced."""
     paged_attention: str | None = None
     attention: str | None = None
+    decode_attention: str | None = None
     int8_dot: str | None = None
     cache_order: tuple | None = None
     page_size: int = PAGE
@@ -242,7 +243,7 @@ class Choices(NamedTuple):
 
 def with_choices(layout, choices: Choices):
     """The layout with the platform policy's inference choices replaced where `choices` gives them."""
-    given = {key: getattr(choices, key) for key in ("paged_attention", "int8_dot", "cache_order")
+    given = {key: getattr(choices, key) for key in ("paged_attention", "decode_attention", "int8_dot", "cache_order")
              if getattr(choices, key)}
     return dataclasses.replace(layout, policy=dataclasses.replace(layout.policy, **given)) if given else layout
 
@@ -301,6 +302,9 @@ def main() -> None:
     parser.add_argument("--out", help="also append every JSON line to this file (bench/results/, say)")
     parser.add_argument("--paged-attention", choices=("gather", "kernel"), default=None,
                         help="serving_paged's decode attention, for an A/B (default: the platform policy's)")
+    parser.add_argument("--decode-attention", choices=("xla", "kernel"), default=None,
+                        help="the decode sections' attention over the slot cache, for an A/B (default: the platform "
+                             "policy's)")
     parser.add_argument("--page-size", type=int, default=PAGE, help=f"serving_paged's tokens per page (default {PAGE})")
     parser.add_argument("--attention", choices=("xla", "splash"), default=None,
                         help="the train sections' attention, for an A/B (default: the platform policy's)")
@@ -344,8 +348,8 @@ def main() -> None:
         config.from_dict(train_set)  # known keys, valid values
     except config.ConfigError as e:
         parser.error(f"--train-set: {e}")
-    choices = Choices(args.paged_attention, args.attention, args.int8_dot, cache_order, args.page_size, train_set,
-                      args.profile_steps)
+    choices = Choices(args.paged_attention, args.attention, args.decode_attention, args.int8_dot, cache_order,
+                      args.page_size, train_set, args.profile_steps)
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:

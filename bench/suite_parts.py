@@ -305,6 +305,7 @@ def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks
     base = {"bench": "decode", "layers": cfg.layers, "d_model": cfg.d_model, "dtype": precision.compute.name,
             "weight_dtype": precision.weights.name, "int8_dot": layout.policy.int8_dot, "cache_slots": n_slots,
             "cache_order": ",".join(map(str, layout.policy.cache_order)),
+            "decode_attention": layout.policy.decode_attention,
             "cached_positions_read": span}
 
     records = []

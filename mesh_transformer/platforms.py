@@ -49,6 +49,8 @@ class Policy:
     dot_piece_tokens: int = 0  # ... where they are over at most this many tokens (`model.order.in_pieces`)
     host_loading: bool = False  # a checkpoint's layers joined, converted and quantized on the host, else on the devices
     attention_shards: Any = None  # splash on several devices: (mesh, PartitionSpec of q, k, v [B, T, H, K])
+    decode_attention: str = "xla"  # a decode step's attention over the slot cache: "xla" (`model.attention.attend`)
+    # or "kernel" (TPU Pallas: infer/decode_kernel.py, which reads the cache's rows in place)
     paged_attention: str = "gather"  # decode over a paged cache: "gather" its pages (pure JAX) or "kernel" (TPU Pallas:
     # infer/paged_kernel.py; on a v5e 3.3x the gather's tokens/s at 64 concurrent requests, docs/performance.md)
 
@@ -62,12 +64,13 @@ _POLICIES = {
                 cache_bits=True, cache_order=(0, 2, 3, 1), int8_dot="float32",
                 dot_piece_bytes=64 << 20, dot_piece_tokens=256, host_loading=True),
     TPU: Policy(TPU, "", "bfloat16", attention="splash", dense_backward="autodiff", ordered_converts=False,
-                cache_bits=False, cache_order=(0, 1, 2, 3), paged_attention="kernel", int8_dot="kernel"),
+                cache_bits=False, cache_order=(0, 1, 2, 3), decode_attention="kernel", paged_attention="kernel",
+                int8_dot="kernel"),
     GPU: Policy(GPU, "", "bfloat16", attention="cudnn", dense_backward="autodiff", ordered_converts=False,
                 cache_bits=False, cache_order=(0, 2, 1, 3)),
 }
 # TPUs whose Mosaic compiler has no bf16 matrix products (the Pallas kernels'): their paged cache is gathered, their
-# attention and their int8 products are XLA's.
+# attention (decode's too) and their int8 products are XLA's.
 NO_PALLAS_BF16 = ("TPU v2", "TPU v3")
 _PLATFORM_NAMES = {"cpu": CPU, "tpu": TPU, "gpu": GPU, "cuda": GPU, "rocm": GPU}
 
@@ -79,7 +82,8 @@ def for_platform(platform: str, device_kind: str = "") -> Policy:
         raise ValueError(f"no platform policy for {platform!r}")
     policy = dataclasses.replace(_POLICIES[name], device_kind=device_kind or name)
     if name == TPU and device_kind.startswith(NO_PALLAS_BF16):
-        policy = dataclasses.replace(policy, paged_attention="gather", attention="xla", int8_dot="compute")
+        policy = dataclasses.replace(policy, paged_attention="gather", attention="xla", int8_dot="compute",
+                                     decode_attention="xla")
     return policy
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 
 from mesh_transformer.config import Config
+from mesh_transformer.infer import decode_kernel
 from mesh_transformer.infer.choose import Sampling, choose, dense_bias
 from mesh_transformer.model import gptj, layers
 from mesh_transformer.model.order import in_turn, weights_in_turn
@@ -166,6 +167,8 @@ class _DecodeKV(NamedTuple):
     policy: Policy
 
     def read(self, state, h_Rx1xD):
+        if self.policy.decode_attention == "kernel":
+            return lambda q, k, v: self._kernel_attention(state, q, k, v)
         rows, blocks, order = self.position_R.shape[0], state[0][:self.n_blocks], self.policy.cache_order
         span = _starts(blocks, order)[-1] + _length(blocks[-1], order)
         # From a slot's own position on it holds stale keys, if any.
@@ -174,6 +177,14 @@ class _DecodeKV(NamedTuple):
         past = [[_as_sequence(cached(b[:rows], self.dtype), order) for b in kind[:self.n_blocks]] for kind in state]
         past_k, past_v = in_turn(h_Rx1xD, past, self.policy)
         return past_k, past_v, past_mask_Rx1xS
+
+    def _kernel_attention(self, state, q_Rx1xHxK, k_Rx1xHxK, v_Rx1xHxK):
+        """The step's attention by the TPU kernel (`decode_kernel.attend`): the first `rows` slots of the first
+        blocks read in place, then the row's own new key and value (written into the cache after, by `write`)."""
+        order = self.policy.cache_order  # the TPU's, slots first, is the kernel's: neither a bitcast nor a transpose
+        past = [[_as_sequence(cached(b, self.dtype), order) for b in kind[:self.n_blocks]] for kind in state]
+        ctx_RxHxK = decode_kernel.attend(q_Rx1xHxK[:, 0], *past, self.position_R, k_Rx1xHxK[:, 0], v_Rx1xHxK[:, 0])
+        return ctx_RxHxK.astype(q_Rx1xHxK.dtype).reshape(ctx_RxHxK.shape[0], 1, -1)
 
     def write(self, state, k_Rx1xHxK, v_Rx1xHxK, h_Rx1xD):
         # Only the one new key and value per slot go back, so the cache is updated in place, after attention's reads.
