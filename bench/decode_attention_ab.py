@@ -1,14 +1,14 @@
 """A/B of a decode step's attention over the slot cache on the device this machine has, at GPT-J-6B's shape: every
 layer's one query per row against its keys and values in blocks [N, S_j, H, K] (`infer/decode.py`), the first R of N
 slots read, as XLA runs it (`model.attention.attend` over the rows sliced out of the blocks: the policy's
-decode_attention "xla") and as the Pallas kernel does (`infer/decode_kernel.py`: "kernel", also at other rows and
-positions a grid step, `--kernel-blocks`). Each layer's output is the next one's query, so the layers run in turn as
-in a step. Each record: the step's attention time (of CHAINED steps back to back), the bytes of keys and values it
-must read (R rows x the span, every layer), that rate over the datasheet's bandwidth where one is known, and the
-largest difference of the first layer's output from an f32 reference.
+decode_attention "xla") and as the Pallas kernel does (`infer/decode_kernel.py`: "kernel", its default grid and form,
+and other forms, rows and positions a grid step, `--kernel-variants`). Each layer's output is the next one's query,
+so the layers run in turn as in a step. Each record: the step's attention time (of CHAINED steps back to back), the
+bytes of keys and values it must read (R rows x the span, every layer), that rate over the datasheet's bandwidth
+where one is known, and the largest difference of the first layer's output from an f32 reference.
 
     python bench/decode_attention_ab.py [--layers 28] [--slots 64] [--rows 1,16,32,64] [--blocks 64,64,64]
-        [--kernel-blocks 8x64,4x64,8x32]
+        [--kernel-variants vpu:4x64,mxu:8x128]
 """
 from __future__ import annotations
 
@@ -57,8 +57,13 @@ def reference(q_RxHxK, k_blocks, v_blocks, length_R, k_new, v_new):
     return jnp.einsum("rhs,rshk->rhk", jax.nn.softmax(s, -1), v, precision="highest")
 
 
-def kernel(rows: int, positions: int):
-    return functools.partial(decode_kernel.attend, most_rows=rows, most_positions=positions)
+def kernel(spec: str = ""):
+    """The kernel at a variant's "FORM:ROWSxPOSITIONS" (empty: its defaults)."""
+    if not spec:
+        return decode_kernel.attend
+    form, shape = spec.split(":")
+    rows, positions = (int(x) for x in shape.split("x"))
+    return functools.partial(decode_kernel.attend, form=form, most_rows=rows, most_positions=positions)
 
 
 def step(attention, q_RxHxK, layers, length_R):
@@ -93,17 +98,17 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=64)
     parser.add_argument("--rows", default="1,16,32,64")
     parser.add_argument("--blocks", default="64,64,64", help="the cache blocks' positions read (the suite's: 3 x 64)")
-    parser.add_argument("--kernel-blocks", default="", help="more kernel variants, ROWSxPOSITIONS a grid step")
+    parser.add_argument("--kernel-variants", default="",
+                        help="more kernel variants, FORM:ROWSxPOSITIONS (form vpu or mxu; rows and positions a grid "
+                             "step), comma-separated")
     args = parser.parse_args()
     blocks = [int(b) for b in args.blocks.split(",")]
     span = sum(blocks)
     device = jax.devices()[0]
     datasheet = DATASHEET_BYTES_PER_S.get(device.device_kind)
-    variants = {"xla": xla, f"kernel_{decode_kernel.ROWS}x{decode_kernel.POSITIONS}":
-                kernel(decode_kernel.ROWS, decode_kernel.POSITIONS)}
-    for shape in filter(None, args.kernel_blocks.split(",")):
-        r, p = (int(x) for x in shape.split("x"))
-        variants[f"kernel_{r}x{p}"] = kernel(r, p)
+    variants = {"xla": xla, "kernel": kernel()}
+    for spec in filter(None, args.kernel_variants.split(",")):
+        variants[f"kernel_{spec}"] = kernel(spec)
     layers = make_layers(args.layers, args.slots, blocks)
     emit(bench="decode_attention_meta", device_kind=device.device_kind, layers=args.layers, slots=args.slots,
          blocks=blocks, heads=HEADS, head_dim=HEAD_DIM, chained=CHAINED, jax=jax.__version__,

@@ -4,15 +4,19 @@ consecutive positions, slots first) on a TPU, as a Pallas kernel that reads the 
 XLA runs this attention as a copy of the R slots out of each block (when R is fewer than the cache's slots), streamed
 into VMEM, then a multiply-reduce over the copies for the scores and another for the values: on a v5e, 6.5 ms of an
 int8 GPT-J-6B step of 14.2 at 32 rows of 192 positions (2.8 GB of keys and values, half the datasheet's bandwidth).
-Here Pallas' pipeline copies a grid step's rows and positions from HBM while the step before is computed on, and a row
-group's positions past its longest row are never copied (the grid's block index stays put, so the copy is skipped).
+Here one call walks a group of rows' positions chunk by chunk through all the blocks, Pallas' pipeline copying the
+next chunk from HBM while one is computed on; a group's chunks past its longest row are never copied (their block
+index stays put, so the pipeline skips the copy) nor computed.
 
-Per row, the scores are the query times each position's keys summed over the head dim on the vector unit (a product
-of one query row would use a sliver of the matrix unit), the softmax runs online over chunks of positions (flash
-decoding), and the probabilities times the values summed over positions are the output. The step's own new key and
-value are not in the cache when it is read (they are written after attention, `decode._DecodeKV.write`): each
-block's call returns its rows' unnormalized output, running maximum and sum (`Partial`), and `attend` joins the
-blocks' partials with the new key's score, in f32.
+A row's chunk [P, H, K] is computed one of two ways (`form`). "mxu": viewed as [P*H, K] (a reshape that keeps the
+TPU's tiles where H fills them), the scores of every head against every position's heads are one matrix product
+[H, P*H], of which each head keeps its own columns; the softmax runs on those lane-dense rows and the probabilities
+[H, P*H] (zero off a head's own columns) times the values [P*H, K] are the output, a second product. "vpu": the query
+times the keys summed over the head dim on the vector unit, and the probabilities times the values summed over
+positions (any number of heads). The softmax runs online over the chunks (flash decoding), in f32. The step's own new
+key and value are not in the cache when it is read (they are written after attention, `decode._DecodeKV.write`): the
+call returns its rows' unnormalized output, maximum and sum (`Partial`), and `attend` joins them with the new key's
+score.
 """
 from __future__ import annotations
 
@@ -28,18 +32,28 @@ from jax.experimental.pallas import tpu as pltpu
 
 F32 = jnp.float32
 MASKED = -1e30  # a masked score's running maximum: exp(MASKED - m) is 0 for any real m, and no inf - inf
-ROWS = 8  # rows a grid step copies, at most (a divisor of R)
-POSITIONS = 64  # positions a grid step copies, at most (a divisor of the block's): 8 rows x 64 x GPT-J's 8 KiB
-# per position, 4 MiB of keys and 4 of values a step, twice for the pipeline's two buffers
-VMEM_LIMIT = 64 * 2 ** 20  # of a v5e core's 128 MiB: the buffers and a row's f32 work
+ROWS = 4  # rows a grid step copies, at most (a divisor of R)
+POSITIONS = 64  # positions of a block a grid step copies, at most (a divisor of the block's)
+BUFFERS_BYTES = 40 * 2 ** 20  # the pipeline's buffers (two of each block's keys and values), at most: fewer
+# positions and rows a step where they would be more
+VMEM_LIMIT = 64 * 2 ** 20  # of a v5e core's 128 MiB: the buffers and a row's work
 
 
 class Partial(NamedTuple):
-    """A block's attention for each row and head, before the softmax is normalized: sum over its real positions of
-    exp(s - m) v [R, H, K], the scores' maximum m [R, H] (MASKED where it has none) and sum of exp(s - m) [R, H]."""
+    """Attention before its softmax is normalized, per row and head: the sum over the real positions of exp(s - m) v
+    [R, H, K], the scores' maximum m [R, H] (MASKED where there is none) and the sum of exp(s - m) [R, H]."""
     acc: jax.Array
     m: jax.Array
     total: jax.Array
+
+
+class _Block(NamedTuple):
+    """Where one block of the cache lies in the call's walk: its first position and first chunk, its chunks and
+    their positions."""
+    start: int
+    first: int
+    chunks: int
+    chunk: int
 
 
 def _divisor(n: int, most: int) -> int:
@@ -47,9 +61,45 @@ def _divisor(n: int, most: int) -> int:
     return max(d for d in range(1, min(n, most) + 1) if n % d == 0)
 
 
-def _kernel(length_ref, chunks_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, start: int, chunk: int,
-            rows: int):
+def form_for(heads: int, dtype) -> str:
+    """"mxu" where a chunk's heads fill whole tiles of sublanes (8 of f32, 16 of bf16) and are a power of two (the
+    head of a column is its low bits), else "vpu"."""
+    packing = 4 // jnp.dtype(dtype).itemsize
+    return "mxu" if heads % (8 * packing) == 0 and heads & (heads - 1) == 0 else "vpu"
+
+
+def _row_vpu(q_HxK, k_PxHxK, v_PxHxK, first_position, length, scale, m_Hx1, l_Hx1, acc_HxK):
+    s_PxHx1 = jnp.sum(k_PxHxK.astype(F32) * q_HxK.astype(F32)[None], axis=-1, keepdims=True) * scale
+    real = first_position + lax.broadcasted_iota(jnp.int32, s_PxHx1.shape, 0) < length
+    s_PxHx1 = jnp.where(real, s_PxHx1, MASKED)
+    m_next = jnp.maximum(m_Hx1, jnp.max(s_PxHx1, axis=0))
+    p_PxHx1 = jnp.where(real, jnp.exp(s_PxHx1 - m_next[None]), 0.0)
+    alpha = jnp.exp(m_Hx1 - m_next)
+    acc_HxK = alpha * acc_HxK + jnp.sum(v_PxHxK.astype(F32) * p_PxHx1, axis=0)
+    return m_next, alpha * l_Hx1 + jnp.sum(p_PxHx1, axis=0), acc_HxK
+
+
+def _row_mxu(q_HxK, k_PxHxK, v_PxHxK, first_position, length, scale, m_Hx1, l_Hx1, acc_HxK):
+    positions, heads, head_dim = k_PxHxK.shape
+    k = k_PxHxK.reshape(positions * heads, head_dim)
+    s_HxC = lax.dot_general(q_HxK.astype(k.dtype), k, (((1,), (1,)), ((), ())), preferred_element_type=F32) * scale
+    column = lax.broadcasted_iota(jnp.int32, s_HxC.shape, 1)
+    own = (column & (heads - 1)) == lax.broadcasted_iota(jnp.int32, s_HxC.shape, 0)
+    real = own & (first_position + (column >> (heads.bit_length() - 1)) < length)
+    s_HxC = jnp.where(real, s_HxC, MASKED)
+    m_next = jnp.maximum(m_Hx1, jnp.max(s_HxC, axis=1, keepdims=True))
+    p_HxC = jnp.where(real, jnp.exp(s_HxC - m_next), 0.0)
+    alpha = jnp.exp(m_Hx1 - m_next)
+    v = v_PxHxK.reshape(positions * heads, head_dim)
+    acc_HxK = alpha * acc_HxK + jnp.dot(p_HxC.astype(v.dtype), v, preferred_element_type=F32)
+    return m_next, alpha * l_Hx1 + jnp.sum(p_HxC, axis=1, keepdims=True), acc_HxK
+
+
+def _kernel(length_ref, needed_ref, q_ref, *refs, blocks: tuple, rows: int, form: str, scale: float):
+    n = len(blocks)
+    k_refs, v_refs, (acc_ref, m_ref, l_ref) = refs[:n], refs[n:2 * n], refs[2 * n:]
     group, c = pl.program_id(0), pl.program_id(1)
+    row_fn = _row_mxu if form == "mxu" else _row_vpu
 
     @pl.when(c == 0)
     def init():
@@ -57,59 +107,65 @@ def _kernel(length_ref, chunks_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, 
         m_ref[...] = jnp.full(m_ref.shape, MASKED, F32)
         l_ref[...] = jnp.zeros(l_ref.shape, F32)
 
-    @pl.when(c < chunks_ref[group])  # a chunk past the group's longest row: not copied, not computed
-    def compute():
-        def row(r, carry):
-            q_HxK = q_ref[r]
-            s_PxHx1 = jnp.sum(k_ref[r].astype(F32) * q_HxK[None], axis=-1, keepdims=True)
-            position = start + c * chunk + lax.broadcasted_iota(jnp.int32, s_PxHx1.shape, 0)
-            real = position < length_ref[group * rows + r]
-            s_PxHx1 = jnp.where(real, s_PxHx1, MASKED)
-            m_prev_Hx1 = m_ref[r]
-            m_next_Hx1 = jnp.maximum(m_prev_Hx1, jnp.max(s_PxHx1, axis=0))
-            p_PxHx1 = jnp.where(real, jnp.exp(s_PxHx1 - m_next_Hx1[None]), 0.0)
-            alpha_Hx1 = jnp.exp(m_prev_Hx1 - m_next_Hx1)
-            l_ref[r] = alpha_Hx1 * l_ref[r] + jnp.sum(p_PxHx1, axis=0)
-            acc_ref[r] = alpha_Hx1 * acc_ref[r] + jnp.sum(v_ref[r].astype(F32) * p_PxHx1, axis=0)
-            m_ref[r] = m_next_Hx1
-            return carry
+    for block, k_ref, v_ref in zip(blocks, k_refs, v_refs):
+        @pl.when((c >= block.first) & (c < block.first + block.chunks) & (c < needed_ref[group]))
+        def compute(block=block, k_ref=k_ref, v_ref=v_ref):
+            first_position = block.start + (c - block.first) * block.chunk
 
-        lax.fori_loop(0, rows, row, 0)
+            def row(r, carry):
+                m, total, acc = row_fn(q_ref[r], k_ref[r], v_ref[r], first_position, length_ref[group * rows + r],
+                                       scale, m_ref[r], l_ref[r], acc_ref[r])
+                m_ref[r], l_ref[r], acc_ref[r] = m, total, acc
+                return carry
+
+            lax.fori_loop(0, rows, row, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("start", "most_rows", "most_positions"))
-def block_partial(q_RxHxK: jax.Array, k_block: jax.Array, v_block: jax.Array, length_R: jax.Array, *,
-                  start: int, most_rows: int = ROWS, most_positions: int = POSITIONS) -> Partial:
-    """The first R slots' attention over one block of the cache: queries [R, H, K] (f32, scaled by 1/sqrt(K)
-    already) against the block's keys and values [N, S_j, H, K] (N >= R; any float dtype), which hold positions
-    start .. start + S_j - 1, of which row r sees those before length_R[r]. A grid step copies at most `most_rows`
-    rows and `most_positions` positions."""
+@functools.partial(jax.jit, static_argnames=("most_rows", "most_positions", "form"))
+def cached_partial(q_RxHxK: jax.Array, k_blocks: list, v_blocks: list, length_R: jax.Array, *, most_rows: int = ROWS,
+            most_positions: int = POSITIONS, form: str | None = None) -> Partial:
+    """The first R slots' attention over the cache's blocks: queries [R, H, K] against the keys and values of
+    blocks [N, S_j, H, K] (N >= R; consecutive positions from 0; any float dtype), of which row r sees the positions
+    before length_R[r]. A grid step copies at most `most_rows` rows and `most_positions` positions of a block;
+    `form` (None: `form_for`) is how a row's chunk is computed."""
     n_rows, heads, head_dim = q_RxHxK.shape
-    span = k_block.shape[1]
-    rows, chunk = _divisor(n_rows, most_rows), _divisor(span, most_positions)
+    dtype = k_blocks[0].dtype
+    form = form or form_for(heads, dtype)
+    per_position = len(k_blocks) * heads * head_dim * dtype.itemsize  # of a row, every block's, keys or values
+    most_positions = max(1, min(most_positions, BUFFERS_BYTES // (2 * 2 * per_position)))
+    layout, start, first = [], 0, 0
+    for k_block in k_blocks:
+        span = k_block.shape[1]
+        chunk = _divisor(span, most_positions)
+        layout.append(_Block(start, first, span // chunk, chunk))
+        start, first = start + span, first + span // chunk
+    most_rows = max(1, min(most_rows, BUFFERS_BYTES // (2 * 2 * max(b.chunk for b in layout) * per_position)))
+    rows = _divisor(n_rows, most_rows)
     groups = n_rows // rows
     longest_G = jnp.max(length_R.astype(jnp.int32).reshape(groups, rows), axis=1)
-    chunks_G = (jnp.clip(longest_G - start, 0, span) + chunk - 1) // chunk
+    needed_G = sum((jnp.clip(longest_G - b.start, 0, b.chunks * b.chunk) + b.chunk - 1) // b.chunk for b in layout)
 
-    def row_block(g, c, length, chunks):
+    def rows_of(g, c, length, needed):
         return g, 0, 0
 
-    def kv_block(g, c, length, chunks):  # past the group's last chunk: the last one again, so nothing is copied
-        return g, jnp.maximum(jnp.minimum(c, chunks[g] - 1), 0), 0, 0
+    def chunk_of(block: _Block):
+        def index(g, c, length, needed):  # past the group's last chunk, or not yet in this block: one it holds
+            return g, jnp.clip(jnp.minimum(c, needed[g] - 1) - block.first, 0, block.chunks - 1), 0, 0
+        return pl.BlockSpec((rows, block.chunk, heads, head_dim), index)
 
-    kv_spec = pl.BlockSpec((rows, chunk, heads, head_dim), kv_block)
-    out = pl.BlockSpec((rows, heads, head_dim), row_block)
-    stat = pl.BlockSpec((rows, heads, 1), row_block)
-    kernel = functools.partial(_kernel, start=start, chunk=chunk, rows=rows)
+    kv_specs = [chunk_of(b) for b in layout]
+    out = pl.BlockSpec((rows, heads, head_dim), rows_of)
+    stat = pl.BlockSpec((rows, heads, 1), rows_of)
+    kernel = functools.partial(_kernel, blocks=tuple(layout), rows=rows, form=form, scale=1 / math.sqrt(head_dim))
     acc, m, total = pl.pallas_call(
         kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=(groups, span // chunk),
-                                               in_specs=[out, kv_spec, kv_spec], out_specs=[out, stat, stat]),
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=2, grid=(groups, first),
+                                               in_specs=[out, *kv_specs, *kv_specs], out_specs=[out, stat, stat]),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=VMEM_LIMIT),
         out_shape=[jax.ShapeDtypeStruct((n_rows, heads, head_dim), F32),
                    *[jax.ShapeDtypeStruct((n_rows, heads, 1), F32)] * 2],
-    )(length_R.astype(jnp.int32), chunks_G.astype(jnp.int32), q_RxHxK.astype(F32), k_block, v_block)
+    )(length_R.astype(jnp.int32), needed_G.astype(jnp.int32), q_RxHxK, *k_blocks, *v_blocks)
     return Partial(acc, m[..., 0], total[..., 0])
 
 
@@ -117,17 +173,10 @@ def attend(q_RxHxK: jax.Array, k_blocks: list, v_blocks: list, length_R: jax.Arr
            v_new_RxHxK: jax.Array, **grid) -> jax.Array:
     """Each of R rows' one query [R, H, K] against its slot's cached positions before length_R[r], held in the
     blocks (consecutive positions from 0, each [N, S_j, H, K]), and its own new key and value: the attention's
-    output [R, H, K] in f32. `grid`: `block_partial`'s most_rows and most_positions."""
-    q_RxHxK = q_RxHxK.astype(F32) / math.sqrt(q_RxHxK.shape[-1])
-    parts, start = [], 0
-    for k_block, v_block in zip(k_blocks, v_blocks):
-        parts.append(block_partial(q_RxHxK, k_block, v_block, length_R, start=start, **grid))
-        start += k_block.shape[1]
-    s_new_RxH = jnp.sum(q_RxHxK * k_new_RxHxK.astype(F32), axis=-1)
-    m_RxH = functools.reduce(jnp.maximum, [part.m for part in parts], s_new_RxH)
-    new_RxH = jnp.exp(s_new_RxH - m_RxH)
-    acc_RxHxK, l_RxH = new_RxH[..., None] * v_new_RxHxK.astype(F32), new_RxH
-    for part in parts:
-        alpha_RxH = jnp.exp(part.m - m_RxH)
-        acc_RxHxK, l_RxH = acc_RxHxK + alpha_RxH[..., None] * part.acc, l_RxH + alpha_RxH * part.total
-    return acc_RxHxK / l_RxH[..., None]
+    output [R, H, K] in f32. `grid`: `cached_partial`'s most_rows, most_positions and form."""
+    past = cached_partial(q_RxHxK, k_blocks, v_blocks, length_R, **grid)
+    s_new_RxH = jnp.sum(q_RxHxK.astype(F32) * k_new_RxHxK.astype(F32), axis=-1) / math.sqrt(q_RxHxK.shape[-1])
+    m_RxH = jnp.maximum(past.m, s_new_RxH)
+    new_RxH, alpha_RxH = jnp.exp(s_new_RxH - m_RxH), jnp.exp(past.m - m_RxH)
+    acc_RxHxK = alpha_RxH[..., None] * past.acc + new_RxH[..., None] * v_new_RxHxK.astype(F32)
+    return acc_RxHxK / (alpha_RxH * past.total + new_RxH)[..., None]
