@@ -5,8 +5,9 @@ XLA runs this attention as a copy of the R slots out of each block (when R is fe
 into VMEM, then a multiply-reduce over the copies for the scores and another for the values: on a v5e, 6.5 ms of an
 int8 GPT-J-6B step of 14.2 at 32 rows of 192 positions (2.8 GB of keys and values, half the datasheet's bandwidth).
 Here one call walks a group of rows' positions chunk by chunk through all the blocks, Pallas' pipeline copying the
-next chunk from HBM while one is computed on; a group's chunks past its longest row are never copied (their block
-index stays put, so the pipeline skips the copy) nor computed.
+next chunk from HBM while one is computed on (a block's index stays put outside its own chunks, so the pipeline copies
+one chunk a step: where every block's first chunk was copied at a group's start, the copies came in bursts and the
+call ran at 0.67 of the datasheet's bandwidth); a group's chunks past its longest row are never copied nor computed.
 
 A row's chunk [P, H, K] is computed one of two ways (`form`). "mxu": viewed as [P*H, K] (a reshape that keeps the
 TPU's tiles where H fills them), the scores of every head against every position's heads are one matrix product
@@ -149,8 +150,14 @@ def cached_partial(q_RxHxK: jax.Array, k_blocks: list, v_blocks: list, length_R:
         return g, 0, 0
 
     def chunk_of(block: _Block):
-        def index(g, c, length, needed):  # past the group's last chunk, or not yet in this block: one it holds
-            return g, jnp.clip(jnp.minimum(c, needed[g] - 1) - block.first, 0, block.chunks - 1), 0, 0
+        def index(g, c, length, needed):
+            # Before the block's first chunk, the one it held since the group before (its last; the first group's
+            # first), so its first is copied during the step before it, as every other chunk is; past the group's
+            # last chunk, the one it holds.
+            at = jnp.minimum(c, needed[g] - 1) - block.first
+            before = at < 0
+            return (jnp.where(before & (g > 0), g - 1, g), jnp.where(before & (g > 0), block.chunks - 1,
+                                                                       jnp.clip(at, 0, block.chunks - 1)), 0, 0)
         return pl.BlockSpec((rows, block.chunk, heads, head_dim), index)
 
     kv_specs = [chunk_of(b) for b in layout]
