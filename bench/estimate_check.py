@@ -16,6 +16,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mesh_transformer import aot, estimate, targets
+from mesh_transformer.infer import decode_kernel
 from mesh_transformer.infer.params import abstract_params, make_inference_layout
 from mesh_transformer.infer.programs import Programs
 from mesh_transformer.parallel.mesh import make_dp_mp
@@ -76,11 +77,15 @@ def decode_cases(devices: list) -> list[tuple[dict, object, dict]]:
             compiled, _ = aot._compile(programs.jitted["decode"], params, cache, last, steps, policy=layout.policy,
                                        rows=batch, n_blocks=n_blocks)
             int8_dot = int8_products(layout.policy, batch) if weights == "int8" else "compute"
-            match = {"bench": "decode", "weight_dtype": weights, "batch": batch, "cache_slots": n_slots}
+            attention = "kernel" if decode_kernel.runs(layout.policy, batch) else "xla"
+            match = {"bench": "decode", "weight_dtype": weights, "batch": batch, "cache_slots": n_slots,
+                     "decode_attention": attention if attention == "kernel" else ("xla", None)}  # None: before
+            # records named it (XLA's, the only one then)
             if weights == "int8":  # a record names the products that ran; earlier ones the policy's choice, which
                 # at 64 rows was the kernel until f1c6293 made it XLA's (the newest record is the one taken)
                 match["int8_dot"] = int8_dot if int8_dot == layout.policy.int8_dot else (int8_dot, "kernel")
-            cases.append(({"step": f"decode_{weights}", "batch": batch, "int8_dot": int8_dot, "tokens": batch},
+            cases.append(({"step": f"decode_{weights}", "batch": batch, "int8_dot": int8_dot,
+                           "decode_attention": attention, "tokens": batch},
                           compiled, match))
     return cases
 

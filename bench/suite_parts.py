@@ -21,6 +21,7 @@ from jax import lax
 from bench.common import device_op_times, figure
 from mesh_transformer import config
 from mesh_transformer.aot import shard_bytes
+from mesh_transformer.infer import decode_kernel
 from mesh_transformer.infer.choose import fill_sampling
 from mesh_transformer.infer.decode import Steps, block_sizes, default_block
 from mesh_transformer.infer.params import abstract_params, make_inference_layout
@@ -305,12 +306,12 @@ def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks
     base = {"bench": "decode", "layers": cfg.layers, "d_model": cfg.d_model, "dtype": precision.compute.name,
             "weight_dtype": precision.weights.name, "int8_dot": layout.policy.int8_dot, "cache_slots": n_slots,
             "cache_order": ",".join(map(str, layout.policy.cache_order)),
-            "decode_attention": layout.policy.decode_attention,
             "cached_positions_read": span}
 
     records = []
     for batch in batches:
         int8_dot = int8_products(layout.policy, batch)
+        decode_attention = "kernel" if decode_kernel.runs(layout.policy, batch) else "xla"
         steps = Steps(zeros + sizes.decode_context, zeros, fill_sampling(n_slots, []))
         try:
             start = time.perf_counter()
@@ -324,7 +325,8 @@ def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks
                         state, _ = run_steps(step, params, state, profile_steps)
                     profile = device_op_times(trace_dir, profile_steps)
                 records.append({"bench": "decode_profile", "weight_dtype": precision.weights.name,
-                                "int8_dot": int8_dot, "batch": batch, "step_us": figure(step_s * 1e6),
+                                "int8_dot": int8_dot, "decode_attention": decode_attention, "batch": batch,
+                                "step_us": figure(step_s * 1e6),
                                 **profile})
             cache, last_N, _ = state  # the steps donated the cache they were given: the next batch takes this one
         except Exception as e:  # the cache may be donated to the failed step: no later batch can run
@@ -333,7 +335,8 @@ def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks
         bytes_per_step = weight_bytes + batch * kv_bytes_per_row
         roofline, measured_roofline = (batch * rate / bytes_per_step for rate in (sheet_bytes_per_s,
                                                                                   peaks.bytes_per_s))
-        records.append({**base, "batch": batch, "int8_dot": int8_dot, "compile_s": figure(compile_s),
+        records.append({**base, "batch": batch, "int8_dot": int8_dot, "decode_attention": decode_attention,
+                        "compile_s": figure(compile_s),
                         "step_s": figure(step_s), **({"loop_fixed_s": figure(fixed_s)} if fixed_s > 0 else {}),
                         "tokens_per_s": figure(batch / step_s), "gb_read_per_step": figure(bytes_per_step / 1e9),
                         "read_gb_per_s": figure(bytes_per_step / step_s / 1e9),

@@ -85,6 +85,21 @@ def _splash_flops(name: str, shapes: dict, operands: list[str]) -> float:
     return _SPLASH_PRODUCTS[kind] * 2.0 * math.prod(q) * keys * (blocks + 1) / (2 * blocks)
 
 
+DECODE_ATTENTION = "decode_attention"  # infer/decode_kernel.py's call, by the name XLA gives it (its NAME)
+
+
+def _operand_bytes(name: str, shapes: dict, operands: list[str]) -> int:
+    """The device-memory bytes an instruction reads of its operands: all of them, but of the decode attention
+    kernel's cache blocks [N, S_j, H, K] (its operands after the lengths, the chunk counts and the queries [R, H, K])
+    the first R slots only."""
+    sizes = [_bytes(shapes.get(o, "")) for o in operands]
+    if not name.startswith(DECODE_ATTENTION) or len(operands) < 4:
+        return sum(sizes)
+    rows = (_dims(shapes.get(operands[2], "")) or [0])[0]
+    slots = [(_dims(shapes.get(o, "")) or [1])[0] for o in operands[3:]]
+    return sum(sizes[:3]) + sum(size * min(1, rows / n) for size, n in zip(sizes[3:], slots))
+
+
 def _gemm_flops(out_shape: str, shapes: dict, operands: list[str], rest: str) -> float:
     match = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
     if not match or not operands or operands[0] not in shapes:
@@ -251,7 +266,7 @@ class _Module:
         if opcode != "fusion":
             line = self._defining(computation, name)
             return self._flops(opcode, shape, shapes, line.split(f" {opcode}(", 1)[-1], name), \
-                _bytes(shape) + sum(_bytes(shapes.get(o, "")) for o in operands)
+                _bytes(shape) + _operand_bytes(name, shapes, operands)
         fused = re.search(r"calls=%?([\w.\-]+)", self._defining(computation, name)).group(1)
         reads = sum(self._parameter_reads(fused, i, shapes.get(o, "")) for i, o in enumerate(operands))
         return self._fused_flops(fused), reads + self._fusion_writes(fused, shape)

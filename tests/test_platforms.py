@@ -120,11 +120,13 @@ def test_the_pallas_kernels_are_the_tpu_policys_where_mosaic_has_bf16_products()
     from mesh_transformer.platforms import for_platform
 
     kinds = {kind: (for_platform("tpu", kind).paged_attention, for_platform("tpu", kind).attention,
-                    for_platform("tpu", kind).int8_dot) for kind in ("TPU v3", "TPU v4", "TPU v5 lite", "TPU v6 lite")}
-    pallas = ("kernel", "splash", "kernel")
-    assert kinds == {"TPU v3": ("gather", "xla", "compute"), "TPU v4": pallas, "TPU v5 lite": pallas,
+                    for_platform("tpu", kind).int8_dot, for_platform("tpu", kind).decode_attention)
+             for kind in ("TPU v3", "TPU v4", "TPU v5 lite", "TPU v6 lite")}
+    pallas = ("kernel", "splash", "kernel", "kernel")
+    assert kinds == {"TPU v3": ("gather", "xla", "compute", "xla"), "TPU v4": pallas, "TPU v5 lite": pallas,
                      "TPU v6 lite": pallas}
     assert for_platform("cpu").paged_attention == for_platform("gpu").paged_attention == "gather"
+    assert for_platform("cpu").decode_attention == for_platform("gpu").decode_attention == "xla"
 
 
 def test_splash_is_a_layouts_attention_under_gspmd_split_by_rows_and_heads():

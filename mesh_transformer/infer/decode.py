@@ -167,7 +167,7 @@ class _DecodeKV(NamedTuple):
     policy: Policy
 
     def read(self, state, h_Rx1xD):
-        if self.policy.decode_attention == "kernel":
+        if decode_kernel.runs(self.policy, self.position_R.shape[0]):
             return lambda q, k, v: self._kernel_attention(state, q, k, v)
         rows, blocks, order = self.position_R.shape[0], state[0][:self.n_blocks], self.policy.cache_order
         span = _starts(blocks, order)[-1] + _length(blocks[-1], order)

@@ -27,7 +27,7 @@ def checks_vma(policy) -> bool:
     """Whether shard_map checks how an inference program's values vary over the mesh: not where a Pallas kernel runs
     in it (a pallas_call declares no mesh axes its output varies over, which the check refuses). Inference has no
     gradients, whose collectives the check is for."""
-    return policy.int8_dot != "kernel"
+    return "kernel" not in (policy.int8_dot, policy.decode_attention, policy.paged_attention)
 
 
 class Programs:
