@@ -168,8 +168,8 @@ def test_the_sampler_loop_keeps_the_tpu_cache_where_it_lies():
 
 
 def test_a_v5e_decode_step_over_int8_weights_runs_the_int8_kernel_and_a_v3_xlas_products():
-    # The TPU policy's int8 products (model/quant_kernel.py, by Mosaic) in the decode step of 8 rows for a v5e; a v3,
-    # whose Mosaic has no bf16 products, keeps XLA's.
+    # The TPU policy's int8 products (model/quant_kernel.py, by Mosaic) and decode attention (infer/decode_kernel.py)
+    # in the decode step of 8 rows for a v5e; a v3, whose Mosaic has no bf16 products, keeps XLA's.
     cfg = config.load("configs/tiny_rot_partial.json", [
         "cores_per_replica=1", "layers=2", "d_model=512", "n_heads=4", "pe_rotary_dims=64", "seq=256", "n_vocab=1024",
         "compute_dtype=bfloat16", "weight_dtype=int8"])
@@ -181,9 +181,11 @@ def test_a_v5e_decode_step_over_int8_weights_runs_the_int8_kernel_and_a_v3_xlas_
         cache, last, steps = aot._abstract_slots(programs, 8, [cfg.seq])
         compiled = programs.jitted["decode"].lower(abstract_params(layout), cache, last, steps, rows=8,
                                                    n_blocks=1).compile()
-        kernels[name] = (layout.policy.int8_dot, compiled.as_text().count('custom_call_target="tpu_custom_call"'))
-    assert kernels["v5litepod-1"] == ("kernel", 2 * cfg.layers)  # each layer's input and output products
-    assert kernels["v3-8"] == ("compute", 0)
+        calls = re.findall(r"%([\w.\-]+) = .*custom_call_target=\"tpu_custom_call\"", compiled.as_text())
+        attention = [c for c in calls if c.startswith("decode_attention")]
+        kernels[name] = (layout.policy.int8_dot, len(calls) - len(attention), len(attention))
+    assert kernels["v5litepod-1"] == ("kernel", 2 * cfg.layers, cfg.layers)  # each layer's two products, attention
+    assert kernels["v3-8"] == ("compute", 0, 0)
 
 
 def test_the_estimate_counts_every_trip_of_the_loops(v3_8):
@@ -369,3 +371,32 @@ def test_splash_over_a_gspmd_slice_compiles_for_a_v5e_with_each_device_its_rows_
     calls = re.findall(r"%splash_mha_fwd\S* = \(.*?\) custom-call\(([^)]*)\)", hlo)
     q_shapes = set(re.findall(r"bf16\[(\d+),(\d+),256,128\]", hlo))
     assert calls and ("2", "1") in q_shapes  # [rows, heads, positions, head dim] on one device
+
+
+@pytest.mark.parametrize("rows", [8, 32])
+def test_the_estimate_counts_the_decode_kernels_reads_of_the_rows_it_reads(rows):
+    """The decode attention kernel's cache operands hold every slot, of which it reads the first R: the estimate's
+    bytes for the call are the rows' share of the blocks (and the queries, the lengths and the outputs), compiled for
+    a v5e."""
+    from jax.sharding import SingleDeviceSharding
+
+    from mesh_transformer.infer import decode_kernel
+
+    device = targets.compile_devices(targets.target("v5litepod-1"))[0]
+
+    def shaped(*shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
+
+    blocks = [shaped(32, 64, 16, 256)] * 3
+    compiled = jax.jit(decode_kernel.cached_partial).lower(shaped(rows, 16, 256), blocks, blocks,
+                                                          shaped(rows, dtype=jnp.int32)).compile()
+    module = estimate._Module(compiled.as_text())
+    calls = [(name, shape, operands) for name, shape, operands in
+             ((m.group(1), m.group(2), estimate._operands(m.group(3))) for m in
+              re.finditer(r"%(decode_attention[\w.]*) = (\(.*?\)) custom-call\((.*)", compiled.as_text()))]
+    assert len(calls) == 1
+    shapes = {name: shape for name, shape in re.findall(r"%([\w.\-]+) = (\S+) ", compiled.as_text())}
+    read = estimate._operand_bytes(calls[0][0], shapes, calls[0][2])
+    cache_rows = 2 * 3 * rows * 64 * 16 * 256 * 2
+    assert cache_rows < read < cache_rows + 2 * rows * 16 * 256 * 4 + 4096  # the rows' keys and values, and q
+    assert module.times_s(1.0, 1.0)[2] >= read
