@@ -400,3 +400,25 @@ def test_the_estimate_counts_the_decode_kernels_reads_of_the_rows_it_reads(rows)
     cache_rows = 2 * 3 * rows * 64 * 16 * 256 * 2
     assert cache_rows < read < cache_rows + 2 * rows * 16 * 256 * 4 + 4096  # the rows' keys and values, and q
     assert module.times_s(1.0, 1.0)[2] >= read
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_the_decode_kernel_compiles_for_a_v5e_under_the_highest_matmul_precision(dtype):
+    """Mosaic refuses bf16 products at "highest" (the device tier's f32 comparisons set it): the kernel's bf16
+    products keep the default, its f32 ones take the caller's."""
+    from jax.sharding import SingleDeviceSharding
+
+    from mesh_transformer.infer import decode_kernel
+
+    device = targets.compile_devices(targets.target("v5litepod-1"))[0]
+
+    def shaped(*shape, dtype=dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
+
+    blocks = [shaped(16, 64, 16, 256)] * 2
+    assert decode_kernel.form_for(16, dtype) == "mxu"
+    with jax.default_matmul_precision("highest"):
+        compiled = jax.jit(decode_kernel.attend).lower(shaped(8, 16, 256), blocks, blocks,
+                                                       shaped(8, dtype=jnp.int32), shaped(8, 16, 256),
+                                                       shaped(8, 16, 256)).compile()
+    assert "decode_attention" in compiled.as_text()

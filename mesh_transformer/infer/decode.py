@@ -7,7 +7,9 @@ only the first blocks, as many as the furthest busy slot needs, in place: slicin
 costs a strided copy per layer per step. A block is [N, S_j, H, K] with its axes in the order the platform policy
 names (`block_shape`): positions last on the CPU, the layout XLA's CPU dot wants for one-token attention; positions
 second for XLA:TPU, which otherwise copies every block into that layout around the sampler's decode loop (6.77 GiB
-for GPT-J-6B's 8 slots on a v5e chip: aot_check.py); heads before positions for XLA:GPU (the least it copies).
+for GPT-J-6B's 8 slots on a v5e chip: aot_check.py); heads before positions for XLA:GPU (the least it copies). On a
+TPU a step of two rows or more attends through `decode_kernel` (`Policy.decode_attention`), which reads the rows'
+part of each block in place, where XLA copies it out of the blocks when the rows are fewer than the slots.
 Both programs run per device (the Layout's shard_map) with the same forward as training, the layers unrolled over
 unstacked params (`params.place_params`): a scan over stacked layers would copy each layer's weights out of the
 stack at every token. Each row's token is chosen by `choose.choose`.

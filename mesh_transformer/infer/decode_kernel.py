@@ -31,6 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mesh_transformer.model.quant_kernel import bf16_exact
+
 F32 = jnp.float32
 NAME = "decode_attention"  # the call's name in a compiled program (the estimator's to know: it reads the first R
 # slots of its cache operands, not all of them)
@@ -93,7 +95,8 @@ def _row_vpu(q_HxK, k_PxHxK, v_PxHxK, first_position, length, scale, m_Hx1, l_Hx
 def _row_mxu(q_HxK, k_PxHxK, v_PxHxK, first_position, length, scale, m_Hx1, l_Hx1, acc_HxK):
     positions, heads, head_dim = k_PxHxK.shape
     k = k_PxHxK.reshape(positions * heads, head_dim)
-    s_HxC = lax.dot_general(q_HxK.astype(k.dtype), k, (((1,), (1,)), ((), ())), preferred_element_type=F32) * scale
+    s_HxC = lax.dot_general(q_HxK.astype(k.dtype), k, (((1,), (1,)), ((), ())), precision=bf16_exact(k.dtype),
+                            preferred_element_type=F32) * scale
     column = lax.broadcasted_iota(jnp.int32, s_HxC.shape, 1)
     own = (column & (heads - 1)) == lax.broadcasted_iota(jnp.int32, s_HxC.shape, 0)
     real = own & (first_position + (column >> (heads.bit_length() - 1)) < length)
@@ -102,7 +105,8 @@ def _row_mxu(q_HxK, k_PxHxK, v_PxHxK, first_position, length, scale, m_Hx1, l_Hx
     p_HxC = jnp.where(real, jnp.exp(s_HxC - m_next), 0.0)
     alpha = jnp.exp(m_Hx1 - m_next)
     v = v_PxHxK.reshape(positions * heads, head_dim)
-    acc_HxK = alpha * acc_HxK + jnp.dot(p_HxC.astype(v.dtype), v, preferred_element_type=F32)
+    acc_HxK = alpha * acc_HxK + jnp.dot(p_HxC.astype(v.dtype), v, precision=bf16_exact(v.dtype),
+                                        preferred_element_type=F32)
     return m_next, alpha * l_Hx1 + jnp.sum(p_HxC, axis=1, keepdims=True), acc_HxK
 
 
