@@ -102,16 +102,24 @@ def teacher_forced(layout, params, attention: str) -> np.ndarray:
     return np.stack([np.asarray(x) for x in out])
 
 
-@pytest.mark.parametrize("form", ["vpu", "mxu"])
-def test_decode_steps_through_the_kernel_give_xlas_logits(monkeypatch, form):
+NEOX = config.load("configs/tiny_neox.json", ["cores_per_replica=1"])  # GPT-NeoX: 8 heads of 8
+
+
+@pytest.mark.parametrize("cfg, form", [(CFG, "vpu"), (CFG, "mxu"), (NEOX, "mxu")], ids=["gptj-vpu", "gptj-mxu",
+                                                                                        "gptneox-mxu"])
+def test_decode_steps_through_the_kernel_give_xlas_logits(monkeypatch, cfg, form):
     """Prefill, then decode steps whose rows (3 of 4 slots) read 2 and then 3 of the cache's 4 blocks: the same
-    logits through the kernel as through XLA's attention (f32)."""
+    logits through the kernel as through XLA's attention (f32), for GPT-J and GPT-NeoX."""
     monkeypatch.setattr(decode_kernel, "form_for", lambda heads, dtype: form)
-    layout = infer_params.make_inference_layout(CFG, mesh=make_dp_mp(1, 1))
-    params = random_params(CFG, 0)
+    traced, attend = [], decode_kernel.attend
+    monkeypatch.setattr(decode_kernel, "attend", lambda *a, **k: traced.append(1) or attend(*a, **k))
+    layout = infer_params.make_inference_layout(cfg, mesh=make_dp_mp(1, 1))
+    params = random_params(cfg, 0)
     with pltpu.force_tpu_interpret_mode():
         kernel = teacher_forced(layout, params, "kernel")
+    assert len(traced) == 2 * cfg.layers  # each layer of the two step programs (2 and 3 blocks)
     xla = teacher_forced(layout, params, "xla")
+    assert len(traced) == 2 * cfg.layers
     np.testing.assert_allclose(kernel, xla, rtol=0, atol=1e-5 * np.abs(xla).max())
 
 
