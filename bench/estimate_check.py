@@ -16,13 +16,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mesh_transformer import aot, estimate, targets
-from mesh_transformer.infer import decode_kernel
 from mesh_transformer.infer.params import abstract_params, make_inference_layout
 from mesh_transformer.infer.programs import Programs
 from mesh_transformer.parallel.mesh import make_dp_mp
 
 from bench.common import emit, figure
-from bench.suite_parts import GPTJ_6B, GPTJ_TRAIN, INT8, decode_blocks, int8_products, model_config
+from bench.suite_parts import (GPTJ_6B, GPTJ_TRAIN, INT8, decode_attention, decode_blocks, int8_products,
+                               model_config)
 
 TRAIN = {"layers": 10, "micro_batches": 16}  # the suite's train section on a v5e (layers: as many as fit)
 DECODE = {"bfloat16": (16, (1, 16)), "int8": (64, (1, 16, 32, 64))}  # weights: (cache slots, batches), as on a v5e
@@ -77,7 +77,7 @@ def decode_cases(devices: list) -> list[tuple[dict, object, dict]]:
             compiled, _ = aot._compile(programs.jitted["decode"], params, cache, last, steps, policy=layout.policy,
                                        rows=batch, n_blocks=n_blocks)
             int8_dot = int8_products(layout.policy, batch) if weights == "int8" else "compute"
-            attention = "kernel" if decode_kernel.runs(layout.policy, batch) else "xla"
+            attention = decode_attention(layout.policy, batch)
             match = {"bench": "decode", "weight_dtype": weights, "batch": batch, "cache_slots": n_slots,
                      "decode_attention": attention if attention == "kernel" else ("xla", None)}  # None: before
             # records named it (XLA's, the only one then)

@@ -277,6 +277,12 @@ def int8_products(policy, rows: int) -> str:
     return "compute" if policy.int8_dot == "kernel" and rows > quant_kernel.MAX_ROWS else policy.int8_dot
 
 
+def decode_attention(policy, rows: int) -> str:
+    """The attention a decode step of `rows` runs under this policy over the slot cache: "kernel" where
+    `decode_kernel.runs`, else XLA's."""
+    return "kernel" if decode_kernel.runs(policy, rows) else "xla"
+
+
 def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks: Peaks,
                    profile_steps: int = 0) -> list[dict]:
     """Decode tokens/s of random weights (`random_decode_params`) at each batch against the bandwidth roofline: the
@@ -311,7 +317,7 @@ def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks
     records = []
     for batch in batches:
         int8_dot = int8_products(layout.policy, batch)
-        decode_attention = "kernel" if decode_kernel.runs(layout.policy, batch) else "xla"
+        attention = decode_attention(layout.policy, batch)
         steps = Steps(zeros + sizes.decode_context, zeros, fill_sampling(n_slots, []))
         try:
             start = time.perf_counter()
@@ -325,7 +331,7 @@ def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks
                         state, _ = run_steps(step, params, state, profile_steps)
                     profile = device_op_times(trace_dir, profile_steps)
                 records.append({"bench": "decode_profile", "weight_dtype": precision.weights.name,
-                                "int8_dot": int8_dot, "decode_attention": decode_attention, "batch": batch,
+                                "int8_dot": int8_dot, "decode_attention": attention, "batch": batch,
                                 "step_us": figure(step_s * 1e6),
                                 **profile})
             cache, last_N, _ = state  # the steps donated the cache they were given: the next batch takes this one
@@ -335,7 +341,7 @@ def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks
         bytes_per_step = weight_bytes + batch * kv_bytes_per_row
         roofline, measured_roofline = (batch * rate / bytes_per_step for rate in (sheet_bytes_per_s,
                                                                                   peaks.bytes_per_s))
-        records.append({**base, "batch": batch, "int8_dot": int8_dot, "decode_attention": decode_attention,
+        records.append({**base, "batch": batch, "int8_dot": int8_dot, "decode_attention": attention,
                         "compile_s": figure(compile_s),
                         "step_s": figure(step_s), **({"loop_fixed_s": figure(fixed_s)} if fixed_s > 0 else {}),
                         "tokens_per_s": figure(batch / step_s), "gb_read_per_step": figure(bytes_per_step / 1e9),

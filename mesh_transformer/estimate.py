@@ -17,6 +17,8 @@ import math
 import re
 from collections import defaultdict
 
+from mesh_transformer.infer import decode_kernel
+
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\([^=]*?\)|\w+\[[^\]]*\](?:\{[^}]*\})?) ([\w\-]+)\((.*)$")
 _SHAPE = re.compile(r"\w+\[([\d,]*)\]")
@@ -85,15 +87,12 @@ def _splash_flops(name: str, shapes: dict, operands: list[str]) -> float:
     return _SPLASH_PRODUCTS[kind] * 2.0 * math.prod(q) * keys * (blocks + 1) / (2 * blocks)
 
 
-DECODE_ATTENTION = "decode_attention"  # infer/decode_kernel.py's call, by the name XLA gives it (its NAME)
-
-
 def _operand_bytes(name: str, shapes: dict, operands: list[str]) -> int:
     """The device-memory bytes an instruction reads of its operands: all of them, but of the decode attention
     kernel's cache blocks [N, S_j, H, K] (its operands after the lengths, the chunk counts and the queries [R, H, K])
     the first R slots only."""
     sizes = [_bytes(shapes.get(o, "")) for o in operands]
-    if not name.startswith(DECODE_ATTENTION) or len(operands) < 4:
+    if not name.startswith(decode_kernel.NAME) or len(operands) < 4:
         return sum(sizes)
     rows = (_dims(shapes.get(operands[2], "")) or [0])[0]
     slots = [(_dims(shapes.get(o, "")) or [1])[0] for o in operands[3:]]

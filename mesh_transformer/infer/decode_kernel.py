@@ -31,12 +31,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from mesh_transformer.infer.paged_kernel import MASKED
 from mesh_transformer.model.quant_kernel import bf16_exact
 
 F32 = jnp.float32
 NAME = "decode_attention"  # the call's name in a compiled program (the estimator's to know: it reads the first R
 # slots of its cache operands, not all of them)
-MASKED = -1e30  # a masked score's running maximum: exp(MASKED - m) is 0 for any real m, and no inf - inf
 ROWS = 4  # rows a grid step copies, at most (a divisor of R)
 POSITIONS = 64  # positions of a block a grid step copies, at most (a divisor of the block's)
 BUFFERS_BYTES = 40 * 2 ** 20  # the pipeline's buffers (two of each block's keys and values), at most: fewer
@@ -81,30 +81,32 @@ def form_for(heads: int, dtype) -> str:
     return "mxu" if heads % (8 * packing) == 0 and heads & (heads - 1) == 0 else "vpu"
 
 
+def _online(s, real, m_prev, axis: int):
+    """One chunk's step of the online softmax over `axis` (positions): the scores masked where not `real`, the new
+    maximum, the chunk's probabilities (0 where not real) and the factor the sums so far are rescaled by."""
+    s = jnp.where(real, s, MASKED)
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=axis, keepdims=axis == 1))
+    p = jnp.where(real, jnp.exp(s - (m_next[None] if axis == 0 else m_next)), 0.0)
+    return m_next, p, jnp.exp(m_prev - m_next)
+
+
 def _row_vpu(q_HxK, k_PxHxK, v_PxHxK, first_position, length, scale, m_Hx1, l_Hx1, acc_HxK):
     s_PxHx1 = jnp.sum(k_PxHxK.astype(F32) * q_HxK.astype(F32)[None], axis=-1, keepdims=True) * scale
     real = first_position + lax.broadcasted_iota(jnp.int32, s_PxHx1.shape, 0) < length
-    s_PxHx1 = jnp.where(real, s_PxHx1, MASKED)
-    m_next = jnp.maximum(m_Hx1, jnp.max(s_PxHx1, axis=0))
-    p_PxHx1 = jnp.where(real, jnp.exp(s_PxHx1 - m_next[None]), 0.0)
-    alpha = jnp.exp(m_Hx1 - m_next)
+    m_next, p_PxHx1, alpha = _online(s_PxHx1, real, m_Hx1, axis=0)
     acc_HxK = alpha * acc_HxK + jnp.sum(v_PxHxK.astype(F32) * p_PxHx1, axis=0)
     return m_next, alpha * l_Hx1 + jnp.sum(p_PxHx1, axis=0), acc_HxK
 
 
 def _row_mxu(q_HxK, k_PxHxK, v_PxHxK, first_position, length, scale, m_Hx1, l_Hx1, acc_HxK):
     positions, heads, head_dim = k_PxHxK.shape
-    k = k_PxHxK.reshape(positions * heads, head_dim)
+    k, v = (x.reshape(positions * heads, head_dim) for x in (k_PxHxK, v_PxHxK))
     s_HxC = lax.dot_general(q_HxK.astype(k.dtype), k, (((1,), (1,)), ((), ())), precision=bf16_exact(k.dtype),
                             preferred_element_type=F32) * scale
     column = lax.broadcasted_iota(jnp.int32, s_HxC.shape, 1)
     own = (column & (heads - 1)) == lax.broadcasted_iota(jnp.int32, s_HxC.shape, 0)
     real = own & (first_position + (column >> (heads.bit_length() - 1)) < length)
-    s_HxC = jnp.where(real, s_HxC, MASKED)
-    m_next = jnp.maximum(m_Hx1, jnp.max(s_HxC, axis=1, keepdims=True))
-    p_HxC = jnp.where(real, jnp.exp(s_HxC - m_next), 0.0)
-    alpha = jnp.exp(m_Hx1 - m_next)
-    v = v_PxHxK.reshape(positions * heads, head_dim)
+    m_next, p_HxC, alpha = _online(s_HxC, real, m_Hx1, axis=1)
     acc_HxK = alpha * acc_HxK + jnp.dot(p_HxC.astype(v.dtype), v, precision=bf16_exact(v.dtype),
                                         preferred_element_type=F32)
     return m_next, alpha * l_Hx1 + jnp.sum(p_HxC, axis=1, keepdims=True), acc_HxK
@@ -138,7 +140,7 @@ def _kernel(length_ref, needed_ref, q_ref, *refs, blocks: tuple, rows: int, form
 
 @functools.partial(jax.jit, static_argnames=("most_rows", "most_positions", "form"))
 def cached_partial(q_RxHxK: jax.Array, k_blocks: list, v_blocks: list, length_R: jax.Array, *, most_rows: int = ROWS,
-            most_positions: int = POSITIONS, form: str | None = None) -> Partial:
+                   most_positions: int = POSITIONS, form: str | None = None) -> Partial:
     """The first R slots' attention over the cache's blocks: queries [R, H, K] against the keys and values of
     blocks [N, S_j, H, K] (N >= R; consecutive positions from 0; any float dtype), of which row r sees the positions
     before length_R[r]. A grid step copies at most `most_rows` rows and `most_positions` positions of a block;
