@@ -4,6 +4,7 @@ top-level script's --help ends with are held to the same rule."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import shlex
@@ -11,7 +12,7 @@ from typing import NamedTuple
 
 import pytest
 
-from tests.helpers import REPO_ROOT, run_scripts
+from tests.helpers import REPO_ROOT, run_script
 
 PYTHONS = ("python", "python3", ".venv/bin/python")
 OPERATOR_CHARS = set("();<>|&")  # a word of these alone is a shell operator: a separator or a redirection
@@ -236,14 +237,16 @@ def _has_parser(script: str) -> bool:
 
 @pytest.fixture(scope="module")
 def helps(doc_commands) -> dict[str, str]:
-    """Each script's --help, for the top-level scripts and each script with a parser that a doc runs with flags:
-    one run each, a few at once (each is mostly an interpreter's start-up and imports)."""
+    """Each script's --help, for the top-level scripts and each script with a parser that a doc runs with flags,
+    all in one child interpreter (tests/help_driver.py): a fresh one each is mostly importing JAX and torch again."""
     flagged = {c.program for found in doc_commands.values() for c in found if c.program != "make" and flags_of(c)}
     scripts = sorted(set(TOP_LEVEL_SCRIPTS) | {s for s in flagged if _has_parser(s)})
-    results = run_scripts(*((script, "--help") for script in scripts))
-    for script, result in zip(scripts, results):
-        assert result.returncode == 0, f"{script} --help failed: {result.stderr[-2000:]}"
-    return {script: result.stdout for script, result in zip(scripts, results)}
+    driver = run_script(os.path.join("tests", "help_driver.py"), *scripts)
+    assert driver.returncode == 0, driver.stderr[-2000:]
+    results = json.loads(driver.stdout)
+    for script in scripts:
+        assert results[script]["returncode"] == 0, f"{script} --help failed: {results[script]['stderr'][-2000:]}"
+    return {script: results[script]["stdout"] for script in scripts}
 
 
 def test_docs_commands_name_real_scripts_flags_and_targets(doc_commands, helps):

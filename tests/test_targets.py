@@ -95,9 +95,10 @@ def test_the_same_program_for_the_cpu_holds_them():
     assert "ui16" in decode.as_text()
 
 
-@pytest.mark.parametrize("topology", ["v3-8", "h100-1", "h100-8"])  # v5e slices: the splash and LoRA tests below
+# A TPU and a GPU set, each split dp 2 x mp 4 (v5e chips: the splash and LoRA tests below)
+@pytest.mark.parametrize("topology", ["v3-8", "h100-8"])
 def test_fit_check_compiles_every_program_for_a_target(topology):
-    cfg = dataclasses.replace(CFG, cores_per_replica=1 if topology == "h100-1" else 4)
+    cfg = dataclasses.replace(CFG, cores_per_replica=4)
     target = targets.target(topology)
     records = aot.run(cfg, None, "", 0, None, topology=topology)
     train, load, serve, prefill, extend, paged, sample, scorer, fit = records
