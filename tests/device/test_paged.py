@@ -1,7 +1,7 @@
 """The paged KV cache on the chip against the CPU: the paged programs' greedy tokens are the CPU slot sampler's (f32,
 bf16-valued pages) or the CPU's own paged ones (int8 pages), with the pure-JAX gather and with the TPU paged attention
-kernel (`Policy.paged_attention`: on the chip the kernel itself; on a CPU-backed run of the tier, Pallas' TPU
-interpreter). Two heads of 128.
+kernel (`Policy.paged_attention`: on a TPU the kernel itself; on a CPU-backed run of the tier, Pallas' TPU
+interpreter; a GPU runs the gather alone, as its policy does). Two heads of 128.
 
 int8 pages amplify the last bits in which the chip's f32 arithmetic differs from the CPU's: a key that moves by one
 f32 rounding can cross a rounding boundary of its int8 value and move by a quantization step, which moves the logits
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from mesh_transformer import platforms
 from mesh_transformer.infer import decode, params as infer_params, sampler as sampling
 from mesh_transformer.infer.choose import fill_sampling
 from mesh_transformer.infer.programs import Programs
@@ -25,6 +26,8 @@ from tests.device.test_numerics import fed_tokens, infer_layout, train_layout, w
 PAGE, STEPS = 8, 12
 INT8_TIE = 0.05
 PROMPT_LENGTHS = [16, 3, 9, 12]
+# The TPU kernel runs on a TPU, and in Pallas' TPU interpreter on the CPU; not on a GPU.
+ATTENTIONS = ["gather"] + (["kernel"] if platforms.expected_platform() != platforms.GPU else [])
 
 
 def paged_greedy(cfg, params, device, attention: str, prompts: list[list[int]]) -> np.ndarray:
@@ -60,7 +63,7 @@ def params():
 
 
 @pytest.mark.parametrize("kv", ["compute", "int8"])
-@pytest.mark.parametrize("attention", ["gather", "kernel"])
+@pytest.mark.parametrize("attention", ATTENTIONS)
 def test_paged_greedy_tokens_on_the_chip_are_the_cpus(params, chip, host, attention, kv):
     cfg = dataclasses.replace(with_dtypes("float32"), n_heads=2, kv_cache_dtype=kv)
     prompts = [list(p[:n]) for p, n in zip(fed_tokens()[0], PROMPT_LENGTHS)]
