@@ -25,12 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import best_time_s, emit, figure
 from bench.suite_parts import error_text
+from mesh_transformer import targets
 from mesh_transformer.infer import decode_kernel
 from mesh_transformer.model.attention import attend
 
 HEADS, HEAD_DIM = 16, 256  # GPT-J-6B's
 F32, BF16 = jnp.float32, jnp.bfloat16
-DATASHEET_BYTES_PER_S = {"TPU v5 lite": 819e9, "TPU v5e": 819e9}
 CHAINED = 10  # steps timed back to back, each taking the last one's output, with one wait at the end
 
 
@@ -105,7 +105,8 @@ def main() -> None:
     blocks = [int(b) for b in args.blocks.split(",")]
     span = sum(blocks)
     device = jax.devices()[0]
-    datasheet = DATASHEET_BYTES_PER_S.get(device.device_kind)
+    chip = targets.chip_of(device.device_kind)
+    datasheet = chip.bandwidth if chip else None
     variants = {"xla": xla, "kernel": kernel()}
     for spec in filter(None, args.kernel_variants.split(",")):
         variants[f"kernel_{spec}"] = kernel(spec)

@@ -4,7 +4,7 @@ appended to `--out` too).
 - meta (first): the git commit, the date (UTC), platform, device kind, JAX version, device memory and the sizes
   the sections run at;
 - device: the measured matmul peak (bf16 on accelerators, f32 on CPU) and memory bandwidth (a copy: bytes read and
-  written), next to the datasheet figures where the device is known (DATASHEET);
+  written), next to the datasheet figures where the device is known (`targets.chip_of`);
 - train: tokens/s and MFU (against both peaks) of the train step of a GPT-J-style model (d_model 2048, 16 heads,
   seq 2048, the compute dtype, f32 master params and Adam, remat) with as many layers as fit the device;
 - train_lora: the GPT-J-6B LoRA step (rank 16, base bf16);
@@ -58,7 +58,7 @@ from bench.common import copy_bandwidth_bytes_per_s, emit, figure, matmul_peak_f
 from bench.suite_parts import (PAGE, SIZES, CompileLog, Peaks, Sizes, decode_records, device_sizes, error_text,
                                model_config, one_device_layout, param_count, random_arrays, serving_paged_records,
                                serving_records, train_bytes)
-from mesh_transformer import config
+from mesh_transformer import config, targets
 from mesh_transformer.model import gptj
 from mesh_transformer.model import attention as attention_kernels
 from mesh_transformer.parallel.layout import make_layout
@@ -67,10 +67,6 @@ from mesh_transformer.train import optim
 from mesh_transformer.train import state as state_lib
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# (device_kind contains, dense bf16 TFLOP/s, memory TB/s), first match wins: the vendors' datasheets.
-DATASHEET = [("H200", 989, 4.8), ("H100 PCIe", 756, 2.0), ("H100", 989, 3.35), ("B200", 2250, 8.0),
-             ("A100", 312, 2.0), ("L40S", 362, 0.86), ("TPU v4", 275, 1.2), ("TPU v5 lite", 197, 0.819),
-             ("TPU v5e", 197, 0.819), ("TPU v5p", 459, 2.76), ("TPU v5", 459, 2.76), ("TPU v6 lite", 918, 1.64)]
 DEFAULT_BYTES_LIMIT = 16 * 2 ** 30  # an accelerator that does not say how much memory it has is planned as 16 GiB
 # --tiny only shows that everything runs, so it compiles without XLA's costly backend passes (half the time).
 TINY_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
@@ -78,12 +74,9 @@ SECTIONS = ("device", "train", "train_lora", "decode", "decode_int8", "serving",
 
 
 def datasheet(device: jax.Device) -> tuple[float | None, float | None]:
-    """(bf16 FLOP/s, bytes/s) of the device's datasheet, or (None, None) for one not in DATASHEET."""
-    kind = getattr(device, "device_kind", "")
-    for name, tflop_per_s, tb_per_s in DATASHEET:
-        if name.lower() in kind.lower():
-            return tflop_per_s * 1e12, tb_per_s * 1e12
-    return None, None
+    """(bf16 FLOP/s, bytes/s) of the device's datasheet (`targets.chip_of`), or (None, None) for one not known."""
+    chip = targets.chip_of(getattr(device, "device_kind", ""))
+    return (chip.peak_flops, chip.bandwidth) if chip else (None, None)
 
 
 def memory_stats(device: jax.Device) -> dict:

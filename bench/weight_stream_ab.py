@@ -27,10 +27,10 @@ from jax import lax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import best_time_s, emit, figure
+from mesh_transformer import targets
 
 D, F = 4096, 16384
 F32, BF16 = jnp.float32, jnp.bfloat16
-DATASHEET_BYTES_PER_S = {"TPU v5 lite": 819e9, "TPU v5e": 819e9}
 
 
 def _nt(x, w_NxK):
@@ -316,7 +316,8 @@ def main() -> None:
     args = ap.parse_args()
     names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     device = jax.devices()[0]
-    datasheet = DATASHEET_BYTES_PER_S.get(device.device_kind)
+    chip = targets.chip_of(device.device_kind)
+    datasheet = chip.bandwidth if chip else None
     emit(bench="meta", script="weight_stream_ab", device_kind=device.device_kind, jax=jax.__version__,
          commit=os.environ.get("MTJ_COMMIT", "unknown"), layers=args.layers)
     batches = [int(b) for b in args.batches.split(",")]

@@ -47,6 +47,9 @@ TPU_CHIPS = {
     "v5p": Chip("TPU v5p chip", 95 * GIB, 459e12, 2765e9),
     "v6e": Chip("TPU v6e chip", 32 * GIB, 918e12, 1640e9),
 }
+# The device_kind JAX reports for each generation's device (v5e's and v6e's say "lite", v5p's "TPU v5").
+_TPU_KINDS = {"TPU v2": "v2", "TPU v3": "v3", "TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p",
+              "TPU v5p": "v5p", "TPU v6 lite": "v6e", "TPU v6e": "v6e"}
 # Cloud names count TensorCores up to v5p and chips from v5e on.
 _CORES_PER_CHIP_IN_NAME = {"v2": 2, "v3": 2, "v4": 2, "v5p": 2, "v5e": 1, "v6e": 1}
 _CLOUD_PREFIX = {"v5litepod": "v5e", "v5lite": "v5e", "v6e": "v6e", "v5p": "v5p", "v4": "v4", "v3": "v3",
@@ -117,8 +120,21 @@ def gpu_target(name: str) -> Target:
 
     kind, _, count = name.rpartition("-")
     spec = gpu_specs.SPECS[kind]
-    chip = Chip(spec.name, spec.memory_bytes, spec.peak_flops, spec.bandwidth)
-    return Target(name, "gpu", f"XLA:GPU (CUDA plugin), {spec.name}", chip, int(count), f"1x1x{count}")
+    return Target(name, "gpu", f"XLA:GPU (CUDA plugin), {spec.name}", _gpu_chip(spec), int(count), f"1x1x{count}")
+
+
+def _gpu_chip(spec) -> Chip:
+    return Chip(spec.name, spec.memory_bytes, spec.peak_flops, spec.bandwidth)
+
+
+def chip_of(device_kind: str) -> Chip | None:
+    """The datasheet figures of a device JAX reports as `device_kind` (a TPU generation's, or a GPU of `gpu_specs`
+    by the name CUDA gives it), for benchmarks to measure against; None for a kind not known here (the CPU)."""
+    if device_kind in _TPU_KINDS:
+        return TPU_CHIPS[_TPU_KINDS[device_kind]]
+    from mesh_transformer import gpu_specs
+
+    return next((_gpu_chip(spec) for spec in gpu_specs.SPECS.values() if spec.name == device_kind), None)
 
 
 def target(name: str) -> Target:

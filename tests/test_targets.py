@@ -39,6 +39,12 @@ def test_cloud_names_map_to_libtpu_topologies():
         targets.target("v3-7")
 
 
+def test_a_device_kind_names_its_datasheet_and_the_cpu_none():
+    assert targets.chip_of("TPU v5 lite").bandwidth == 819e9 and targets.chip_of("TPU v5").peak_flops == 459e12
+    assert targets.chip_of("NVIDIA H200") == targets.target("h200-1").chip
+    assert targets.chip_of(jax.devices("cpu")[0].device_kind) is None and targets.chip_of("NVIDIA B200") is None
+
+
 def test_gpu_sets_name_their_spec_and_count():
     h100 = targets.target("h100-8")
     assert h100.platform == "gpu" and h100.n_devices == 8 and h100.chip.memory_bytes >= 80 * 10 ** 9
@@ -51,6 +57,7 @@ def test_gpu_sets_name_their_spec_and_count():
 def test_targets_give_compile_only_devices_of_their_kind(name, kind):
     devices = targets.target(name).devices()
     assert len(devices) == targets.target(name).n_devices and kind in devices[0].device_kind
+    assert targets.chip_of(devices[0].device_kind) == targets.target(name).chip  # the benchmarks' datasheet
     assert jax.make_mesh((len(devices),), ("x",), devices=devices).size == len(devices)  # whole chips on a v4
     policy = platforms.for_devices(devices)
     assert policy.platform == targets.target(name).platform and policy.compute_dtype == "bfloat16"
