@@ -9,6 +9,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from mesh_transformer import targets
 from mesh_transformer.config import Config
 
 
@@ -145,3 +146,9 @@ def train_flops_per_token(cfg: Config) -> float:
     D, L, V, T = cfg.d_model, cfg.layers, cfg.n_vocab, cfg.seq
     matmul_params = L * (4 * D * D + 2 * D * cfg.d_ff) + D * V
     return 6 * matmul_params + 12 * L * D * T
+
+
+def datasheet(device: jax.Device) -> tuple[float | None, float | None]:
+    """(bf16 FLOP/s, bytes/s) of the device's datasheet (`targets.chip_of`), or (None, None) for one not known."""
+    chip = targets.chip_of(getattr(device, "device_kind", ""))
+    return (chip.peak_flops, chip.bandwidth) if chip else (None, None)

@@ -23,9 +23,8 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import best_time_s, emit, figure
+from bench.common import best_time_s, datasheet, emit, figure
 from bench.suite_parts import error_text
-from mesh_transformer import targets
 from mesh_transformer.infer import decode_kernel
 from mesh_transformer.model.attention import attend
 
@@ -105,8 +104,7 @@ def main() -> None:
     blocks = [int(b) for b in args.blocks.split(",")]
     span = sum(blocks)
     device = jax.devices()[0]
-    chip = targets.chip_of(device.device_kind)
-    datasheet = chip.bandwidth if chip else None
+    sheet_bytes_per_s = datasheet(device)[1]
     variants = {"xla": xla, "kernel": kernel()}
     for spec in filter(None, args.kernel_variants.split(",")):
         variants[f"kernel_{spec}"] = kernel(spec)
@@ -131,7 +129,7 @@ def main() -> None:
             rate = n_bytes / t
             emit(bench="decode_attention", variant=name, rows=rows, step_ms=figure(t * 1e3),
                  kv_gb=figure(n_bytes / 1e9), bytes_per_s=figure(rate),
-                 fraction_of_datasheet=None if datasheet is None else figure(rate / datasheet, 3),
+                 fraction_of_datasheet=None if sheet_bytes_per_s is None else figure(rate / sheet_bytes_per_s, 3),
                  max_abs_error=figure(error), wall_s=round(time.perf_counter() - start, 1))
 
 

@@ -54,11 +54,12 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from bench.common import copy_bandwidth_bytes_per_s, emit, figure, matmul_peak_flop_per_s, train_flops_per_token
+from bench.common import (copy_bandwidth_bytes_per_s, datasheet, emit, figure, matmul_peak_flop_per_s,
+                          train_flops_per_token)
 from bench.suite_parts import (PAGE, SIZES, CompileLog, Peaks, Sizes, decode_records, device_sizes, error_text,
                                model_config, one_device_layout, param_count, random_arrays, serving_paged_records,
                                serving_records, train_bytes)
-from mesh_transformer import config, targets
+from mesh_transformer import config
 from mesh_transformer.model import gptj
 from mesh_transformer.model import attention as attention_kernels
 from mesh_transformer.parallel.layout import make_layout
@@ -71,12 +72,6 @@ DEFAULT_BYTES_LIMIT = 16 * 2 ** 30  # an accelerator that does not say how much 
 # --tiny only shows that everything runs, so it compiles without XLA's costly backend passes (half the time).
 TINY_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 SECTIONS = ("device", "train", "train_lora", "decode", "decode_int8", "serving", "serving_paged")
-
-
-def datasheet(device: jax.Device) -> tuple[float | None, float | None]:
-    """(bf16 FLOP/s, bytes/s) of the device's datasheet (`targets.chip_of`), or (None, None) for one not known."""
-    chip = targets.chip_of(getattr(device, "device_kind", ""))
-    return (chip.peak_flops, chip.bandwidth) if chip else (None, None)
 
 
 def memory_stats(device: jax.Device) -> dict:

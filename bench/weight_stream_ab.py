@@ -26,8 +26,7 @@ from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import best_time_s, emit, figure
-from mesh_transformer import targets
+from bench.common import best_time_s, datasheet, emit, figure
 
 D, F = 4096, 16384
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -316,17 +315,16 @@ def main() -> None:
     args = ap.parse_args()
     names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     device = jax.devices()[0]
-    chip = targets.chip_of(device.device_kind)
-    datasheet = chip.bandwidth if chip else None
+    sheet_bytes_per_s = datasheet(device)[1]
     emit(bench="meta", script="weight_stream_ab", device_kind=device.device_kind, jax=jax.__version__,
          commit=os.environ.get("MTJ_COMMIT", "unknown"), layers=args.layers)
     batches = [int(b) for b in args.batches.split(",")]
     if args.copies:
-        for record in copy_rates(datasheet):
+        for record in copy_rates(sheet_bytes_per_s):
             emit(**record)
     for name in names:
         try:
-            for record in measure(name, args.layers, batches, datasheet):
+            for record in measure(name, args.layers, batches, sheet_bytes_per_s):
                 emit(**record)
         except Exception as e:  # a variant the compiler refuses is a result too
             emit(bench="weight_stream", variant=name, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
