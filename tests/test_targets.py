@@ -1,6 +1,7 @@
 """Compile-only accelerator targets: names to devices, the platform policy in the programs they get, the fit check's
 records on real TPU and GPU compilers, and the step-time estimate against an analytic FLOP count."""
 import dataclasses
+import functools
 import os
 import re
 import subprocess
@@ -381,30 +382,36 @@ def test_splash_over_a_gspmd_slice_compiles_for_a_v5e_with_each_device_its_rows_
     assert calls and ("2", "1") in q_shapes  # [rows, heads, positions, head dim] on one device
 
 
+@functools.cache
+def _v5e_sharding():
+    from jax.sharding import SingleDeviceSharding
+
+    return SingleDeviceSharding(targets.compile_devices(targets.target("v5litepod-1"))[0])
+
+
+def _on_a_v5e(*shape, dtype) -> jax.ShapeDtypeStruct:
+    """An abstract array on a compile-only v5e chip (one for the whole module: a program's arrays share it)."""
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=_v5e_sharding())
+
+
 @pytest.mark.parametrize("rows", [8, 32])
 def test_the_estimate_counts_the_decode_kernels_reads_of_the_rows_it_reads(rows):
     """The decode attention kernel's cache operands hold every slot, of which it reads the first R: the estimate's
     bytes for the call are the rows' share of the blocks (and the queries, the lengths and the outputs), compiled for
     a v5e."""
-    from jax.sharding import SingleDeviceSharding
-
     from mesh_transformer.infer import decode_kernel
 
-    device = targets.compile_devices(targets.target("v5litepod-1"))[0]
-
-    def shaped(*shape, dtype=jnp.bfloat16):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
-
+    shaped = functools.partial(_on_a_v5e, dtype=jnp.bfloat16)
     blocks = [shaped(32, 64, 16, 256)] * 3
     compiled = jax.jit(decode_kernel.cached_partial).lower(shaped(rows, 16, 256), blocks, blocks,
-                                                          shaped(rows, dtype=jnp.int32)).compile()
+                                                          _on_a_v5e(rows, dtype=jnp.int32)).compile()
     module = estimate._Module(compiled.as_text())
-    calls = [(name, shape, operands) for name, shape, operands in
-             ((m.group(1), m.group(2), estimate._operands(m.group(3))) for m in
-              re.finditer(r"%(decode_attention[\w.]*) = (\(.*?\)) custom-call\((.*)", compiled.as_text()))]
+    calls = [(m.group(1), estimate._operands(m.group(2))) for m in
+             re.finditer(rf"%({decode_kernel.NAME}[\w.]*) = \(.*?\) custom-call\((.*)", compiled.as_text())]
     assert len(calls) == 1
     shapes = {name: shape for name, shape in re.findall(r"%([\w.\-]+) = (\S+) ", compiled.as_text())}
-    read = estimate._operand_bytes(calls[0][0], shapes, calls[0][2])
+    (name, operands), = calls
+    read = estimate._operand_bytes(name, shapes, operands)
     cache_rows = 2 * 3 * rows * 64 * 16 * 256 * 2
     assert cache_rows < read < cache_rows + 2 * rows * 16 * 256 * 4 + 4096  # the rows' keys and values, and q
     assert module.times_s(1.0, 1.0)[2] >= read
@@ -414,19 +421,13 @@ def test_the_estimate_counts_the_decode_kernels_reads_of_the_rows_it_reads(rows)
 def test_the_decode_kernel_compiles_for_a_v5e_under_the_highest_matmul_precision(dtype):
     """Mosaic refuses bf16 products at "highest" (the device tier's f32 comparisons set it): the kernel's bf16
     products keep the default, its f32 ones take the caller's."""
-    from jax.sharding import SingleDeviceSharding
-
     from mesh_transformer.infer import decode_kernel
 
-    device = targets.compile_devices(targets.target("v5litepod-1"))[0]
-
-    def shaped(*shape, dtype=dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
-
+    shaped = functools.partial(_on_a_v5e, dtype=dtype)
     blocks = [shaped(16, 64, 16, 256)] * 2
     assert decode_kernel.form_for(16, dtype) == "mxu"
     with jax.default_matmul_precision("highest"):
         compiled = jax.jit(decode_kernel.attend).lower(shaped(8, 16, 256), blocks, blocks,
-                                                       shaped(8, dtype=jnp.int32), shaped(8, 16, 256),
+                                                       _on_a_v5e(8, dtype=jnp.int32), shaped(8, 16, 256),
                                                        shaped(8, 16, 256)).compile()
-    assert "decode_attention" in compiled.as_text()
+    assert decode_kernel.NAME in compiled.as_text()
