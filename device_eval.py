@@ -11,6 +11,7 @@ import logging
 import sys
 from functools import partial
 
+from mesh_transformer import compile_cache
 from mesh_transformer.errors import run_main
 from mesh_transformer.flags import EVAL_SEEDS, Parser, add_inference_args, parse_seeds
 from mesh_transformer.platforms import platform_setup
@@ -39,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log_samples", action="store_true", help="also write each sample's inputs and outputs")
     p.add_argument("--seed", type=parse_seeds, default=parse_seeds(EVAL_SEEDS),
                    help=f"python, numpy, torch and few-shot seeds, or one for all (default {EVAL_SEEDS})")
+    compile_cache.add_cache_args(p)
     args = p.parse_args(argv)
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not args.tasks:
@@ -53,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cache = compile_cache.enable(args.compilation_cache)
     from lm_eval.utils import make_table
 
     from mesh_transformer.infer import harness
@@ -72,6 +75,7 @@ def _main(argv: list[str] | None) -> int:
     if args.output_path:
         harness.save_results(tracker, results, args.log_samples)
     print(make_table(results), flush=True)
+    logging.getLogger(compile_cache.__name__).info("%s", cache.summary())
     return 0
 
 

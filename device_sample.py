@@ -6,11 +6,14 @@ Example: python device_sample.py --ckpt gptj_1shard --prompt "Hi" [--dtype bf16]
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import itertools
 import logging
 import sys
 import time
 from functools import partial
 
+from mesh_transformer import compile_cache
 from mesh_transformer.config import ConfigError
 from mesh_transformer.errors import run_main
 from mesh_transformer.flags import Parser, add_inference_args, add_sampling_args, check_sampling_args, stdin_lines
@@ -31,6 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_inference_args(p)
     p.add_argument("--prompt", help="the prompt; without it, prompts are read from stdin, one a line")
     add_sampling_args(p)
+    compile_cache.add_cache_args(p)
     args = p.parse_args(argv)
     if args.prompt == "":
         p.error("--prompt is empty")
@@ -53,27 +57,42 @@ def _complete(sampler, tokenizer, prompt: str, args: argparse.Namespace) -> None
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("mesh_transformer.infer.params").setLevel(logging.INFO)  # the mesh chosen
+    for name in ("mesh_transformer.infer.params", "mesh_transformer.compile_cache"):  # the mesh, the cache's use
+        logging.getLogger(name).setLevel(logging.INFO)
+    cache = compile_cache.enable(args.compilation_cache)
     from mesh_transformer.infer.load import open_for_inference, read_for_inference
     from mesh_transformer.infer.programs import Programs
     from mesh_transformer.infer.sampler import Sampler, compile_ahead
 
     layout, tokenizer, source = open_for_inference(args)
     programs = Programs(layout)
-    if args.prompt is not None:  # compiled before the weights are read: the compiler's memory is not added to theirs
-        compile_ahead(programs, args.num_samples, len(tokenizer.encode(args.prompt)), args.max_new_tokens)
-    sampler = Sampler(layout, read_for_inference(layout, source, args), programs)
+    # The first prompt's programs compile before the weights arrive (piped stdin: its first line is read first). On
+    # the CPU first, so that the compiler's working memory is not added to the weights'; on an accelerator while
+    # they are read (the compiler works on the host, the weights go to the devices).
+    lines = stdin_lines() if args.prompt is None else iter(())
+    first = args.prompt if args.prompt is not None else None if sys.stdin.isatty() else next(lines, None)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        compiling = None
+        if first is not None:
+            compiling = pool.submit(compile_ahead, programs, args.num_samples, len(tokenizer.encode(first)),
+                                    args.max_new_tokens)
+            if layout.policy.host_loading:
+                compiling.result()
+        sampler = Sampler(layout, read_for_inference(layout, source, args), programs)
+        if compiling is not None:
+            compiling.result()
     if args.prompt is not None:
         try:
             _complete(sampler, tokenizer, args.prompt, args)
         except ValueError as e:  # e.g. a prompt longer than the context allows
             raise ConfigError(str(e)) from None
-        return 0
-    for prompt in stdin_lines():
-        try:
-            _complete(sampler, tokenizer, prompt, args)
-        except ValueError as e:  # say so and read the next prompt
-            print(f"error: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+    else:
+        for prompt in itertools.chain([first] if first is not None else [], lines):
+            try:
+                _complete(sampler, tokenizer, prompt, args)
+            except ValueError as e:  # say so and read the next prompt
+                print(f"error: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+    logging.getLogger(compile_cache.__name__).info("%s", cache.summary())
     return 0
 
 

@@ -10,6 +10,7 @@ import logging
 import sys
 from functools import partial
 
+from mesh_transformer import compile_cache
 from mesh_transformer.errors import run_main
 from mesh_transformer.flags import Parser, add_inference_args, add_paged_cache_args, paged_cache
 from mesh_transformer.platforms import platform_setup
@@ -42,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warm-up", action="store_true", help="compile every program before listening: a slower start, "
                                                           "no compile pauses while serving")
     add_paged_cache_args(p)
+    compile_cache.add_cache_args(p)
     args = p.parse_args(argv)
     args.paged = paged_cache(p, args)
     if not 0 <= args.port <= 65535:
@@ -61,6 +63,7 @@ def _main(argv: list[str] | None) -> int:
     if args.chat_template:  # read first: a wrong path fails before the model loads
         with open(args.chat_template, encoding="utf-8") as f:
             chat_template = f.read()
+    cache = compile_cache.enable(args.compilation_cache)
     from mesh_transformer.infer.load import load_for_inference
     from mesh_transformer.serve import server
     from mesh_transformer.serve.engine import Engine
@@ -71,6 +74,7 @@ def _main(argv: list[str] | None) -> int:
                     warm_up=args.warm_up, prefix_cache=args.prefix_cache, **args.paged)
     app = server.create_app(engine, tokenizer, model_name=args.model_name or cfg.name, api_key=args.api_key,
                             chat_template=chat_template)
+    logging.info("%s", cache.summary())
     logging.info("serving %s with %d slots on http://%s:%d", cfg.name, engine.n_slots, args.host, args.port)
     try:
         server.serve(app, args.host, args.port)

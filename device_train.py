@@ -8,7 +8,7 @@ import argparse
 import logging
 import sys
 
-from mesh_transformer import errors, flags, platforms
+from mesh_transformer import compile_cache, errors, flags, platforms
 
 
 EXAMPLES = """\
@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tune-model-path", help="start from this checkpoint's params, with a fresh schedule")
     parser.add_argument("--fresh-opt", action="store_true", help="reset the optimizer state when resuming")
     parser.add_argument("--include_path", help="a directory of extra lm-eval task YAML files for eval_harness_tasks")
+    compile_cache.add_cache_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         from mesh_transformer.train import trainer
 
         cfg = flags.load_config(args)
+        cache = compile_cache.enable(args.compilation_cache)
         flags.start_distributed(args)
         evaluate = None
         if cfg.eval_harness_tasks:  # lm-eval is imported only then
@@ -48,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             step = t.run(stop.event)
         if jax.process_index() == 0:
             print(f"stopped at step {step}; checkpoints and metrics in {cfg.model_path}", flush=True)
+        logging.getLogger(compile_cache.__name__).info("%s", cache.summary())
         return 0
 
     return errors.run_main(run, errors.TRAIN_OUT_OF_MEMORY_HINT)
