@@ -78,3 +78,15 @@ def host(chip):
     import jax
 
     return jax.devices("cpu")[0]
+
+
+@pytest.fixture
+def highest_precision():
+    """f32 products at full precision in every thread: the serving engine runs its programs on a thread of its own,
+    which a `with jax.default_matmul_precision(...)` block of this one does not reach."""
+    import jax
+
+    before = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", "highest")
+    yield
+    jax.config.update("jax_default_matmul_precision", before)

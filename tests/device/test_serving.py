@@ -1,9 +1,7 @@
-"""The serving engine on the chip with concurrent requests, in process (the HTTP layer is the CPU tier's: a TPU
-machine may allow no sockets at all)."""
+"""The serving engine on the chip with concurrent requests, in process (its HTTP routes: test_routes.py)."""
 import dataclasses
 import threading
 
-import jax
 import numpy as np
 import pytest
 
@@ -22,16 +20,6 @@ RTOL_F32 = 1e-4
 @pytest.fixture(scope="module")
 def params():
     return trained_scale_params(CFG)
-
-
-@pytest.fixture
-def highest_precision():
-    """f32 products at full precision in every thread: the engine runs its programs on a thread of its own, which a
-    `with jax.default_matmul_precision(...)` block of this one does not reach."""
-    before = jax.config.jax_default_matmul_precision
-    jax.config.update("jax_default_matmul_precision", "highest")
-    yield
-    jax.config.update("jax_default_matmul_precision", before)
 
 
 def prompts_with_shared_prefixes(n: int, seed: int = 0) -> list[list[int]]:
