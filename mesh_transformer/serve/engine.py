@@ -1,11 +1,12 @@
 """Continuous-batching generation engine: one background thread owns the device; requests join between decode steps.
 
 The engine holds N slots of a shared KV cache and runs the decode programs (infer/decode.py); each slot's request
-progress is a Completion (completion.py), and which program runs when is its Schedule's (schedule.py). New requests
-are prefilled together (up to 16 per dp group in one program) into free slots between two decode steps and join the
-next step; each step advances every busy slot by one token, sampled with that
-request's own temperature, top-k, top-p and seed. EOS, max_tokens and stop strings (checked here on the decoded
-text) end a request; streamed text leaves as it is made.
+progress is a Completion (completion.py), which program runs when is its Schedule's (schedule.py), which request
+takes which slot is admission.py's, and the list of programs it compiles ahead is warmup.py's. New requests are
+prefilled together (up to 16 per dp group in one program) into free slots between two decode steps and join the next
+step; each step advances every busy slot by one token, sampled with that request's own temperature, top-k, top-p and
+seed. EOS, max_tokens and stop strings (checked here on the decoded text) end a request; streamed text leaves as it
+is made.
 
 The host runs one step ahead of the device: each step's input tokens stay on the device, so the engine dispatches
 step k + 1 before it reads step k's tokens, and its own work (dispatch, text, streaming) overlaps the device's. A
@@ -17,9 +18,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
-import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,16 +28,17 @@ import numpy as np
 from mesh_transformer import config
 from mesh_transformer.infer.choose import Logprobs, fill_sampling
 from mesh_transformer.infer.decode import Steps, block_sizes, default_block
+from mesh_transformer.infer.pages import PagedCacheBook, pages_for
 from mesh_transformer.infer.params import place_params
 from mesh_transformer.infer.programs import Programs
-from mesh_transformer.infer.sizes import prompt_problem
 from mesh_transformer.infer.score import MAX_TOP
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import DP
+from mesh_transformer.serve.admission import admit_to_pages, admit_to_slots, check_request, prefill_rows
 from mesh_transformer.serve.completion import Completion, Event, GenerationRequest
-from mesh_transformer.infer.pages import PagedCacheBook, pages_for
 from mesh_transformer.serve.prefix import Placement, PrefixIndex
 from mesh_transformer.serve.schedule import Schedule
+from mesh_transformer.serve.warmup import Program, compile_all, paged_programs, slot_programs
 from mesh_transformer.tokenizer import eos_ids
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class Engine:
         self.counts = {"completed": 0, "cancelled": 0}
         self._page_counts = [0, 0]  # paged: prompt tokens asked of the prefix cache, and found there
         if warm_up:
-            self._warm_up()
+            compile_all(self._programs, self.programs())
         self._thread = threading.Thread(target=self._run, name="serving-engine", daemon=True)
         self._thread.start()
 
@@ -126,7 +126,7 @@ class Engine:
         """Queue requests, all or none: raises QueueFull when they do not fit, EngineStopped after a stop, and
         ValueError for a request that cannot run (checked here, so that no request can stop the device loop)."""
         for request in requests:
-            self._check(request)
+            check_request(request, self.cfg, self._book)
         with self._cond:
             if self._stopping or self.error:
                 raise EngineStopped(self.error or "the engine is shutting down")
@@ -134,21 +134,6 @@ class Engine:
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
             self._waiting.extend(requests)
             self._cond.notify()
-
-    def _check(self, request: GenerationRequest) -> None:
-        seq, vocab = self.cfg.seq, self.cfg.n_vocab
-        if problem := prompt_problem(request.prompt, vocab):
-            raise ValueError(f"prompt {problem}")
-        if request.max_tokens < 1 or len(request.prompt) + request.max_tokens > seq:
-            raise ValueError(f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) must fit "
-                             f"the context of {seq} tokens, with max_tokens at least 1")
-        config.check_sampling([request.temperature], [request.top_k], [request.top_p])
-        if self._book:
-            needed, held = pages_for(len(request.prompt) + request.max_tokens, self._book.page), self._book.pools[0]
-            if needed > held.n_pages:
-                raise ValueError(f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) need "
-                                 f"{needed} cache pages of {self._book.page} tokens; the cache has {held.n_pages}"
-                                 f" per dp group")
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run `fn` on the engine thread between two decode steps (other programs on the same devices, such as
@@ -223,52 +208,15 @@ class Engine:
             self._fail_all(self.error)
 
     def _take_admissions(self) -> dict[int, Placement]:
-        """Pop waiting requests into free slots: where the prefix cache says, else lowest local row first so decode
-        steps compute fewer rows. Returns {slot: its placement}."""
+        """Pop waiting requests into free slots (admission.py): where the prefix cache says, else lowest local row
+        first; with a paged cache, in a dp group with pages for them. Returns {slot: its placement}."""
         free = self.schedule.admission_order([i for i, slot in enumerate(self._slots) if slot is None])
-        if self._book:
-            return self._take_paged_admissions(free)
-        admitted, pinned = {}, set()
-        while free and self._waiting:
-            prompt = self._waiting[0].prompt
-            if self._prefix:
-                busy = [i for i, slot in enumerate(self._slots) if slot is not None]  # admissions so far included
-                placement = self._prefix.place(prompt, free, pinned, self.schedule.cheap_rows(busy))
-            else:
-                placement = Placement(free[0], free[0], 0)
-            if placement is None:  # the free slots left are copied from in this round
-                break
-            free.remove(placement.slot)
-            pinned.add(placement.source)
-            self._slots[placement.slot] = Completion(self._waiting.popleft())  # reserved now: stats count it busy
-            admitted[placement.slot] = placement
-        if self._prefix:  # once placed, their prompts' blocks are held (the programs writing them run first)
-            for slot in admitted:
-                self._prefix.hold(slot, self._slots[slot].request.prompt)
-        return admitted
-
-    def _take_paged_admissions(self, free: list[int]) -> dict[int, Placement]:
-        """Pop waiting requests into free slots whose dp group has pages for their prompt and max_tokens, first come
-        first served: the group holding the longest cached prefix, else the one with the most pages free, the
-        group's first free slot in admission order. Returns {slot: its placement}."""
-        admitted, n_local = {}, self.schedule.n_local
-
-        def first_free(group: int) -> int:
-            return next(slot for slot in free if slot // n_local == group)
-
-        while free and self._waiting:
-            prompt = self._waiting[0].prompt
-            groups = sorted({slot // n_local for slot in free})
-            # Without prefix reuse no page is ever named (`_paged_prefill`, `_release_pages`), so none matches.
-            allocation = self._book.place_in(groups, first_free, prompt, self._waiting[0].max_tokens)
-            if allocation is None:  # it waits for pages; so do the requests after it (first come, first served)
-                break
-            slot = next(s for s in free if s in self._book.group_of)  # the free slot just given pages
-            free.remove(slot)
-            self._page_counts[0] += len(prompt) if self._reuse_pages else 0
-            self._page_counts[1] += allocation.reused
-            self._slots[slot] = Completion(self._waiting.popleft())
-            admitted[slot] = Placement(slot, slot, allocation.reused)
+        if not self._book:
+            return admit_to_slots(self._waiting, self._slots, free, self.schedule, self._prefix)
+        admitted = admit_to_pages(self._waiting, self._slots, free, self.schedule.n_local, self._book)
+        for slot, placement in admitted.items():
+            self._page_counts[0] += len(self._slots[slot].request.prompt) if self._reuse_pages else 0
+            self._page_counts[1] += placement.reused
         return admitted
 
     def _prefills(self, admitted: dict[int, Placement]) -> list[_Step]:
@@ -279,58 +227,14 @@ class Engine:
                 + [self._prefill(rows, width, batch, admitted)
                    for rows, width, batch in self.schedule.prefill_batches(tails)])
 
-    def programs(self) -> list[tuple[str, tuple, dict]]:
-        """Every program the engine can run, as (name, arguments, static arguments) for `Programs.compile`: each
-        prompt bucket x its prefill row counts (whole prompts, and after a cached prefix), each decode row count x
-        block count (with penalties and without)."""
+    def programs(self) -> list[Program]:
+        """Every program the engine can run, as (name, arguments, static arguments) for `Programs.compile`
+        (warmup.py): each prompt bucket x its prefill row counts (whole prompts, and after a cached prefix), each
+        decode row count x block count (with penalties and without)."""
         state = (self.params, self._cache, self._slot_state)
-        shapes = [(width, n * self._dp) for width, group_rows in self.schedule.prefill_rows.items()
-                  for n in group_rows]
         if self._book:
-            return self._paged_programs(state, shapes)
-        prefills = [("prefill", (*state, np.zeros((r, width), np.int32), np.ones(r, np.int32),
-                                 np.full(r, -1, np.int32), fill_sampling(r, [], bias=True)), {"top": MAX_TOP})
-                    for width, r in shapes]
-        if self._prefix:
-            prefills += [("extend", (*state, np.zeros((r, width), np.int32), np.zeros(r, np.int32),
-                                     np.ones(r, np.int32), np.full(r, -1, np.int32), np.full(r, -1, np.int32),
-                                     fill_sampling(r, [], bias=True)), {"top": MAX_TOP})
-                         for width, r in shapes]
-        zeros = np.zeros(self.n_slots, np.int32)
-        steps = Steps(zeros, zeros, fill_sampling(self.n_slots, []))
-        decodes = [("decode", (*state, steps), {"rows": rows, "n_blocks": count, "top": MAX_TOP, "penalized": p})
-                   for rows in self.schedule.decode_rows for count in self.schedule.block_counts
-                   for p in (False, True)]
-        return prefills + decodes
-
-    def _paged_programs(self, state: tuple, shapes: list[tuple[int, int]]) -> list[tuple[str, tuple, dict]]:
-        """`programs` of the paged cache: each prompt bucket x row count reading no pages (whole prompts) and,
-        with prefix reuse, the whole table (tails); each decode row count x page count read."""
-        def table(rows: int) -> np.ndarray:
-            return np.full((rows, self._table_width), self._book.pad_page, np.int32)
-
-        reads = [0, self._table_width] if self._reuse_pages else [0]
-        prefills = [("paged_prefill", (*state, np.zeros((r, width), np.int32), np.zeros(r, np.int32),
-                                       np.ones(r, np.int32), table(r), np.full(r, -1, np.int32),
-                                       fill_sampling(r, [], bias=True)), {"n_read": n_read, "top": MAX_TOP})
-                    for width, r in shapes for n_read in reads]
-        zeros = np.zeros(self.n_slots, np.int32)
-        steps = Steps(zeros, zeros, fill_sampling(self.n_slots, []))
-        decodes = [("paged_decode", (*state, steps, table(self.n_slots)),
-                    {"rows": rows, "n_read": count, "top": MAX_TOP, "penalized": p})
-                   for rows in self.schedule.decode_rows for count in self.schedule.block_counts
-                   for p in (False, True)]
-        return prefills + decodes
-
-    def _warm_up(self) -> None:
-        """Compile every program ahead of time (nothing runs), a few at once."""
-        programs = self.programs()
-        log.info("compiling %d programs (%d prefill, %d decode)", len(programs),
-                 sum("decode" not in name for name, _, _ in programs), sum("decode" in name for name, _, _ in programs))
-        start_s = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
-            list(pool.map(lambda program: self._programs.compile(*program), programs))
-        log.info("compiled them in %.1f s", time.perf_counter() - start_s)
+            return paged_programs(state, self.schedule, self._table_width, self._book.pad_page, self._reuse_pages)
+        return slot_programs(state, self.schedule, extend=self._prefix is not None)
 
     def _run_decode(self, steps: Steps, rows: int, n_blocks: int, penalized: bool) -> tuple[jax.Array, Logprobs]:
         """Dispatch a decode step of the first `rows` slots of each dp group (`penalized`: the program that applies
@@ -352,8 +256,10 @@ class Engine:
         """Dispatch the prefill of one batch of admitted requests, (slot, input row) each, in one program of prompts
         padded to `width`; with `placements`, of the rest of each prompt after its cached prefix. The first tokens
         and their log-probs stay on the device."""
-        ids_RxT, length, local_slot, start, source = self._prefill_rows(rows_per_group, width, batch,
-                                                                        placements or {})
+        ids_RxT, length, local_slot, start, source = prefill_rows(self._slots, rows_per_group, width, batch,
+                                                                  placements or {}, self.schedule.n_local, self._dp)
+        for slot, _ in batch:
+            self._slots[slot].dispatched = 1  # the prefill asks for its first token
         sampling = fill_sampling(len(length), [(row, self._slots[slot].request) for slot, row in batch], bias=True)
         state = (self.params, self._cache, self._slot_state)
         if self._book:
@@ -382,22 +288,6 @@ class Engine:
             for slot, _ in batch:
                 self._book.commit(slot, self._slots[slot].request.prompt)
         return out
-
-    def _prefill_rows(self, rows_per_group: int, width: int, batch: list[tuple[int, int]],
-                      placements: dict[int, Placement]) -> tuple[np.ndarray, ...]:
-        """A prefill's input rows: ids [R, width] (each prompt after what it reuses), lengths, slots, starts and
-        source slots [R] (slots local to their dp group; a padding row's -1, written nowhere)."""
-        n, n_local = rows_per_group * self._dp, self.schedule.n_local
-        ids_RxT = np.zeros((n, width), np.int32)
-        length, local_slot = np.ones(n, np.int32), np.full(n, -1, np.int32)
-        start, source = np.zeros(n, np.int32), np.full(n, -1, np.int32)
-        for slot, row in batch:
-            placement = placements.get(slot, Placement(slot, slot, 0))
-            tail = self._slots[slot].request.prompt[placement.reused:]
-            ids_RxT[row, :len(tail)], length[row], local_slot[row] = tail, len(tail), slot % n_local
-            start[row], source[row] = placement.reused, placement.source % n_local
-            self._slots[slot].dispatched = 1
-        return ids_RxT, length, local_slot, start, source
 
     def _decode_step(self) -> _Step | None:
         """Dispatch one token for every slot that needs one, or None if none does."""

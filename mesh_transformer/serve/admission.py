@@ -1,0 +1,106 @@
+"""Admission to the serving engine: whether a request can ever run there (checked when it is submitted), which free
+slot each waiting request takes between two decode steps, and the prefill rows that write it in. Host work only,
+no device: the engine (engine.py) calls these under its lock and dispatches what they return.
+
+With a slot cache a request takes the free slot the prefix cache (prefix.py) places it in, by its prompt's longest
+cached prefix, else the first in the schedule's admission order (lowest local row first, so decode steps compute
+fewer rows). With a paged cache (infer/pages.py) it takes a free slot of a dp group with pages for its prompt and
+max_tokens, first come first served; until a group has them, it and the requests after it wait in the queue.
+"""
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+import numpy as np
+
+from mesh_transformer import config
+from mesh_transformer.config import Config
+from mesh_transformer.infer.pages import PagedCacheBook, pages_for
+from mesh_transformer.infer.sizes import prompt_problem
+from mesh_transformer.serve.completion import Completion, GenerationRequest
+from mesh_transformer.serve.prefix import Placement, PrefixIndex
+from mesh_transformer.serve.schedule import Schedule
+
+
+def check_request(request: GenerationRequest, cfg: Config, book: PagedCacheBook | None) -> None:
+    """Raise ValueError for a request that cannot run: a prompt out of the vocabulary, a prompt and max_tokens past
+    the context, sampling values out of range, or (with a paged cache `book`) more pages than a dp group has."""
+    seq, vocab = cfg.seq, cfg.n_vocab
+    if problem := prompt_problem(request.prompt, vocab):
+        raise ValueError(f"prompt {problem}")
+    if request.max_tokens < 1 or len(request.prompt) + request.max_tokens > seq:
+        raise ValueError(f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) must fit "
+                         f"the context of {seq} tokens, with max_tokens at least 1")
+    config.check_sampling([request.temperature], [request.top_k], [request.top_p])
+    if book:
+        needed, held = pages_for(len(request.prompt) + request.max_tokens, book.page), book.pools[0]
+        if needed > held.n_pages:
+            raise ValueError(f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.max_tokens}) need "
+                             f"{needed} cache pages of {book.page} tokens; the cache has {held.n_pages}"
+                             f" per dp group")
+
+
+def admit_to_slots(waiting: collections.deque[GenerationRequest], slots: list[Completion | None], free: list[int],
+                   schedule: Schedule, prefix: PrefixIndex | None) -> dict[int, Placement]:
+    """Pop waiting requests into the `free` slots (in admission order) of a slot cache, each slot given its
+    request's Completion: where the prefix cache says, else the first free. Returns {slot: its placement}."""
+    admitted, pinned = {}, set()
+    while free and waiting:
+        prompt = waiting[0].prompt
+        if prefix:
+            busy = [i for i, slot in enumerate(slots) if slot is not None]  # admissions so far included
+            placement = prefix.place(prompt, free, pinned, schedule.cheap_rows(busy))
+        else:
+            placement = Placement(free[0], free[0], 0)
+        if placement is None:  # the free slots left are copied from in this round
+            break
+        free.remove(placement.slot)
+        pinned.add(placement.source)
+        slots[placement.slot] = Completion(waiting.popleft())  # reserved now: the engine's stats count it busy
+        admitted[placement.slot] = placement
+    if prefix:  # once placed, their prompts' blocks are held (the programs writing them run first)
+        for slot in admitted:
+            prefix.hold(slot, slots[slot].request.prompt)
+    return admitted
+
+
+def admit_to_pages(waiting: collections.deque[GenerationRequest], slots: list[Completion | None], free: list[int],
+                   n_local: int, book: PagedCacheBook) -> dict[int, Placement]:
+    """Pop waiting requests into the `free` slots (in admission order) of a paged cache whose dp group (of n_local
+    slots) has pages for their prompt and max_tokens, first come first served: the group holding the longest cached
+    prefix, else the one with the most pages free, the group's first free slot. Returns {slot: its placement}."""
+    admitted = {}
+
+    def first_free(group: int) -> int:
+        return next(slot for slot in free if slot // n_local == group)
+
+    while free and waiting:
+        prompt = waiting[0].prompt
+        groups = sorted({slot // n_local for slot in free})
+        # Without prefix reuse the engine names no page (`_paged_prefill`, `_release_pages`), so none matches.
+        allocation = book.place_in(groups, first_free, prompt, waiting[0].max_tokens)
+        if allocation is None:  # it waits for pages; so do the requests after it (first come, first served)
+            break
+        slot = next(s for s in free if s in book.group_of)  # the free slot just given pages
+        free.remove(slot)
+        slots[slot] = Completion(waiting.popleft())
+        admitted[slot] = Placement(slot, slot, allocation.reused)
+    return admitted
+
+
+def prefill_rows(slots: Sequence[Completion | None], rows_per_group: int, width: int, batch: list[tuple[int, int]],
+                 placements: dict[int, Placement], n_local: int, dp: int) -> tuple[np.ndarray, ...]:
+    """A prefill's input rows for a batch of admitted slots, (slot, row) each: ids [R, width] (each prompt after
+    what it reuses), lengths, slots, starts and source slots [R] (slots local to their dp group of n_local; a
+    padding row's -1, written nowhere)."""
+    n = rows_per_group * dp
+    ids_RxT = np.zeros((n, width), np.int32)
+    length, local_slot = np.ones(n, np.int32), np.full(n, -1, np.int32)
+    start, source = np.zeros(n, np.int32), np.full(n, -1, np.int32)
+    for slot, row in batch:
+        placement = placements.get(slot, Placement(slot, slot, 0))
+        tail = slots[slot].request.prompt[placement.reused:]
+        ids_RxT[row, :len(tail)], length[row], local_slot[row] = tail, len(tail), slot % n_local
+        start[row], source[row] = placement.reused, placement.source % n_local
+    return ids_RxT, length, local_slot, start, source
