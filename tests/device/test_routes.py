@@ -24,8 +24,7 @@ from mesh_transformer.tokenizer import load_tokenizer
 from tests.device.model import CFG, trained_scale_params
 from tests.device.test_serving import F32, RTOL_F32
 
-pytest.importorskip("httpx", reason="starlette's TestClient needs httpx: pip install httpx")
-from starlette.testclient import TestClient
+from starlette.testclient import TestClient  # in-process, no socket: needs httpx (requirements.txt)
 
 NEW = 12
 PROMPTS = [[464, 3, 977, 21, 640, 88, 13, 501, 7], [12, 845, 0, 330, 76, 1001, 5, 260, 419, 64, 38, 700, 2, 95]]
