@@ -32,6 +32,8 @@ EXAMPLES = """\
 examples:
   python aot_check.py --config configs/6B_lora_v5litepod-1.json --topology v5litepod-1
   python aot_check.py --config configs/6B_roto_256.json --topology v3-8 --mode all
+  python aot_check.py --config configs/6B_roto_256.json --topology v5litepod-1 --inference-only --set weight_dtype=int8 \\
+      --max-batch 64 --kv-cache-dtype int8
 """
 
 
@@ -46,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
                                            "compile for, without the device")
     parser.add_argument("--devices", type=int, default=8, help="faked CPU devices (without --topology)")
     parser.add_argument("--device-memory", help="memory of one device, e.g. 16GiB (default: the target's, or 16GiB)")
-    parser.add_argument("--slots", type=int, default=8, help="serving slots (device_serve.py --max-batch; default 8)")
+    parser.add_argument("--slots", "--max-batch", dest="slots", type=int, default=8,
+                        help="serving slots (device_serve.py --max-batch; default 8)")
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--train-only", action="store_true", help="compile the train step(s) only")
     only.add_argument("--inference-only", action="store_true",
@@ -54,13 +57,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-loop-hoisting", action="store_true",
                         help="compile the CPU's train step without XLA's loop-invariant code motion, which on CPU "
                              "hoists an f32 copy of a bf16 base out of the layer loop (GPUs and TPUs hold none)")
+    server = parser.add_argument_group("device_serve.py's cache flags (with --inference-only: the server's verdict)")
+    flags.add_paged_cache_args(server, server=True)
     args = parser.parse_args(argv)
+    given = [f for f in ("kv_pages", "kv_cache_dtype") if getattr(args, f) is not None]
+    if given and not args.inference_only:
+        parser.error(f"--{given[0].replace('_', '-')} is device_serve.py's: give it with --inference-only")
+    paged = flags.paged_cache(parser, args) if args.inference_only else None
 
     def run() -> int:
         from mesh_transformer import aot
 
         records = aot.run(flags.load_config(args), args.mode, args.mesh, args.devices, args.device_memory, args.slots,
-                          args.no_loop_hoisting, args.topology, args.train_only, args.inference_only)
+                          args.no_loop_hoisting, args.topology, args.train_only, args.inference_only, paged)
         for record in records:
             print(json.dumps(record), flush=True)
         print(aot.human_line(records), flush=True)

@@ -20,7 +20,7 @@ EXAMPLES = """\
 examples:
   python device_serve.py --ckpt gptj_1shard --port 5000 --dtype bf16
   python device_serve.py --hf gpt-j-6B/ --dtype int8 --max-batch 16 --warm-up --api-key KEY
-  python device_serve.py --hf gpt-j-6B/ --dtype int8 --max-batch 64 --kv-pages 1536 --kv-cache-dtype int8
+  python device_serve.py --hf gpt-j-6B/ --dtype int8 --max-batch 64 --kv-cache-dtype int8 --warm-up
 """
 
 
@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compute every prompt whole (default: reuse the cached keys of a prompt prefix a slot holds)")
     p.add_argument("--warm-up", action="store_true", help="compile every program before listening: a slower start, "
                                                           "no compile pauses while serving")
-    add_paged_cache_args(p)
+    add_paged_cache_args(p, server=True)
     compile_cache.add_cache_args(p)
     args = p.parse_args(argv)
     args.paged = paged_cache(p, args)
@@ -64,14 +64,20 @@ def _main(argv: list[str] | None) -> int:
         with open(args.chat_template, encoding="utf-8") as f:
             chat_template = f.read()
     cache = compile_cache.enable(args.compilation_cache)
-    from mesh_transformer.infer.load import load_for_inference
-    from mesh_transformer.serve import server
+    from mesh_transformer.infer.load import open_for_inference, read_for_inference
+    from mesh_transformer.infer.programs import Programs
+    from mesh_transformer.serve import server, sizing
     from mesh_transformer.serve.engine import Engine
 
-    layout, tokenizer, params = load_for_inference(args)
-    cfg = layout.cfg
-    engine = Engine(layout, params, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue,
-                    warm_up=args.warm_up, prefix_cache=args.prefix_cache, **args.paged)
+    layout, tokenizer, source = open_for_inference(args)
+    cfg, programs = layout.cfg, Programs(layout)
+    # The largest programs compiled first, from shapes alone: a setting that cannot fit fails before the weights are
+    # read, and a paged cache of auto pages takes what they leave.
+    fit = sizing.for_server(programs, max_batch=args.max_batch, prefix_cache=args.prefix_cache, **args.paged)
+    logging.info("%s", fit.summary())
+    engine = Engine(layout, read_for_inference(layout, source, args), tokenizer, max_batch=args.max_batch,
+                    max_queue=args.max_queue, warm_up=args.warm_up, programs=programs,
+                    prefix_cache=args.prefix_cache, n_pages=fit.n_pages, page_size=args.paged["page_size"])
     app = server.create_app(engine, tokenizer, model_name=args.model_name or cfg.name, api_key=args.api_key,
                             chat_template=chat_template)
     logging.info("%s", cache.summary())

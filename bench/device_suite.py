@@ -12,11 +12,11 @@ appended to `--out` too).
   whose KV cache fits, against the bandwidth roofline (weight bytes + KV-cache bytes read per step over the
   datasheet's bandwidth, and over the measured one); decode_int8: the same with the layers' weights in int8
   (model/quant.py); with `--profile-steps N`, also what the device did in N traced steps (decode_profile);
-- serving: the continuous-batching engine over GPT-J-6B's int8 weights, with as many slots as fit, at 64 concurrent
-  requests against one at a time: tokens/s and time to first token;
-- serving_paged: the engine over a paged int8 KV cache (int8 weights), a slot per client and the pages they need:
-  tokens/s and time to first token at 1, 8, 32, 64 and 128 concurrent requests, and how many it holds in flight
-  beside the slot engine's slots;
+- serving: the continuous-batching engine over GPT-J-6B's int8 weights at its whole context (2048), with as many
+  slots as fit, at 64 concurrent requests against one at a time: tokens/s and time to first token;
+- serving_paged: the engine over a paged int8 KV cache (int8 weights), a slot per client and the pages
+  device_serve.py takes by default (serve/sizing.py): tokens/s and time to first token at 1, 8, 32, 64 and 128
+  concurrent requests, and how many it holds in flight beside the slot engine's slots;
 - compile and memory, after each section: the compile seconds of every program it ran; the arrays still alive
   after it (none should be) and the device's memory in use.
 

@@ -21,6 +21,7 @@ from jax import lax
 from bench.common import device_op_times, figure
 from mesh_transformer import config
 from mesh_transformer.aot import shard_bytes
+from mesh_transformer.flags import AUTO, MEMORY_FRACTION
 from mesh_transformer.infer import decode_kernel
 from mesh_transformer.infer.choose import fill_sampling
 from mesh_transformer.infer.decode import Steps, block_sizes, default_block
@@ -31,6 +32,7 @@ from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.platforms import for_devices
 from mesh_transformer.serve.completion import Event, GenerationRequest
+from mesh_transformer.serve import sizing
 from mesh_transformer.serve.engine import Engine
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch's name for XLA compiles
@@ -50,7 +52,7 @@ WORKSPACE_BYTES = 1 << 30
 # The batches decode picks from: 1 and the two largest that fit (each is a program to compile: 20-29 s for GPT-J-6B
 # on one TPU v5e's host).
 DECODE_BATCHES = (1, 8, 16, 32, 64, 128, 256)
-SERVING_SEQ = 512  # a serving slot's context: a 256-token prompt and 128 new tokens, with room to spare
+SERVING_SEQ = 2048  # the serving sections' context: GPT-J's whole one, as device_serve.py serves the 6B config
 WEIGHT_STD = 0.02  # random float weights' spread; int8 ones span [-127, 127] with scales that give about the same
 
 
@@ -487,16 +489,18 @@ def paged_capacity(layout: Layout, sizes: Sizes, page: int, bytes_limit: int) ->
 
 def serving_paged_records(layout: Layout, sizes: Sizes, page: int = PAGE,
                           bytes_limit: int = 16 * 2 ** 30) -> list[dict]:
-    """The engine over a paged cache (the layout's kv_cache_dtype) with serving_clients slots and the pages they
-    need together (each request holds ceil((prompt + new) / page) pages), no prefix cache: requests submitted
+    """The engine over a paged cache (the layout's kv_cache_dtype) with serving_clients slots and the pages
+    device_serve.py would take (serve/sizing.py: what fits the device, a context per slot where it reports no
+    memory), no prefix cache: requests submitted
     together at each of PAGED_LEVELS (those beyond the slots wait for one), a warm pass first at each; and how many
     requests fit the device against the slot cache's slots (`paged_capacity`)."""
-    cfg = layout.cfg
-    per_request = -(-(sizes.serving_prompt_len + sizes.serving_new_tokens) // page)
-    n_pages = sizes.serving_clients * per_request
+    cfg, programs = layout.cfg, Programs(layout)
+    # The pages device_serve.py takes by default (--kv-pages auto, --memory-fraction's default), with its programs.
+    n_pages = sizing.for_server(programs, max_batch=sizes.serving_clients, n_pages=AUTO, page_size=page,
+                                prefix_cache=False, memory_fraction=MEMORY_FRACTION).n_pages
     engine = Engine(layout, random_decode_params(layout), _CharPerToken(), max_batch=sizes.serving_clients,
                     max_queue=4 * sizes.serving_clients, stop_token_ids=(), prefix_cache=False, n_pages=n_pages,
-                    page_size=page)
+                    page_size=page, programs=programs)
     precision = gptj.precision(cfg)
     described = dict(slots=engine.n_slots, pages=n_pages, page_size=page, prompt_len=sizes.serving_prompt_len,
                      seq=cfg.seq, layers=cfg.layers, d_model=cfg.d_model, dtype=precision.compute.name,

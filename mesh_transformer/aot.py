@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from mesh_transformer import estimate, targets
-from mesh_transformer.aot_compile import Refused, _compile, _memory, shard_bytes
-from mesh_transformer.aot_inference import measure_inference
+from mesh_transformer.aot_compile import Refused, _compile, memory_record, shard_bytes
+from mesh_transformer.aot_inference import measure_inference, measure_server
 from mesh_transformer.aot_report import verdict
 from mesh_transformer.config import Config, ConfigError, parse_size
 from mesh_transformer.parallel.layout import MODES, SHARD_MAP, make_layout
@@ -110,7 +110,7 @@ def _train_record(compiled: dict, common: dict, no_loop_hoisting: bool = False,
         n_devices = layout.mesh.devices.size
         model_flops = n_tokens * estimate.model_flops_per_token(cfg, lora=bool(frozen)) / n_devices
         record.update(estimate.step_estimate(train, chip, n_tokens, model_flops))
-    return {**record, **_memory(train)}
+    return {**record, **memory_record(train)}
 
 
 def _loading_record(compiled: dict, common: dict) -> dict:
@@ -131,7 +131,7 @@ def _loading_record(compiled: dict, common: dict) -> dict:
     if compiled["frozen"]:
         programs.append(_compile(finetune.fingerprint_fn(layout.replicated), placed, policy=policy)[0])
         runs += 1
-    memory = [_memory(program) for program in programs]
+    memory = [memory_record(program) for program in programs]
     largest = max(memory, key=lambda m: m["total_bytes"])
     record = {"check": "load_params", **common, "programs": runs, "distinct_programs": len(programs), **largest}
     refused = [m["refused"] for m in memory if "refused" in m]
@@ -142,9 +142,12 @@ def _loading_record(compiled: dict, common: dict) -> dict:
 
 def measure(cfg: Config, mode: str, devices: list, sizes: dict | None, n_slots: int = 8,
             no_loop_hoisting: bool = False, target: targets.Target | None = None,
-            train_only: bool = False, inference_only: bool = False) -> list[dict]:
+            train_only: bool = False, inference_only: bool = False, server: dict | None = None,
+            device_memory: int = 16 * 2 ** 30) -> list[dict]:
     """Compile the train step of `mode` (every mode's: "all"; none with `inference_only`) and, unless `train_only`,
-    the inference programs on the same devices and measure their per-device memory: one JSON record each."""
+    the inference programs on the same devices and measure their per-device memory: one JSON record each; with
+    `server` (device_serve.py's paged-cache flags, `flags.paged_cache`), the server's own verdict for n_slots slots
+    in `device_memory` too."""
     common = {"devices": len(devices), "target": target.name if target else f"cpu-{len(devices)}",
               "compiler": target.compiler if target else "XLA:CPU (faked devices)"}
     if target is not None:
@@ -158,16 +161,20 @@ def measure(cfg: Config, mode: str, devices: list, sizes: dict | None, n_slots: 
         if not inference_only:
             records.append(_train_record(compiled, common, no_loop_hoisting, target.chip if target else None))
             records.append(_loading_record(compiled, common))
-    return records if train_only else [*records, *measure_inference(first["layout"], n_slots, common,
-                                                                     target.chip if target else None)]
+    if train_only:
+        return records
+    records += measure_inference(first["layout"], n_slots, common, target.chip if target else None)
+    if server is not None:
+        records.append(measure_server(first["layout"], n_slots, server, common, device_memory))
+    return records
 
 
 def run(cfg: Config, mode: str | None, mesh_text: str, n_devices: int, device_memory_text: str | None,
         n_slots: int = 8, no_loop_hoisting: bool = False, topology: str | None = None,
-        train_only: bool = False, inference_only: bool = False) -> list[dict]:
+        train_only: bool = False, inference_only: bool = False, server: dict | None = None) -> list[dict]:
     """The JSON records of a fit check (train step(s), serving decode step and prefill, sampler decode step, scorer,
-    verdict) on `n_devices` faked CPU devices or the compile-only devices of `topology` (`targets.target`); the
-    last says whether it fits."""
+    with `server` device_serve.py's verdict, the fit verdict) on `n_devices` faked CPU devices or the compile-only
+    devices of `topology` (`targets.target`); the last says whether it fits."""
     mode = mode or cfg.parallelism
     if mode == "shard_map" and mesh_text:
         raise ConfigError("--mesh is for the GSPMD modes; the shard_map path takes mp from cores_per_replica")
@@ -180,5 +187,6 @@ def run(cfg: Config, mode: str | None, mesh_text: str, n_devices: int, device_me
     else:
         device_memory = target.chip.memory_bytes if target else 16 * 2 ** 30
     devices = target.devices() if target else start_devices(n_devices)
-    records = measure(cfg, mode, devices, sizes, n_slots, no_loop_hoisting, target, train_only, inference_only)
+    records = measure(cfg, mode, devices, sizes, n_slots, no_loop_hoisting, target, train_only, inference_only, server,
+                      device_memory)
     return [*records, verdict(records, device_memory)]

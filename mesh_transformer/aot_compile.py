@@ -37,6 +37,19 @@ class Refused:
 _UNIT_BYTES = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 
 
+def refusal(e: jax.errors.JaxRuntimeError, args: tuple) -> Refused | None:
+    """The Refused of a compile that failed for want of device memory (the compiler's RESOURCE_EXHAUSTED), with
+    these arguments; None for any other failure."""
+    if "RESOURCE_EXHAUSTED" not in str(e):
+        return None
+    message = next((line.strip() for line in str(e).splitlines() if line.strip()), str(e))
+    # XLA:TPU's "memory required for HLO temporaries" is the program's whole need, its arguments included.
+    need = re.search(r"HLO temporaries \(([\d.]+)([KMGT])\)", message)
+    arguments = shard_bytes([x for x in jax.tree.leaves(args) if isinstance(x, jax.ShapeDtypeStruct)])
+    need_bytes = int(float(need.group(1)) * _UNIT_BYTES[need.group(2)]) if need else arguments
+    return Refused(message, arguments, max(0, need_bytes - arguments))
+
+
 def _compile(fn, *args, policy: platforms.Policy, **static) -> tuple[object, float]:
     """`fn` lowered for these arguments and compiled under the policy's options: the compiled program (a Refused
     where the compiler ran out of device memory) and the seconds it took."""
@@ -48,18 +61,13 @@ def _compile(fn, *args, policy: platforms.Policy, **static) -> tuple[object, flo
     try:
         compiled = fn.lower(*args, **static).compile(compiler_options=options)
     except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
+        compiled = refusal(e, args)
+        if compiled is None:
             raise
-        message = next((line.strip() for line in str(e).splitlines() if line.strip()), str(e))
-        # XLA:TPU's "memory required for HLO temporaries" is the program's whole need, its arguments included.
-        need = re.search(r"HLO temporaries \(([\d.]+)([KMGT])\)", message)
-        arguments = shard_bytes([x for x in jax.tree.leaves(args) if isinstance(x, jax.ShapeDtypeStruct)])
-        need_bytes = int(float(need.group(1)) * _UNIT_BYTES[need.group(2)]) if need else arguments
-        compiled = Refused(message, arguments, max(0, need_bytes - arguments))
     return compiled, time.perf_counter() - start
 
 
-def _memory(compiled) -> dict[str, float]:
+def memory_record(compiled) -> dict[str, float]:
     """A compiled program's (or a refusal's) per-device bytes, as a record's fields."""
     if isinstance(compiled, Refused):
         return {"argument_bytes": compiled.argument_bytes, "output_bytes": 0, "alias_bytes": 0,
@@ -70,3 +78,11 @@ def _memory(compiled) -> dict[str, float]:
              - mem.alias_size_in_bytes)
     return {"argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
             "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes, "total_bytes": total}
+
+
+def size_text(n_bytes: int) -> str:
+    """Bytes as a person reads them: GiB, MiB, KiB or B, two decimals."""
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n_bytes >= scale:
+            return f"{n_bytes / scale:.2f} {unit}"
+    return f"{n_bytes} B"

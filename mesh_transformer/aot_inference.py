@@ -1,7 +1,8 @@
 """The fit check's inference programs (aot.py), compiled from abstract shapes on the training devices: the serving
 engine's decode step over a slot cache and over a paged cache, its prefill and prefix-cache extend, the offline
 sampler's decode loop and the scorer, every slot busy and the whole context used. One record each, with the slots
-(or, paged, the requests) that fit a device's memory.
+(or, paged, the requests) that fit a device's memory; and device_serve.py's own verdict with its flags
+(`measure_server`).
 """
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+import time
+
 from mesh_transformer import estimate, targets
-from mesh_transformer.aot_compile import Refused, _compile, _memory, shard_bytes
+from mesh_transformer.config import ConfigError
+from mesh_transformer.aot_compile import Refused, _compile, memory_record, shard_bytes
 from mesh_transformer.infer.choose import Sampling, fill_sampling
 from mesh_transformer.infer.decode import (KVCache, Steps, block_shape, block_sizes, cache_dtype, default_block,
                                            new_slots)
@@ -19,6 +23,7 @@ from mesh_transformer.infer.programs import Programs
 from mesh_transformer.infer.score import MAX_TOP, Rows, Scorer
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import DP
+from mesh_transformer.serve import sizing
 
 
 def _inference_layout(train_layout: Layout) -> Layout:
@@ -70,7 +75,7 @@ def measure_inference(train_layout: Layout, n_slots: int, common: dict,
         compiled, seconds = _compile(programs.jitted["decode"], params, cache, last, steps, policy=policy,
                                      rows=slots // dp, n_blocks=len(sizes))
         return {**base, "slots": slots, "compile_s": round(seconds, 1), "kv_cache_bytes": shard_bytes(cache)}, \
-            _memory(compiled), compiled
+            memory_record(compiled), compiled
 
     serve, serve_memory, serve_step = decode(n_slots, serve_blocks)
     if chip is not None and not isinstance(serve_step, Refused):
@@ -104,13 +109,13 @@ def measure_inference(train_layout: Layout, n_slots: int, common: dict,
     return [{"check": "serve_decode_step", **serve, **serve_memory, "per_slot_bytes": round(per_slot),
              "slots_that_fit": fit},
             {"check": "serve_prefill", **base, "slots": n_slots, "prompt_tokens": cfg.seq,
-             "compile_s": round(prefill_s, 1), "kv_cache_bytes": shard_bytes(cache), **_memory(prefill)},
+             "compile_s": round(prefill_s, 1), "kv_cache_bytes": shard_bytes(cache), **memory_record(prefill)},
             {"check": "serve_extend", **base, "slots": n_slots, "prompt_tokens": cfg.seq // 2,
-             "compile_s": round(extend_s, 1), "kv_cache_bytes": shard_bytes(cache), **_memory(extend)},
+             "compile_s": round(extend_s, 1), "kv_cache_bytes": shard_bytes(cache), **memory_record(extend)},
             paged,
-            {"check": "sample_decode_step", **sample, **_memory(generate)},
+            {"check": "sample_decode_step", **sample, **memory_record(generate)},
             {"check": "scorer", **base, "rows": dp, "row_tokens": cfg.seq, "top_k": MAX_TOP,
-             "compile_s": round(scorer_s, 1), **_memory(scorer)}]
+             "compile_s": round(scorer_s, 1), **memory_record(scorer)}]
 
 
 PAGE = 16  # the paged cache's page in the fit check (device_serve.py --page-size's default)
@@ -131,7 +136,7 @@ def _measure_paged(programs: Programs, params, n_slots: int, base: dict, common:
         cache = programs.abstract_pages(n_pages, PAGE)
         compiled, seconds = _compile(programs.jitted["paged_decode"], params, cache, last, steps, table,
                                      policy=programs.layout.policy, rows=n_slots // dp, n_read=width)
-        return {**_memory(compiled), "kv_cache_bytes": shard_bytes(cache)}, seconds
+        return {**memory_record(compiled), "kv_cache_bytes": shard_bytes(cache)}, seconds
 
     n_pages = n_slots * width
     memory, seconds = decode(n_pages)
@@ -145,3 +150,21 @@ def _measure_paged(programs: Programs, params, n_slots: int, base: dict, common:
     return {"check": "serve_paged_decode_step", **base, "slots": n_slots, "pages": n_pages, "page_size": PAGE,
             "kv_cache_dtype": cfg.kv_cache_dtype, "compile_s": round(seconds, 1), **memory,
             "per_page_bytes": round(per_page), "request_tokens": list(PAGED_REQUEST), "requests_that_fit": fit}
+
+
+def measure_server(train_layout: Layout, max_batch: int, server: dict, common: dict, device_bytes: int) -> dict:
+    """device_serve.py's verdict on these devices (serve/sizing.py, with its flags `server`: `flags.paged_cache`'s
+    n_pages, page_size and memory_fraction, the prefix cache on): the pages it would take and its largest need, or
+    the refusal it would print."""
+    layout = _inference_layout(train_layout)
+    start = time.perf_counter()
+    record = {"check": "server", **common, "max_batch": max_batch, "page_size": server["page_size"],
+              "memory_fraction": server["memory_fraction"], "kv_cache_dtype": layout.cfg.kv_cache_dtype}
+    try:
+        fit = sizing.for_server(Programs(layout), max_batch=max_batch, prefix_cache=True, device_bytes=device_bytes,
+                                **server)
+    except ConfigError as e:
+        return {**record, "compile_s": round(time.perf_counter() - start, 1), "total_bytes": 0, "refused": str(e)}
+    return {**record, "compile_s": round(time.perf_counter() - start, 1), "kv_pages": fit.n_pages,
+            "total_bytes": fit.need_bytes, "budget_bytes": fit.budget_bytes, "params_bytes": fit.weights_bytes,
+            "kv_cache_bytes": fit.cache_bytes, "largest_program": fit.largest}

@@ -3,6 +3,8 @@ the lines a person reads.
 """
 from __future__ import annotations
 
+from mesh_transformer.aot_compile import size_text
+
 
 def verdict(records: list[dict], device_memory: int) -> dict:
     """The fit record: the largest per-device need of the programs against one device's memory (with several
@@ -18,19 +20,12 @@ def verdict(records: list[dict], device_memory: int) -> dict:
             "fits_by_mode": {mode: n <= device_memory for mode, n in by_mode.items()}}
 
 
-def _size(n_bytes: int) -> str:
-    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if n_bytes >= scale:
-            return f"{n_bytes / scale:.2f} {unit}"
-    return f"{n_bytes} B"
-
-
 def _train_line(train: dict) -> str:
     mesh = " x ".join(f"{k}{v}" for k, v in train["mesh"].items())
     kind = f"LoRA rank {train['lora_rank']} train step" if "lora_rank" in train else "train step"
-    line = (f"{train['mode']} on {mesh}: {kind} {_size(train['total_bytes'])} per device (params "
-            f"{_size(train['params_bytes'])}, optimizer {_size(train['opt_state_bytes'])}, temporaries "
-            f"{_size(train['temp_bytes'])}; compiled in {train['compile_s']:.0f} s)")
+    line = (f"{train['mode']} on {mesh}: {kind} {size_text(train['total_bytes'])} per device (params "
+            f"{size_text(train['params_bytes'])}, optimizer {size_text(train['opt_state_bytes'])}, temporaries "
+            f"{size_text(train['temp_bytes'])}; compiled in {train['compile_s']:.0f} s)")
     if "refused" in train:
         line += f"; the compiler refused it: {train['refused']}"
     if "estimated_step_s" in train:
@@ -45,8 +40,8 @@ def human_line(records: list[dict]) -> str:
     trains = [r for r in records if "train_step" in r["check"]]
     lines = [_train_line(r) for r in trains]
     if decode := next((r for r in records if r["check"] == "serve_decode_step"), None):
-        line = (f"serving decode step {_size(decode['total_bytes'])} for {decode['slots']} slots (params "
-                f"{_size(decode['params_bytes'])}, KV cache {_size(decode['kv_cache_bytes'])})")
+        line = (f"serving decode step {size_text(decode['total_bytes'])} for {decode['slots']} slots (params "
+                f"{size_text(decode['params_bytes'])}, KV cache {size_text(decode['kv_cache_bytes'])})")
         if "estimated_step_s" in decode:
             line += (f", estimated {1e3 * decode['estimated_step_s']:.1f} ms a step, "
                      f"{decode['estimated_tokens_per_s']:,.0f} tokens/s with every slot busy over the whole context")
@@ -54,13 +49,21 @@ def human_line(records: list[dict]) -> str:
     if paged := next((r for r in records if r["check"] == "serve_paged_decode_step"), None):
         request = "+".join(map(str, paged["request_tokens"]))
         lines.append(f"paged serving ({paged['kv_cache_dtype']} cache, pages of {paged['page_size']}): "
-                     f"{_size(paged['per_page_bytes'])} a page; requests of {request} tokens that fit: "
+                     f"{size_text(paged['per_page_bytes'])} a page; requests of {request} tokens that fit: "
                      + ", ".join(f"{k}: {v}" for k, v in paged["requests_that_fit"].items()))
+    if server := next((r for r in records if r["check"] == "server"), None):
+        lines.append(f"device_serve.py --max-batch {server['max_batch']}: refused: {server['refused']}"
+                     if "refused" in server else
+                     f"device_serve.py --max-batch {server['max_batch']}: "
+                     + (f"{server['kv_pages']} pages of {server['page_size']} ({server['kv_cache_dtype']})"
+                        if server["kv_pages"] else "the slot cache")
+                     + f", {size_text(server['total_bytes'])} of the {size_text(server['budget_bytes'])} allowed "
+                       f"(the largest program {server['largest_program']})")
     lines += [f"{r['check']}: the compiler refused it: {r['refused']}" for r in records[:-1]
-              if "refused" in r and "train_step" not in r["check"]]
+              if "refused" in r and r["check"] != "server" and "train_step" not in r["check"]]
     largest = max(records[:-1], key=lambda r: r["total_bytes"])
     first = records[0]
     lines.append(f"on {first['target']} ({first['compiler']}): {'fits' if fit['fits'] else 'does NOT fit'} in "
-                 f"{_size(fit['device_memory_bytes'])} (the largest need: {largest['check']}, "
-                 f"{_size(largest['total_bytes'])})")
+                 f"{size_text(fit['device_memory_bytes'])} (the largest need: {largest['check']}, "
+                 f"{size_text(largest['total_bytes'])})")
     return "\n".join(lines)

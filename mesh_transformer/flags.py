@@ -24,28 +24,65 @@ def add_config_args(parser: argparse.ArgumentParser, required: bool = True) -> N
                         help="override a config key (value parsed as JSON, else a string); repeatable")
 
 
-def add_paged_cache_args(parser: argparse.ArgumentParser) -> None:
-    """The serving engine's paged KV cache flags (device_serve.py and the serving benches); `paged_cache` reads them."""
-    parser.add_argument("--kv-pages", type=int, default=None,
-                        help="a paged KV cache of this many pages, shared by the --max-batch slots: a request holds "
-                             "the pages its prompt and max_tokens fill, and waits for them (default: a whole context "
-                             "per slot)")
+MEMORY_FRACTION = 0.9  # device_serve.py --memory-fraction's default (vLLM's --gpu-memory-utilization's)
+AUTO, OFF = "auto", "off"
+
+
+def _kv_pages(value: str) -> int | str:
+    if value in (AUTO, OFF):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of pages, '{AUTO}' or '{OFF}', got {value!r}") from None
+
+
+def add_paged_cache_args(parser: argparse.ArgumentParser, server: bool = False) -> None:
+    """The serving engine's paged KV cache flags (device_serve.py and the serving benches); `paged_cache` reads them.
+    The server's (`server`) take --kv-pages auto and --memory-fraction too (serve/sizing.py)."""
+    if server:
+        parser.add_argument("--kv-pages", type=_kv_pages, default=None, metavar="N|auto|off",
+                            help="a paged KV cache of N pages shared by the --max-batch slots: a request holds the "
+                                 "pages its prompt and max_tokens fill, and waits for them; auto: the pages that fit "
+                                 "--memory-fraction of the device's memory after the weights and the largest "
+                                 "program; off: a whole context per slot (default: auto on a TPU with the paged "
+                                 "attention kernel or with --kv-cache-dtype, else off)")
+        parser.add_argument("--memory-fraction", type=float, default=MEMORY_FRACTION,
+                            help="the share of each device's memory the server may use: weights, KV cache and the "
+                                 f"largest program's temporaries (default {MEMORY_FRACTION}); checked before the "
+                                 "weights are read")
+    else:
+        parser.add_argument("--kv-pages", type=int, default=None,
+                            help="a paged KV cache of this many pages, shared by the --max-batch slots (default: a "
+                                 "whole context per slot)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page of --kv-pages (default 16)")
     parser.add_argument("--kv-cache-dtype", choices=("compute", "int8"), default=None,
                         help="the paged cache's keys and values: the compute dtype, or int8 with a scale per token and "
-                             "head (half the bytes); needs --kv-pages")
+                             "head (half the bytes); a paged cache")
 
 
 def paged_cache(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
-    """The Engine's paged-cache arguments of `add_paged_cache_args`' flags ({}: the slot cache); a bad combination is
-    the parser's one-line error. --kv-cache-dtype becomes a config override (`args.overrides`, where there is one)."""
-    if args.kv_pages is not None and (args.kv_pages < 1 or args.page_size < 1):
-        parser.error(f"--kv-pages and --page-size must be at least 1, got {args.kv_pages} and {args.page_size}")
-    if args.kv_cache_dtype and not args.kv_pages:
+    """The Engine's paged-cache arguments of `add_paged_cache_args`' flags ({}: the slot cache); the server's are
+    n_pages (a number, "auto", "off", or None where its platform decides), page_size and memory_fraction. A bad
+    combination is the parser's one-line error.
+    --kv-cache-dtype becomes a config override (`args.overrides`, where there is one)."""
+    pages = args.kv_pages
+    if isinstance(pages, int) and pages < 1 or args.page_size < 1:
+        parser.error(f"--kv-pages and --page-size must be at least 1, got {pages} and {args.page_size}")
+    fraction = getattr(args, "memory_fraction", MEMORY_FRACTION)
+    if not 0 < fraction <= 1:
+        parser.error(f"--memory-fraction must be in (0, 1], got {fraction}")
+    if args.kv_cache_dtype and pages == OFF:
+        parser.error("--kv-cache-dtype is the paged cache's: not with --kv-pages off (the slot cache holds the "
+                     "compute dtype)")
+    if args.kv_cache_dtype and not hasattr(args, "memory_fraction") and pages is None:
         parser.error("--kv-cache-dtype needs --kv-pages (the slot cache holds the compute dtype)")
     if args.kv_cache_dtype and hasattr(args, "overrides"):
         args.overrides.append(f"kv_cache_dtype={args.kv_cache_dtype}")
-    return {"n_pages": args.kv_pages, "page_size": args.page_size} if args.kv_pages else {}
+    if hasattr(args, "memory_fraction"):  # the server's: its platform decides where no flag does (device_serve.py)
+        pages = AUTO if pages is None and args.kv_cache_dtype else pages
+        return {"n_pages": pages, "page_size": args.page_size, "memory_fraction": fraction}
+    return {"n_pages": pages, "page_size": args.page_size} if pages else {}
 
 
 def add_inference_args(parser: argparse.ArgumentParser) -> None:

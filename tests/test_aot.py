@@ -89,3 +89,19 @@ def test_a_prompts_rest_after_a_cached_prefix_updates_the_cache_in_place():
                                           rows, aot._abstract_sampling(programs.row_sharding, 1, bias=True)).compile()
     block = ",".join(map(str, cache.k[0][0].shape))
     assert not re.findall(rf"= \w+\[{block}\]\S* copy\(", hlo.as_text())
+
+
+def test_aot_check_reaches_the_servers_verdict_with_its_flags():
+    """--inference-only with device_serve.py's cache flags: the pages the server would take in the given memory, the
+    same as its own sizing there, and its refusal (a record that does not fit) where that memory is too small."""
+    cfg = dataclasses.replace(CFG, cores_per_replica=4)
+    server = {"n_pages": "auto", "page_size": 16, "memory_fraction": 0.9}
+    *_, record, fit = aot.run(cfg, None, "", 8, "64MiB", n_slots=4, inference_only=True, server=server)
+    assert record["check"] == "server" and fit["fits"] and "refused" not in record
+    assert record["total_bytes"] <= record["budget_bytes"] == int(0.9 * 64 * 2 ** 20)
+    assert record["kv_pages"] > 0 and record["kv_pages"] % 2 == 0  # dp 2 x mp 4 on the 8 devices
+    *_, refused, fit = aot.run(cfg, None, "", 8, "64KiB", n_slots=4, inference_only=True, server=server)
+    assert not fit["fits"] and "server" in fit["refused"] and "does not fit" in refused["refused"]
+    result = subprocess.run([sys.executable, "aot_check.py", "--config", "configs/tiny_rot_partial.json",
+                             "--kv-pages", "auto"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--kv-pages is device_serve.py's: give it with --inference-only" in result.stderr

@@ -55,7 +55,7 @@ def test_sizes_for_a_16_gib_chip_fit_its_memory():
     sizes = device_sizes(device, V5E_BYTES_LIMIT, compute_dtype="bfloat16")
     plan = HEADROOM * V5E_BYTES_LIMIT
     assert sizes.decode_batches == (1, 8, 16) and sizes.decode_int8_batches == (1, 16, 32, 64)
-    assert sizes.serving_slots == 32 and sizes.serving_model["seq"] == 512
+    assert sizes.serving_slots == 8 and sizes.serving_model["seq"] == 2048
     assert sizes.train_model["layers"] == 10
     for model, batches in ((sizes.decode_model, sizes.decode_batches),
                            ({**sizes.decode_model, **INT8}, sizes.decode_int8_batches),

@@ -18,7 +18,8 @@ PYTHONS = ("python", "python3", ".venv/bin/python")
 OPERATOR_CHARS = set("();<>|&")  # a word of these alone is a shell operator: a separator or a redirection
 REDIRECTIONS = ("<", ">", ">>", ">&", "&>", "<&")  # the word after one is a file
 ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")  # an environment variable before a command, or make's VAR=x
-OPTION_LINE = re.compile(r"^  (?:-\w, )?(--[\w-]+)")  # an entry of --help's option list (its continuations sit deeper)
+# An entry of --help's option list (its continuations sit deeper): its flag and the aliases after it ("--a A, --b A").
+OPTION_LINE = re.compile(r"^  (?:-\w, )?(--[\w-]+(?: [A-Z_]+)?(?:, --[\w-]+(?: [A-Z_]+)?)*)")
 EXAMPLES = "\nexamples:\n"  # what the top-level scripts' --help ends with
 MAKE_TARGET = re.compile(r"^([^\s:=#][^:=#]*?)\s*:(?!=)")  # "name:" (not "name := value")
 
@@ -125,7 +126,8 @@ def accepted_flags(help_text: str) -> set[str]:
     in its description or examples)."""
     help_text = help_text.split(EXAMPLES, 1)[0]
     usage = help_text.split("\n\n", 1)[0]
-    options = [m.group(1) for m in map(OPTION_LINE.match, help_text.splitlines()) if m]
+    options = [flag for m in map(OPTION_LINE.match, help_text.splitlines()) if m
+               for flag in re.findall(r"--[\w-]+", m.group(1))]
     return set(re.findall(r"--[\w-]+", usage)) | set(options)
 
 

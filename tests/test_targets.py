@@ -265,7 +265,7 @@ def test_a_program_the_tpu_compiler_refuses_for_memory_is_a_record_that_does_not
     x = jax.ShapeDtypeStruct((40000,), jnp.float32, sharding=SingleDeviceSharding(devices[0]))
     big = jax.jit(lambda x: jnp.sort(jnp.outer(x, x).ravel()) + jnp.outer(x + 1, x).ravel())  # ~19 GB of temps
     refused, _ = aot._compile(big, x, policy=platforms.for_devices(devices))
-    memory = aot._memory(refused)
+    memory = aot.memory_record(refused)
     assert isinstance(refused, aot.Refused) and "RESOURCE_EXHAUSTED" in memory["refused"]
     assert memory["temp_bytes"] > 16 * 2 ** 30 and memory["argument_bytes"] == 4 * 40000
     assert not aot.verdict([{"check": "scorer", **memory}], targets.target("v5litepod-1").chip.memory_bytes)["fits"]

@@ -131,6 +131,12 @@ def gather_pages(pages: jax.Array, table_RxM: jax.Array, dtype: Any, scales: jax
     return Scaled(values, _rows(scales, table_RxM, scales_order))
 
 
+def _after(gathered: list) -> jax.Array:
+    """Zeros [R, 1, 1, 1] computed from gathered pages (arrays or `Scaled`, [R, S, H, K]): what a write waits for."""
+    firsts = [(g.values if isinstance(g, Scaled) else g)[:, :1, :1, :1] for g in gathered]
+    return sum(0 * f.astype(jnp.float32) for f in firsts)
+
+
 def _index(order: tuple, page_RxT: jax.Array, offset_RxT: jax.Array) -> tuple:
     """The index of these tokens' (page, offset) in pages whose axes are `order`."""
     index: list = [slice(None)] * len(order)
@@ -166,7 +172,9 @@ class _PagedKV(NamedTuple):
     row's start), writes the rows' real new keys and values through the table. Where the policy runs decode through
     the TPU kernel (`kernel_pages`), a one-token step's read is instead the attention itself (`_kernel_attention`):
     it writes the new keys first, then attends over the pages up to and including them; its written pages wait in
-    `pending` for the layer's `write`, which returns them."""
+    `pending` for the layer's `write`, which returns them. A gathered read leaves in `read_ties` a value of what it
+    gathered, which the layer's write waits for (`_after`): written before the gather, the pages would have to be
+    copied whole to keep the read's values."""
     table_RxM: jax.Array
     start_R: jax.Array
     length_R: jax.Array
@@ -174,6 +182,7 @@ class _PagedKV(NamedTuple):
     dtype: Any
     policy: Policy
     pending: list
+    read_ties: list
 
     def read(self, state, h_RxTxD):
         if kernel_pages(self.policy) and h_RxTxD.shape[1] == 1 and self.n_read:
@@ -184,16 +193,25 @@ class _PagedKV(NamedTuple):
         order = page_order(self.policy)
         page = k.shape[order.index(1)]
         past_mask_Rx1xS = (jnp.arange(self.n_read * page)[None, :] < self.start_R[:, None])[:, None, :]
-        table_RxM = self.table_RxM[:, :self.n_read]
+        # The gather waits for the layer's input: unordered, XLA:TPU gathers every layer's pages up front, all alive
+        # at once (GPT-J-6B's 4 x 256-token tail prefill: 5.5 GiB of temporaries on a v5e).
+        first = h_RxTxD.reshape(-1)[0]
+        table_RxM = jnp.where(first == first, self.table_RxM[:, :self.n_read], 0)
         past = [[gather_pages(pages, table_RxM, self.dtype, scales, order, scale_order(self.policy))]
                 for pages, scales in ((k, k_scale), (v, v_scale))]
         past_k, past_v = in_turn(h_RxTxD, past, self.policy)
+        self.read_ties.append(_after([past_k[0], past_v[0]]))
         return past_k, past_v, past_mask_Rx1xS
 
     def write(self, state, k_RxTxHxK, v_RxTxHxK, h_RxTxD):
+        """The layer's new keys and values written through the table: after its gather of the pages, where it read
+        some; else at once. (Tied to the layer's output instead, as the slot cache's extend is, XLA:TPU keeps every
+        layer's attention scores of a 2048-token prefill alive together: GPT-J-6B's program needed 6.0 GiB of
+        temporaries, against 3.1 untied, compiled for a v5e.)"""
         if self.pending:  # written before the kernel read them
             return self.pending.pop()
-        return self._written(state, k_RxTxHxK, v_RxTxHxK, decode.after_reads(h_RxTxD, k_RxTxHxK.dtype))
+        after = self.read_ties.pop().astype(k_RxTxHxK.dtype) if self.read_ties else 0
+        return self._written(state, k_RxTxHxK, v_RxTxHxK, after)
 
     def _written(self, state, k_RxTxHxK, v_RxTxHxK, after_Rx1x1x1):
         k, v, k_scale, v_scale = state
@@ -243,7 +261,7 @@ def paged_logits(params: dict, cache: PagedCache, ids_RxT: jax.Array, start_R: j
                  policy: Policy) -> tuple[jax.Array, PagedCache]:
     """Run R rows of tokens at positions start_r on (`_PagedKV`); the logits after each row's last real token
     [R, V] and the cache with their keys and values written."""
-    kv = _PagedKV(table_RxM, start_R, length_R, n_read, gptj.precision(cfg).compute, policy, [])
+    kv = _PagedKV(table_RxM, start_R, length_R, n_read, gptj.precision(cfg).compute, policy, [], [])
     positions_RxT = start_R[:, None] + gptj.positions(ids_RxT)
     mask = jnp.ones((ids_RxT.shape[0], 1, 1), bool) if ids_RxT.shape[1] == 1 else None  # None: causal
     logits_RxV, cache = decode.run_cached(params, cache, ids_RxT, positions_RxT, kv, cfg, tp_axis, policy,

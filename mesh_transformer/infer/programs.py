@@ -110,6 +110,13 @@ class Programs:
         """The jitted program `name` lowered for these arguments (arrays or ShapeDtypeStructs); nothing runs."""
         return self.jitted[name].lower(*args, **static)
 
+    def executable(self, name: str, args: tuple, static: dict | None = None):
+        """The compiled program `name` for these arguments' shapes, compiled first where it is not yet (`compile`);
+        its `memory_analysis()` says what it needs of a device."""
+        static = static or {}
+        self.compile(name, args, static)
+        return self._executables[_signature(name, args, static)].result()
+
     def compile(self, name: str, args: tuple, static: dict | None = None) -> bool:
         """Compile program `name` for these arguments' shapes (arrays or ShapeDtypeStructs) unless it is compiled
         already; returns whether it compiled. Safe to call from several threads at once."""
@@ -141,12 +148,7 @@ class Programs:
         return policy
 
     def _run(self, name: str, args: tuple, static: dict):
-        key = _signature(name, args, static)
-        executable = self._executables.get(key)
-        if executable is None:
-            self.compile(name, args, static)
-            executable = self._executables[key]
-        return executable.result()(*args)
+        return self.executable(name, args, static)(*args)
 
     def new_cache(self, n_slots: int, sizes: list[int]) -> KVCache:
         """An empty cache of n_slots slots in blocks of these lengths, made in its shards."""
@@ -181,6 +183,11 @@ class Programs:
     def new_slots(self, n_slots: int) -> Slots:
         """The `decode.Slots` of n_slots empty slots, made in their shards."""
         return jax.device_put(new_slots(n_slots, self.layout.cfg.n_vocab), self.row_sharding)
+
+    def abstract_slots(self, n_slots: int) -> Slots:
+        """`new_slots`' result as ShapeDtypeStructs in their shards (for compiling; nothing is allocated)."""
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.row_sharding),
+                            jax.eval_shape(partial(new_slots, n_slots, self.layout.cfg.n_vocab)))
 
     def _specs(self):
         return self.layout.placed_specs(), self.cache_sharding.spec, self.row_sharding.spec

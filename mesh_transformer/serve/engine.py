@@ -25,9 +25,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from mesh_transformer import config
 from mesh_transformer.infer.choose import Logprobs, fill_sampling
-from mesh_transformer.infer.decode import Steps, block_sizes, default_block
+from mesh_transformer.infer.decode import Steps, default_block
 from mesh_transformer.infer.pages import PagedCacheBook, pages_for
 from mesh_transformer.infer.params import place_params
 from mesh_transformer.infer.programs import Programs
@@ -37,7 +36,7 @@ from mesh_transformer.parallel.mesh import DP
 from mesh_transformer.serve.admission import admit_to_pages, admit_to_slots, check_request, prefill_rows
 from mesh_transformer.serve.completion import Completion, Event, GenerationRequest
 from mesh_transformer.serve.prefix import Placement, PrefixIndex
-from mesh_transformer.serve.schedule import Schedule
+from mesh_transformer.serve.schedule import check_pages, engine_schedule
 from mesh_transformer.serve.warmup import Program, compile_all, paged_programs, slot_programs
 from mesh_transformer.tokenizer import eos_ids
 
@@ -90,15 +89,14 @@ class Engine:
         self.min_span = min_span or default_block(cfg.seq)
         self.stop_token_ids = frozenset(eos_ids(tokenizer) if stop_token_ids is None else stop_token_ids)
         self._dp = layout.mesh.shape[DP]
-        self.n_slots = -(-max_batch // self._dp) * self._dp
-        if n_pages is not None and (n_pages < self._dp or n_pages % self._dp or page_size < 1):
-            raise config.ConfigError(f"a paged cache needs a positive multiple of the data-parallel size {self._dp} "
-                                     f"pages (--kv-pages) of at least one token, got {n_pages} of {page_size}")
+        if n_pages is not None:
+            check_pages(n_pages, page_size, self._dp)
         self.params = place_params(params, layout)
         self._programs = programs or Programs(layout)
         self._book = PagedCacheBook(n_pages, page_size, self._dp) if n_pages else None
         block = page_size if n_pages else min(self.min_span, cfg.seq)
-        self.schedule = Schedule(self.n_slots, self._dp, cfg.seq, tuple(block_sizes(cfg.seq, block)))
+        self.schedule = engine_schedule(max_batch, self._dp, cfg.seq, block)
+        self.n_slots = self.schedule.n_slots
         if self._book:
             self._cache = self._programs.new_pages(n_pages, page_size)
         else:

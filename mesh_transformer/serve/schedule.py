@@ -12,6 +12,8 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 
+from mesh_transformer.config import ConfigError
+from mesh_transformer.infer.decode import block_sizes
 from mesh_transformer.infer.sizes import bucket, fit, ladder
 
 MAX_PREFILL_ROWS = 16  # requests prefilled together at most, per dp group
@@ -88,3 +90,16 @@ class Schedule:
         rows = fit(max(i % self.n_local for i in positions) + 1, self.decode_rows)
         n_blocks = fit(max(positions.values()) // self.block_sizes[0] + 1, self.block_counts)
         return rows, n_blocks, {i: (i // self.n_local) * rows + i % self.n_local for i in positions}
+
+
+def engine_schedule(max_batch: int, dp: int, seq: int, block: int) -> Schedule:
+    """The schedule of an engine of `max_batch` slots (rounded up to a multiple of dp) over cache blocks of `block`
+    positions: a page of a paged cache, or the slot cache's block."""
+    return Schedule(-(-max_batch // dp) * dp, dp, seq, tuple(block_sizes(seq, block)))
+
+
+def check_pages(n_pages: int, page_size: int, dp: int) -> None:
+    """A paged cache's pages (--kv-pages) are a positive multiple of the data-parallel size (a pool per group)."""
+    if n_pages < dp or n_pages % dp or page_size < 1:
+        raise ConfigError(f"a paged cache needs a positive multiple of the data-parallel size {dp} pages "
+                          f"(--kv-pages) of at least one token, got {n_pages} of {page_size}")

@@ -521,8 +521,10 @@ def test_streamable_length_holds_back_stop_prefixes_and_partial_characters():
     assert streamable_length("", ["a"]) == 0
 
 
-@pytest.mark.parametrize("flags, named", [(["--bogus"], "--bogus"), (["--kv-cache-dtype", "int8"], "--kv-pages"),
-                                          (["--kv-pages", "0"], "--kv-pages")])
+@pytest.mark.parametrize("flags, named", [(["--bogus"], "--bogus"), (["--kv-pages", "0"], "--kv-pages"),
+                                          (["--kv-pages", "off", "--kv-cache-dtype", "int8"], "--kv-pages off"),
+                                          (["--kv-pages", "many"], "--kv-pages"),
+                                          (["--memory-fraction", "1.5"], "--memory-fraction")])
 def test_device_serve_bad_flag_is_a_one_line_error(flags, named):
     result = subprocess.run([sys.executable, "device_serve.py", "--config", "configs/bench.json", *flags],
                             capture_output=True, text=True, timeout=60)

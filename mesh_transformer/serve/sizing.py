@@ -1,0 +1,202 @@
+"""How the server fits its devices, decided before any weights are read (vLLM's --gpu-memory-utilization): the
+largest programs the engine can run are compiled from abstract arguments, and what each needs of a device (the
+weights, the KV cache, the slots' state and the program's temporaries, by the compiler's memory analysis) is set
+against `fraction` of one device's memory.
+
+A paged cache of `auto` pages takes what the largest need leaves: the programs are compiled over a cache of one
+whole context per dp group, and every further page costs its bytes alone (a decode step reads the pages of its rows'
+tables, whatever the cache's size). Where the devices report no memory of their own (the CPU's devices share the
+host's), `auto` is a whole context per slot, as many pages as the slot cache holds positions. A setting that cannot
+fit is a ConfigError that names the flags that would reduce its memory; where the compiler itself refuses a program
+for memory (XLA:TPU does), that is the same verdict.
+
+The programs compiled here are the engine's own (one `Programs`), so a warm-up, or the first request, does not compile
+them again where the cache has the pages they were compiled for.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+from collections.abc import Sequence
+from functools import partial
+
+import jax
+
+from mesh_transformer import config
+from mesh_transformer.aot_compile import memory_record, refusal, shard_bytes, size_text
+from mesh_transformer.flags import AUTO, MEMORY_FRACTION, OFF
+from mesh_transformer.infer.decode import default_block
+from mesh_transformer.infer.pages import pages_for
+from mesh_transformer.infer.params import abstract_params
+from mesh_transformer.infer.programs import Programs
+from mesh_transformer.parallel.mesh import DP, MP
+from mesh_transformer.serve.schedule import Schedule, check_pages, engine_schedule
+from mesh_transformer.serve.warmup import Program, paged_programs, slot_programs
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizing:
+    """What the server takes of one device: the paged cache's pages (None: the slot cache), the largest program's
+    need against the budget (`fraction` of `device_bytes`), and the weights' and the cache's shares of it."""
+    n_pages: int | None
+    need_bytes: int
+    budget_bytes: int
+    device_bytes: int
+    weights_bytes: int
+    cache_bytes: int
+    largest: str  # the program of the largest need, as "name(static=value, ...)"
+
+    def summary(self) -> str:
+        cache = f"{self.n_pages} pages" if self.n_pages else "slot cache"
+        return (f"memory per device: {size_text(self.need_bytes)} of the {size_text(self.budget_bytes)} allowed "
+                f"({size_text(self.device_bytes)} x fraction {self.budget_bytes / self.device_bytes:.2f}): weights "
+                f"{size_text(self.weights_bytes)}, KV cache {size_text(self.cache_bytes)} ({cache}), the largest program "
+                f"{self.largest}")
+
+
+def device_memory(devices: Sequence[jax.Device]) -> tuple[int, bool]:
+    """One device's memory in bytes, and whether the device reports it (TPUs and GPUs do); else the host's memory
+    shared by its devices."""
+    stats = devices[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), True
+    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return host // max(1, sum(d.process_index == devices[0].process_index for d in devices)), False
+
+
+def size(programs: Programs, schedule: Schedule, *, n_pages: int | str | None, page_size: int, prefix_cache: bool,
+         device_bytes: int, fraction: float = MEMORY_FRACTION, fill: bool = True,
+         flags: Sequence[str] = ()) -> Sizing:
+    """The server's sizing (module docstring) for `schedule`'s slots: `n_pages` None for the slot cache, a number of
+    pages, or "auto"; `fill`: whether auto pages fill the memory (else a whole context per slot, at most).
+    `flags`: the memory-reducing flags to suggest on a refusal (`advice`). Raises ConfigError where it cannot fit."""
+    layout, dp = programs.layout, schedule.dp
+    budget = int(fraction * device_bytes)
+    params, slots = abstract_params(layout), programs.abstract_slots(schedule.n_slots)
+    width = pages_for(layout.cfg.seq, page_size)
+    if n_pages is None:
+        cache = programs.abstract_cache(schedule.n_slots, list(schedule.block_sizes))
+        listed = slot_programs((params, cache, slots), schedule, extend=prefix_cache)
+    else:
+        probe = n_pages if isinstance(n_pages, int) else dp * width
+        cache = programs.abstract_pages(probe, page_size)
+        listed = paged_programs((params, cache, slots), schedule, width, 0, reuse_pages=prefix_cache)
+    candidates = largest(listed)
+    with concurrent.futures.ThreadPoolExecutor(len(candidates)) as pool:  # XLA compiles them in parallel
+        need, biggest = max(zip(pool.map(partial(_need, programs), candidates), candidates), key=lambda x: x[0])
+    cache_bytes, weights_bytes = shard_bytes(cache), shard_bytes(params)
+    if n_pages == AUTO:
+        per_page = cache_bytes / probe
+        fixed = need - cache_bytes
+        n_pages = int((budget - fixed) // per_page) // dp * dp
+        if not fill:
+            n_pages = min(n_pages, schedule.n_slots * width)
+        cache_bytes, need = round(n_pages * per_page), fixed + round(n_pages * per_page)
+        if n_pages < dp * width:
+            raise config.ConfigError(
+                f"the KV cache does not fit: after the weights ({size_text(weights_bytes)} a device) and the largest "
+                f"program ({_name(biggest)}: {size_text(fixed - weights_bytes)} more), {size_text(max(0, budget - fixed))} of "
+                f"the {size_text(budget)} allowed hold {max(0, n_pages)} pages of {page_size} tokens, fewer than one "
+                f"context of {layout.cfg.seq} tokens per data-parallel group ({dp * width} pages in all); {advice(flags)}")
+    sizing = Sizing(n_pages, need, budget, device_bytes, weights_bytes, cache_bytes, _name(biggest))
+    if need > budget:
+        raise config.ConfigError(f"the server does not fit: {_name(biggest)} needs {size_text(need)} a device (weights "
+                                 f"{size_text(weights_bytes)}, KV cache {size_text(cache_bytes)}) of the {size_text(budget)} "
+                                 f"allowed ({size_text(device_bytes)} x {fraction:g}); {advice(flags)}")
+    return sizing
+
+
+def for_server(programs: Programs, *, max_batch: int, n_pages: int | str | None, page_size: int, prefix_cache: bool,
+               memory_fraction: float, device_bytes: int | None = None) -> Sizing:
+    """device_serve.py's sizing from its flags (`flags.paged_cache`): n_pages a number, "auto", "off", or None (the
+    platform's default: auto where the paged attention is the TPU kernel, else the slot cache); the devices'
+    memory as they report it unless `device_bytes` (a compile-only target's: aot_check.py)."""
+    layout = programs.layout
+    if n_pages is None:
+        n_pages = AUTO if layout.policy.paged_attention == "kernel" else OFF
+    paged = n_pages != OFF
+    devices = list(layout.mesh.devices.flat)
+    fill = True
+    if device_bytes is None:
+        device_bytes, fill = device_memory(devices)
+    dp, mp = layout.mesh.shape[DP], layout.mesh.shape[MP]
+    if isinstance(n_pages, int):
+        check_pages(n_pages, page_size, dp)
+    block = page_size if paged else min(default_block(layout.cfg.seq), layout.cfg.seq)
+    schedule = engine_schedule(max_batch, dp, layout.cfg.seq, block)
+    flags = memory_flags(layout.cfg, paged=paged, pages_given=isinstance(n_pages, int), n_slots=schedule.n_slots,
+                         dp=dp, mp=mp, n_devices=len(devices), fraction=memory_fraction)
+    return size(programs, schedule, n_pages=n_pages if paged else None, page_size=page_size,
+                prefix_cache=prefix_cache, device_bytes=device_bytes, fraction=memory_fraction, fill=fill,
+                flags=flags)
+
+
+def memory_flags(cfg: config.Config, *, paged: bool, pages_given: bool, n_slots: int, dp: int, mp: int,
+                 n_devices: int, fraction: float) -> list[str]:
+    """The flags that would reduce the server's memory from where the user stands, most effective first."""
+    flags = []
+    if pages_given:
+        flags.append("fewer --kv-pages (or --kv-pages auto: what fits)")
+    if not paged:
+        flags.append("--kv-pages auto (a paged cache: a request holds only the pages its tokens fill)")
+    elif cfg.kv_cache_dtype != "int8":
+        flags.append("--kv-cache-dtype int8")
+    if cfg.weight_dtype != "int8":
+        flags.append("--dtype int8")
+    elif not cfg.quantize_head:
+        flags.append("--quantize-head")
+    if mp < n_devices:
+        flags.append(f"a larger --mp (now {mp}, of {n_devices} devices)")
+    if n_slots > dp:
+        flags.append(f"a smaller --max-batch (now {n_slots})")
+    if fraction < 0.95:
+        flags.append(f"a larger --memory-fraction (now {fraction:g})")
+    flags.append(f"a shorter context (--set seq=N, now {cfg.seq})")
+    return flags
+
+
+def advice(flags: Sequence[str]) -> str:
+    return "try " + ", ".join(flags) if flags else "it needs more device memory"
+
+
+def largest(listed: list[Program]) -> list[Program]:
+    """Of the engine's programs, those whose temporaries can be the largest: the decode step of every row reading
+    the most blocks or pages (penalties applied), the prefill of the longest prompt bucket and the one of the most
+    tokens (rows x bucket), each reading the most pages."""
+    decodes = [p for p in listed if "decode" in p[0]]
+    prefills = [p for p in listed if "decode" not in p[0]]
+
+    def read(program: Program) -> int:
+        static = program[2]
+        return static.get("n_read", static.get("n_blocks", 0))
+
+    def tokens(program: Program) -> tuple[int, int]:
+        rows, width = program[1][3].shape
+        return rows * width, width
+
+    picks = [max(decodes, key=lambda p: (p[2]["rows"], read(p), p[2]["penalized"])),
+             max(prefills, key=lambda p: (tokens(p)[1], read(p), p[0])),
+             max(prefills, key=lambda p: (tokens(p), read(p), p[0]))]
+    return list({_name(p): p for p in picks}.values())
+
+
+def _need(programs: Programs, program: Program) -> int:
+    """What one program needs of a device (`aot_compile.memory_record`): its arguments, outputs and temporaries less
+    what the outputs reuse of the donated arguments; where the compiler refuses it for memory, the need it stated."""
+    name, args, static = program
+    try:
+        compiled = programs.executable(name, args, static)
+    except jax.errors.JaxRuntimeError as e:
+        compiled = refusal(e, args)
+        if compiled is None:
+            raise
+    return memory_record(compiled)["total_bytes"]
+
+
+def _name(program: Program) -> str:
+    name, args, static = program
+    rows, width = args[3].shape if "decode" not in name else (None, None)
+    shape = f"{rows} x {width} tokens, " if rows else ""
+    return f"{name}({shape}" + ", ".join(f"{k}={v}" for k, v in static.items() if k != "top") + ")"
