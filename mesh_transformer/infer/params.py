@@ -6,6 +6,7 @@ params were trained with: checkpoints hold global arrays, so any mesh reads any 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -25,7 +26,8 @@ from mesh_transformer.config import Config, ConfigError, model_parallel_widths
 from mesh_transformer.model import fused, gptj, lora, quant, table
 from mesh_transformer.parallel.layout import SHARD_MAP, Layout, make_layout
 from mesh_transformer.parallel.mesh import DP, MP, make_mesh
-from mesh_transformer.store import convert, placing
+from mesh_transformer.store import convert, placing, readahead
+from mesh_transformer.store.adapters import taken_apart
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +88,9 @@ def _splitter(n_layers: int, one: NamedSharding):
     return jax.jit(lambda s: [s[i] for i in range(n_layers)], out_shardings=[one] * n_layers)
 
 
-def _in_dtype(tree: Any, dtype: Any) -> Any:
-    """Every float leaf of a tree in `dtype` (int8 weights as they are)."""
+def _in_dtype(tree: Any, dtype: Any, adapters: dict | None = None, lora_scale: float = 0.0) -> Any:
+    """Every float leaf of a tree in `dtype` (int8 weights as they are), the `adapters` merged first (in f32)."""
+    tree = lora.merge_layers(tree, adapters, lora_scale, dtype) if adapters else tree
     return jax.tree.map(lambda x: x if x.dtype == jnp.int8 else x.astype(dtype), tree)
 
 
@@ -97,8 +100,7 @@ def _amax_of(dtype: Any, replicated: NamedSharding, lora_scale: float = 0.0):
     output of its scale groups (`quant.group_amax`; a head: its kernel's), computed in `dtype` on the devices after
     the adapters are merged, replicated."""
     def amax(tree, adapters=None):
-        tree = _in_dtype(tree, dtype)
-        tree = lora.merge_layers(tree, adapters, lora_scale) if adapters else tree
+        tree = _in_dtype(tree, dtype, adapters, lora_scale)
         return quant.group_amax(tree, jnp) if "kernel" not in tree else quant.amax(tree["kernel"], jnp)
 
     return jax.jit(amax, out_shardings=replicated)
@@ -119,8 +121,7 @@ def _fuser(mesh: Mesh, spec_leaves: tuple, spec_tree: Any, lora_scale: float, in
     specs = jax.tree.unflatten(spec_tree, spec_leaves)
 
     def fuse(layer, adapters, scales=None, inverses=None):
-        layer = _in_dtype(layer, dtype)
-        layer = lora.merge_layers(layer, adapters, lora_scale) if adapters else layer
+        layer = _in_dtype(layer, dtype, adapters, lora_scale)
         if inverses is not None:  # scales from the host (`_host_scales`): quantized here as the host would
             layer, _ = quant.quantize_layer(layer, jnp, scales, inverses)
         return join_layer(layer, mesh.shape[MP], int8, jnp, scales)
@@ -201,39 +202,47 @@ def abstract_params(layout: Layout) -> dict:
 
 def read_params(layout: Layout, source: str, lora: str | None = None) -> dict:
     """A checkpoint of any format read straight into the decode programs' form, one layer at a time. The device
-    ends up holding one copy of the model; the host, about one layer besides it. LoRA adapters (a LoRA run as
-    `source`, or `lora`: a LoRA run or a PEFT directory) are merged into each weight as it is read; with int8
-    weights (the config's weight_dtype), each layer is quantized, or read as int8 from an int8 checkpoint
-    (`slim_model.py --dtype int8`), which holds the same numbers.
+    ends up holding one copy of the model; the host, the layers read ahead besides it (`readahead`: a thread reads
+    the next few while one is placed, so reads, transfers and conversions overlap). LoRA adapters (a LoRA run as
+    `source`, or `lora`: a LoRA run or a PEFT directory) are merged into each weight (W + A @ B * scale in f32,
+    `lora.merge_layers`); with int8 weights (the config's weight_dtype), each layer is quantized, or read as int8
+    from an int8 checkpoint (`slim_model.py --dtype int8`), which holds the same numbers.
 
-    Where the layer is joined, converted and quantized is the platform policy's (`host_loading`): on the CPU, on
-    the host (`_place_layer`: its params placed from the file's mapping where they can be, `_read_whole`); on an
-    accelerator the host only reads, and each layer's parts go to the devices as stored, where one program per layer
-    shape converts, quantizes and joins them (`_layer_placer`). Both give the same params bit for bit."""
+    Where the layer is merged, joined, converted and quantized is the platform policy's (`host_loading`): on the CPU,
+    on the host (`_host_placer`, the merge by the reading thread; params placed from the file's mapping where they
+    can be, `readahead.read_whole`); on an accelerator the host only reads, and each layer's parts and adapters go to
+    the devices as stored, where programs made once per layer shape merge them, convert, quantize and join them
+    (`_layer_placer`), not awaited before the next layer's parts are sent. Both give the same params bit for bit."""
     cfg = layout.cfg
     precision = gptj.precision(cfg)
-    dtype, int8 = precision.compute, precision.int8
     on_host = layout.policy.host_loading
     shardings = jax.tree.map(partial(NamedSharding, layout.mesh), layout.placed_specs(),
                              is_leaf=lambda x: isinstance(x, P))
-    stacked = [path for path, _ in table.param_paths(cfg) if path[0] == "layers"]
-    params: dict = {}
+    modules = [key for key in dict.fromkeys(path[0] for path, _ in table.param_paths(cfg)) if key != "layers"]
     with convert.open_params(source, cfg, lora=lora) as reader:
-        for key in dict.fromkeys(path[0] for path, _ in table.param_paths(cfg) if path[0] != "layers"):
-            part: dict = {}  # one module at a time: the host holds one embedding-sized array at most
-            for path, _ in table.param_paths(cfg):
-                if path[0] == key:
-                    table.set_path(part, path, _read_whole(reader, path, dtype) if on_host else reader.read(path))
-            params[key] = _place_module(part[key], shardings[key], dtype, key == "lm_head" and precision.int8_head,
-                                        on_host, layout)
-        read_int8 = getattr(reader, "read_int8", None) if int8 else None
-        if on_host:
-            place = partial(_place_layer, dtype=dtype, tp_size=layout.mesh.shape[MP], int8=int8,
-                            shardings=shardings["layers"][0])
-        else:
-            place = _layer_placer(layout)
-        params["layers"] = [place(reader, read_int8, stacked, i)
-                            for i in tqdm(range(cfg.layers), desc="loading layers", unit="layer", leave=False)]
+        reader, adapters, lora_scale = taken_apart(reader)
+        read_int8 = getattr(reader, "read_int8", None) if precision.int8 and adapters is None else None
+        layer_dtype = precision.compute if on_host and adapters is None else None  # else as stored
+
+        def read_layer(i: int) -> tuple[dict, dict | None, dict | None]:
+            layer, scales = readahead.read_layer(reader, read_int8, cfg, i, layer_dtype)
+            layer_adapters = None if adapters is None else jax.tree.map(lambda x: x[i], adapters)
+            if on_host and layer_adapters is not None:  # merged here, in the reading thread, beside the joins
+                merged = _merger(precision.compute, lora_scale)(layer, layer_adapters)
+                return jax.tree.map(np.asarray, merged), scales, None
+            return layer, scales, layer_adapters
+
+        reads = [partial(readahead.read_module, reader, cfg, key, precision.compute if on_host else None)
+                 for key in modules] + [partial(read_layer, i) for i in range(cfg.layers)]
+        with contextlib.closing(readahead.read_ahead(reads, readahead.depth(cfg, precision.compute))) as read:
+            params = {key: _place_module(next(read), shardings[key], precision.compute,
+                                         key == "lm_head" and precision.int8_head, on_host, layout) for key in modules}
+            place = _host_placer(layout) if on_host else _layer_placer(layout, lora_scale)
+            layers: list = []
+            for _ in tqdm(range(cfg.layers), desc="loading layers", unit="layer", leave=False):
+                layers.append(place(*next(read)))
+                jax.block_until_ready(layers[-2:-1])  # the layer before: one layer's parts on the devices in flight
+    params["layers"] = jax.block_until_ready(layers)
     return params
 
 
@@ -270,11 +279,11 @@ def _put(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(placing.put_host, tree, shardings)
 
 
-def _layer_placer(layout: Layout):
-    """(reader, read_int8, stacked, i) -> layer i read as stored (int8 with its scales from an int8 checkpoint), its
-    parts put on the devices as the training layout splits them, then converted, quantized and joined there by one
-    program (`_fuser`; the scales of a quantization from the host, `_host_scales`); the host holds one layer's parts
-    at a time. The shardings and programs are made once, for every layer."""
+def _layer_placer(layout: Layout, lora_scale: float):
+    """(layer as stored (int8 with its scales from an int8 checkpoint), scales or None, its adapters' slices or
+    None) -> the layer's parts put on the devices as the training layout splits them (the adapters replicated),
+    merged there (`_merger`), then converted, quantized and joined by one program (`_fuser`; the scales of a
+    quantization from the host, `_host_scales`), not awaited. The shardings and programs are made once."""
     precision = gptj.precision(layout.cfg)
     part_shardings = jax.tree.map(lambda s: NamedSharding(layout.mesh, P(*s.spec[1:])),
                                   layout.param_shardings()["layers"])
@@ -282,46 +291,54 @@ def _layer_placer(layout: Layout):
     fuse = _fuser(layout.mesh, tuple(spec_leaves), spec_tree, 0.0, precision.int8, precision.compute)
     amax = _amax_of(precision.compute, layout.replicated)
 
-    def place(reader: Any, read_int8: Any, stacked: list, i: int) -> dict:
-        layer, scales = _read_layer(reader, read_int8, stacked, i, None)
+    def place(layer: dict, scales: dict | None, layer_adapters: dict | None) -> dict:
         parts = _put(layer, part_shardings)
-        del layer
+        if layer_adapters is not None:
+            parts = _merger(precision.compute, lora_scale)(parts, jax.device_put(layer_adapters, layout.replicated))
         inverses = None
         if precision.int8 and scales is None:  # quantized here, from scales the host computes as it would
             scales, inverses = _host_scales(amax(parts))
-        return jax.block_until_ready(fuse(parts, None, scales, inverses))
+        return fuse(parts, None, scales, inverses)
 
     return place
 
 
-def _read_whole(reader: Any, path: tuple, dtype: np.dtype) -> np.ndarray:
-    """One param outside the layers in `dtype`: the file's own mapping where our checkpoint holds it in one local
-    piece in that dtype (`PieceReader.mapped`; on the CPU the device buffer is the mapping, so of GPT-J-6B's
-    0.41 GB embedding only the rows looked up become resident), else read into host memory."""
-    mapped = getattr(reader, "read_mapped", None)
-    array = None if mapped is None else mapped(path)
-    if array is not None and array.dtype == dtype and array.flags.c_contiguous and array.ctypes.data % 64 == 0:
-        return array  # (an unaligned one would be copied whole, every page touched)
-    return reader.read(path).astype(dtype, copy=False)
+def _host_placer(layout: Layout):
+    """(layer in the compute dtype (int8 with its scales from an int8 checkpoint), scales or None, None: merged as
+    read) -> the layer joined on the host and placed (`_place_layer`)."""
+    precision = gptj.precision(layout.cfg)
+    shardings = jax.tree.map(partial(NamedSharding, layout.mesh), layout.placed_specs()["layers"][0],
+                             is_leaf=lambda x: isinstance(x, P))
+    return lambda layer, scales, _: _place_layer(layer, scales, dtype=precision.compute,
+                                                 tp_size=layout.mesh.shape[MP], int8=precision.int8,
+                                                 shardings=shardings)
 
 
-def _place_layer(reader: Any, read_int8: Any, stacked: list, i: int, *, dtype: np.dtype, tp_size: int, int8: bool,
+@functools.cache
+def _merger(dtype: Any, lora_scale: float):
+    """(one layer's parts as stored, its adapters' slices) -> the layer merged and in `dtype` (`_in_dtype`), where
+    the parts are: the one program both paths merge a layer by (the host's, on the host's device)."""
+    return jax.jit(lambda layer, adapters: _in_dtype(layer, dtype, adapters, lora_scale))
+
+
+def _place_layer(layer: dict, scales: dict | None, *, dtype: np.dtype, tp_size: int, int8: bool,
                  shardings: dict) -> dict:
-    """Layer i read, joined and placed one half at a time (`fused.fuse_inputs`: q, k, v, fc_in and the norms; then
-    `fuse_outputs`: out and fc_out), each half quantized on the host where `int8` and the checkpoint holds floats.
-    The host holds one half's parts and its joined copy at most (GPT-J-6B in bf16: 2 x 235 MB; a whole layer's
-    would be 2 x 402 MB), each freed before the next half is read."""
+    """A layer (in `dtype`, or int8 with its `scales`) joined and placed one half at a time (`fused.fuse_inputs`:
+    q, k, v, fc_in and the norms; then `fuse_outputs`: out and fc_out), each half quantized on the host where `int8`
+    and the checkpoint holds floats. Besides the layer, the host holds one half's joined copy at most (GPT-J-6B in
+    bf16: 235 MB), each half's parts freed once it is joined."""
     placed: dict = {"fused": {}}
+    halves = _halves(layer)
+    del layer
     for fuse in (fused.fuse_inputs, fused.fuse_outputs):
-        half = [path for path in stacked if (path[1:] in _OUTPUTS) == (fuse is fused.fuse_outputs)]
-        layer, scales = _read_layer(reader, read_int8, half, i, dtype)
+        half, half_scales = halves.pop(0), scales
         if int8 and scales is None:
-            layer, scales = quant.quantize_layer(layer, np)
+            half, half_scales = quant.quantize_layer(half, np)
         for norm in ("ln_1", "ln_2"):
-            if norm in layer:
-                placed[norm] = jax.device_put(layer[norm], shardings[norm])
-        joined = fuse(layer, tp_size, np, scales if int8 else None, concatenate=join_on_host)
-        del layer  # its parts, before the devices take the joined half
+            if norm in half:
+                placed[norm] = jax.device_put(half[norm], shardings[norm])
+        joined = fuse(half, tp_size, np, half_scales if int8 else None, concatenate=join_on_host)
+        del half  # its parts, before the devices take the joined half
         while joined:  # each host array freed once the devices hold it
             name, x = joined.popitem()
             placed["fused"][name] = jax.block_until_ready(jax.device_put(x, shardings["fused"][name]))
@@ -381,18 +398,10 @@ _OUTPUTS = {("attn", "out"), ("attn", "out_bias"), ("mlp", "fc_out", "kernel"),
             ("mlp", "fc_out", "bias")}  # the rest: the inputs half
 
 
-def _read_layer(reader: Any, read_int8: Any, stacked: list, i: int,
-                dtype: np.dtype | None) -> tuple[dict, dict | None]:
-    """(layer i of the param tree on the host, or the params of it at `stacked`, in `dtype` (None: as stored); the
-    scales of its groups where the checkpoint holds it as int8)."""
-    layer: dict = {}
-    scales: dict = {}
-    for path in stacked:
-        held = None if read_int8 is None else read_int8(path, i)
-        if held is None:
-            array = reader.read(path, i)
-            table.set_path(layer, path[1:], array if dtype is None else array.astype(dtype, copy=False))
-        else:
-            table.set_path(layer, path[1:], held[0])
-            scales[quant.MATRICES[path[1:]]] = held[1]
-    return layer, scales or None
+def _halves(layer: dict) -> list[dict]:
+    """[the params of a layer that `fused.fuse_inputs` joins, those `fused.fuse_outputs` joins]."""
+    halves: list[dict] = [{}, {}]
+    for keys, x in jax.tree_util.tree_flatten_with_path(layer)[0]:
+        path = tuple(key.key for key in keys)
+        table.set_path(halves[path in _OUTPUTS], path, x)
+    return halves

@@ -21,7 +21,6 @@ from mesh_transformer.config import Config
 from mesh_transformer.model import families, table
 
 
-
 class Adapted(NamedTuple):
     """A frozen weight with its adapter, as a layer sees it: calling it on x gives x @ W + ((x @ A) @ B) * scale."""
     w: jax.Array
@@ -83,7 +82,10 @@ def adapt_layer(layer: dict, adapters: dict | None, scale_: float) -> dict:
 
 
 def delta(a_xr, b_rxy, scale_: float, xp=jnp):
-    """The merged weight's change A @ B * scale for one layer ([in, r] @ [r, out]) or stacked ([L, in, r])."""
+    """The merged weight's change A @ B * scale for one layer ([in, r] @ [r, out]) or stacked ([L, in, r]); under
+    jax at the highest precision (a TPU's default takes f32 products in one bf16 pass)."""
+    if xp is jnp:
+        return jnp.matmul(a_xr, b_rxy, precision=jax.lax.Precision.HIGHEST) * scale_
     return xp.matmul(a_xr, b_rxy) * scale_
 
 
@@ -92,10 +94,13 @@ def merge(base: dict, adapters: dict, scale_: float) -> dict:
     return {**base, "layers": merge_layers(base["layers"], adapters, scale_)}
 
 
-def merge_layers(layers: dict, adapters: dict, scale_: float) -> dict:
-    """`merge` on params["layers"] alone: stacked, or one layer's slices with its adapters' slices."""
+def merge_layers(layers: dict, adapters: dict, scale_: float, dtype: Any = None) -> dict:
+    """`merge` on params["layers"] alone: stacked, or one layer's slices with its adapters' slices. Each merged
+    weight is summed in f32 and rounded once, to `dtype` (default: the weight's own), as a reader merging
+    W + A @ B * scale in f32 would."""
     for target, ab in adapters.items():
         path = families.lora_paths()[target]
         w = table.get_path(layers, path)
-        layers = _replaced(layers, path, w + delta(ab["a"], ab["b"], scale_).astype(w.dtype))
+        merged = w.astype(jnp.float32) + delta(ab["a"], ab["b"], scale_)
+        layers = _replaced(layers, path, merged.astype(dtype or w.dtype))
     return layers

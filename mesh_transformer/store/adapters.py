@@ -69,22 +69,32 @@ def read_adapters(source: str, cfg: Config) -> tuple[dict, float]:
 
 
 class MergedReader:
-    """A param source whose adapted weights read as W + A @ B * scale (in f32); everything else as the base's."""
+    """A param source whose adapted weights read as W + A @ B * scale (in f32); everything else as the base's. A
+    loader with devices to merge on takes it apart instead: `base` read as stored, `adapters` ({target: {"a", "b"}},
+    stacked, f32) and `scale` merged by `lora.merge_layers` where the layer is placed."""
 
     def __init__(self, base: Any, adapters: dict, scale: float):
-        self._base, self.step, self._scale = base, base.step, scale
-        self._adapters = {("layers", *families.lora_paths()[t]): ab for t, ab in adapters.items()}
+        self.base, self.adapters, self.scale, self.step = base, adapters, scale, base.step
+        self._by_path = {("layers", *families.lora_paths()[t]): ab for t, ab in adapters.items()}
 
     def read(self, path: Path, layer: int | None = None) -> np.ndarray:
-        array = self._base.read(path, layer)
-        ab = self._adapters.get(tuple(path))
+        array = self.base.read(path, layer)
+        ab = self._by_path.get(tuple(path))
         if ab is None:
             return array
         a, b = (ab["a"], ab["b"]) if layer is None else (ab["a"][layer], ab["b"][layer])
-        return np.asarray(array, np.float32) + lora.delta(a, b, self._scale, np)
+        return np.asarray(array, np.float32) + lora.delta(a, b, self.scale, np)
 
     def close(self) -> None:
-        self._base.close()
+        self.base.close()
+
+
+def taken_apart(reader: Any) -> tuple[Any, dict | None, float]:
+    """(the base reader, the adapters or None, their scale) of a param source: a `MergedReader` taken apart for a
+    loader that merges the adapters where it places each layer."""
+    if isinstance(reader, MergedReader):
+        return reader.base, reader.adapters, reader.scale
+    return reader, None, 0.0
 
 
 def export_peft(source: str, output: str) -> list[str]:

@@ -35,8 +35,11 @@ import hashlib
 import io
 import json
 import math
+import os
 import re
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax.numpy as jnp
@@ -49,6 +52,9 @@ COMMIT_NAME = "COMMITTED"
 VALUE_TYPES = (bool, int, float, str)  # leaves saved in the index as they are, not as arrays
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _HASH_CHUNK_BYTES = 1 << 20
+# Threads reading an array's pieces at once: a read from the page cache is a copy, so about one a core; at least a
+# few for gs://, where each waits on the network.
+READ_THREADS = min(16, max(4, os.cpu_count() or 1))
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, stop) per dimension
 
@@ -228,6 +234,28 @@ def _read_into(region: np.ndarray, target: np.ndarray, leaf: str) -> bool:
     return True
 
 
+class Threads:
+    """READ_THREADS threads, started on first use, that read the pieces of one array at once (file reads, copies,
+    hashes and CRCs release the GIL)."""
+
+    def __init__(self, prefix: str = "piece-read"):
+        self._prefix = prefix
+        self._pool: ThreadPoolExecutor | None = None
+
+    def map(self, fn: Callable[..., Any], items: Sequence[tuple]) -> list:
+        """[fn(*item) for item in items], run at once where there are several; the first exception is raised."""
+        if len(items) < 2:
+            return [fn(*item) for item in items]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix=self._prefix)
+        return list(self._pool.map(lambda item: fn(*item), items))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+
 class PieceReader:
     """Reads slices of leaves from the pieces of one step directory, checking each file's sha256 on first read."""
 
@@ -237,6 +265,10 @@ class PieceReader:
         # Local files already hashed: mapped again without hashing. A reader taking one layer of every stacked leaf
         # at a time (inference loading) would otherwise hash the whole checkpoint once per layer (6B: 12 s a layer).
         self._verified: set[str] = set()
+        self._threads = Threads()
+
+    def close(self) -> None:
+        self._threads.close()
 
     def forget(self) -> None:
         """Drops loaded pieces; called after each leaf so memory holds one leaf's pieces at a time."""
@@ -247,18 +279,22 @@ class PieceReader:
         shape = tuple(entry["shape"])
         start, stop = bounds((slice(None),) * len(shape) if index is None else index, shape)
         out = np.empty([b - a for a, b in zip(start, stop)], dtype)
-        covered = 0
+        boxes = []
         for piece in entry["pieces"]:
             lo = [max(a, p) for a, p in zip(start, piece["start"])]
             hi = [min(b, p) for b, p in zip(stop, piece["stop"])]
-            if any(low >= high for low, high in zip(lo, hi)):
-                continue
+            if all(low < high for low, high in zip(lo, hi)):
+                boxes.append((piece, lo, hi))
+
+        def copy(piece: dict, lo: list, hi: list) -> int:
             source = self._load(piece, leaf, entry["dtype"])
             target = out[tuple(slice(low - a, high - a) for low, high, a in zip(lo, hi, start)) or ...]  # a view
             region = source[tuple(slice(low - p, high - p) for low, high, p in zip(lo, hi, piece["start"]))]
             if not _read_into(region, target, leaf):
                 target[...] = region
-            covered += math.prod(high - low for low, high in zip(lo, hi))
+            return math.prod(high - low for low, high in zip(lo, hi))
+
+        covered = sum(self._threads.map(copy, boxes))  # the pieces at once: hashed, read and copied in parallel
         if covered != out.size:
             raise CorruptCheckpointError(f"checkpoint pieces of leaf '{leaf}' cover {covered} of the {out.size} "
                                          f"elements in [{start}, {stop}); an index file lacks pieces")

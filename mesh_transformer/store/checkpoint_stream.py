@@ -157,6 +157,9 @@ class LeafReader:
         full = tuple(index) + (slice(None),) * (len(entry["shape"]) - len(index))
         return self._pieces.read_slice(path, entry, full, jnp.dtype(entry["dtype"]))
 
+    def close(self) -> None:
+        self._pieces.close()
+
     def read_mapped(self, path: str) -> np.ndarray | None:
         """A whole leaf as its read-only file mapping where one local piece holds it (`PieceReader.mapped`), else
         None."""

@@ -143,7 +143,7 @@ class CheckpointReader:
         return self._leaves.read(leaf, (slice(layer, layer + 1),))[0]
 
     def close(self) -> None:
-        pass
+        self._leaves.close()
 
 
 class HFReader:

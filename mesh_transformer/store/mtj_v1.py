@@ -4,22 +4,23 @@ Layout: step_N/shard_{i}/{0..15}.npz, i < the model-parallel degree. Each shard 
 pytree, flattened with sorted dict keys (full: opt_state, params, step; slim: params, step) and split into 16 contiguous
 chunks saved with np.savez (arr_0, arr_1, ...). The params are therefore the last leaves before the final step leaf,
 whatever the optimizer state held; their order is the haiku names sorted. Members are read lazily from the zip files
-(local or gs://), so memory holds one leaf's shards and its global array. bfloat16 was saved as numpy void 'V2'.
+(local or gs://, `npz.Archive`), a leaf's shards by several threads at once, each into its place in the global array,
+so memory holds one leaf's global array. bfloat16 was saved as numpy void 'V2'.
 """
 from __future__ import annotations
 
 import bisect
 import logging
 import re
-import zipfile
+import threading
 from collections.abc import Callable, Iterator
-from typing import IO
+from functools import partial
 
 import ml_dtypes
 import numpy as np
 
 from mesh_transformer.model import table
-from mesh_transformer.store import checkpoint_format
+from mesh_transformer.store import checkpoint_format, npz
 from mesh_transformer import storage
 from mesh_transformer.config import Config, ConfigError
 
@@ -29,6 +30,7 @@ N_FILES = 16
 _ROOT = "causal_transformer_shard/~/"
 _SHARD_DIR = re.compile(r"^shard_(\d+)$")
 SUM, FIRST = "sum", "first"  # besides an axis to concatenate on: pieces summed (per-shard biases), or shard 0's copy
+_BF16, _SAVED_BF16 = np.dtype(ml_dtypes.bfloat16), np.dtype("V2")  # how numpy saved jax's bfloat16
 
 # our path inside a layer -> (haiku module inside layer_i, haiku leaf, how the shards' pieces combine)
 _LAYER_LEAVES = {
@@ -119,6 +121,10 @@ def stack_layers(read_layer: Callable[[int], np.ndarray], shape: tuple[int, ...]
     return out
 
 
+def _n_members(archive: npz.Archive) -> int:
+    return sum(1 for name in archive.names() if name.startswith("arr_"))
+
+
 def _first_mismatch(found: list[tuple], n_shards: int) -> tuple | None:
     """The first (name, global shape, combine, piece shape, where) whose piece shape is wrong for n_shards."""
     return next((leaf for leaf in found if tuple(leaf[3]) != _piece_shape(leaf[1], leaf[2], n_shards)), None)
@@ -151,8 +157,10 @@ class Reader:
         check_params(cfg)
         self.path, self.cfg = step_dir, cfg
         self.n_shards = _count_shards(step_dir, shards)
-        self._zips: dict[tuple[int, int], tuple[IO, zipfile.ZipFile]] = {}
-        counts = [self._n_members(0, f) for f in range(N_FILES)]
+        self._archives: dict[tuple[int, int], npz.Archive] = {}
+        self._opening = threading.Lock()
+        self._threads = checkpoint_format.Threads("mtj-v1-read")  # a leaf's shards read at once
+        counts = [_n_members(self._archive(0, f)) for f in range(N_FILES)]
         self._file_starts = list(np.cumsum([0, *counts[:-1]]))
         names = param_leaf_names(cfg.layers)
         first = sum(counts) - 1 - len(names)  # params sit just before the final step leaf
@@ -173,40 +181,36 @@ class Reader:
     def _file(self, shard: int, file: int) -> str:
         return storage.join(self.path, f"shard_{shard}", f"{file}.npz")
 
-    def _zip(self, shard: int, file: int) -> zipfile.ZipFile:
-        if (shard, file) not in self._zips:
-            try:
-                handle = storage.open_file(self._file(shard, file), "rb")
-            except FileNotFoundError:
-                raise FileNotFoundError(f"MTJ v1 checkpoint file {self._file(shard, file)} is missing") from None
-            self._zips[shard, file] = handle, zipfile.ZipFile(handle)
-        return self._zips[shard, file][1]
+    def _archive(self, shard: int, file: int) -> npz.Archive:
+        with self._opening:  # shards' threads open their files at once
+            if (shard, file) not in self._archives:
+                try:
+                    archive = npz.Archive(self._file(shard, file))
+                except FileNotFoundError:
+                    raise FileNotFoundError(f"MTJ v1 checkpoint file {self._file(shard, file)} is missing") from None
+                if shard and _n_members(archive) != self._file_counts[file]:
+                    archive.close()
+                    raise ConfigError(f"MTJ v1 checkpoint file {self._file(shard, file)} holds a different number "
+                                      f"of leaves than shard_0's ({self._file_counts[file]})")
+                self._archives[shard, file] = archive
+            return self._archives[shard, file]
 
-    def _n_members(self, shard: int, file: int) -> int:
-        return sum(1 for name in self._zip(shard, file).namelist() if name.startswith("arr_"))
-
-    def _member(self, shard: int, leaf_index: int) -> tuple[zipfile.ZipFile, str, str]:
+    def _member(self, shard: int, leaf_index: int) -> tuple[npz.Archive, str, str]:
         file = bisect.bisect_right(self._file_starts, leaf_index) - 1
-        if shard and (shard, file) not in self._zips and self._n_members(shard, file) != self._file_counts[file]:
-            raise ConfigError(f"MTJ v1 checkpoint file {self._file(shard, file)} holds a different number of leaves "
-                              f"than shard_0's ({self._file_counts[file]})")
         member = f"arr_{leaf_index - self._file_starts[file]}.npy"
-        return self._zip(shard, file), member, f"{self._file(shard, file)}:{member}"
+        return self._archive(shard, file), member, f"{self._file(shard, file)}:{member}"
 
-    def _header(self, shard: int, leaf_index: int) -> tuple[tuple[int, ...], str]:
+    def _header(self, shard: int, leaf_index: int) -> tuple[tuple[int, ...], np.dtype, str]:
+        """(shape, dtype, where) of one shard's piece of a leaf, bfloat16 as such."""
         archive, member, where = self._member(shard, leaf_index)
-        with archive.open(member) as fp:
-            version = np.lib.format.read_magic(fp)
-            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
-                np.lib.format.read_array_header_2_0
-            shape, _, _ = read_header(fp)
-        return shape, where
+        stored = archive.member(member)
+        return stored.shape, _BF16 if stored.dtype == _SAVED_BF16 else stored.dtype, where
 
-    def _load(self, shard: int, leaf_index: int) -> np.ndarray:
+    def _load(self, shard: int, leaf_index: int, out: np.ndarray | None = None) -> np.ndarray:
+        """One shard's piece of a leaf, bfloat16 as such; into `out` where given (contiguous, of the piece's size)."""
         archive, member, _ = self._member(shard, leaf_index)
-        with archive.open(member) as fp:
-            array = np.lib.format.read_array(fp, allow_pickle=False)
-        return array.view(ml_dtypes.bfloat16) if array.dtype == np.dtype("V2") else array
+        array = archive.read(member, out)
+        return array.view(_BF16) if array.dtype == _SAVED_BF16 else array
 
     def _leaves(self) -> Iterator[tuple[str, tuple[int, ...], str | int]]:
         """(original leaf name, its global shape, how shards combine) for every param leaf."""
@@ -219,7 +223,7 @@ class Reader:
 
     def _check_shapes(self) -> None:
         """Shard 0's param leaves against the config, telling a wrong shard count from a wrong config."""
-        found = [(name, shape, combine, *self._header(0, self._leaf_index[name]))
+        found = [(name, shape, combine, *self._header(0, self._leaf_index[name])[::2])
                  for name, shape, combine in self._leaves()]
         bad = _first_mismatch(found, self.n_shards)
         if bad is None:
@@ -243,38 +247,49 @@ class Reader:
                               f"{want}: the config does not match the checkpoint")
 
     # --------------------------------------------------------------------------------------------------- our params
-    def _pieces(self, name: str, shape: tuple[int, ...], combine: str | int) -> Iterator[tuple[int, np.ndarray]]:
+    def _piece(self, name: str, shape: tuple[int, ...], combine: str | int, shard: int,
+               out: np.ndarray | None = None) -> np.ndarray:
+        """One shard's piece of an original leaf, its shape checked first; read into `out` where given."""
         leaf_index = self._leaf_index[name]
-        for shard in range(1 if combine == FIRST else self.n_shards):
-            piece = self._load(shard, leaf_index)
-            self._check_piece(name, shape, combine, piece.shape, f"shard_{shard}")
-            yield shard, piece
+        got, _, _ = self._header(shard, leaf_index)
+        self._check_piece(name, shape, combine, got, f"shard_{shard}")
+        return self._load(shard, leaf_index, out)
+
+    def _pieces(self, name: str, shape: tuple[int, ...], combine: str | int) -> list[np.ndarray]:
+        """Every shard's piece (shard 0's alone where they are copies), read at once, in shard order."""
+        shards = range(1 if combine == FIRST else self.n_shards)
+        return self._threads.map(partial(self._piece, name, shape, combine), [(shard,) for shard in shards])
 
     def _sum_f32(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.dtype]:
-        """A per-shard bias summed over shards in f32, and its stored dtype."""
+        """A per-shard bias summed over shards in f32 (in shard order), and its stored dtype."""
         total, dtype = np.zeros(shape, np.float32), np.dtype(np.float32)
-        for _, piece in self._pieces(name, shape, SUM):
+        for piece in self._pieces(name, shape, SUM):
             total += piece.astype(np.float32)
             dtype = piece.dtype
         return total, dtype
 
     def _combined(self, name: str, shape: tuple[int, ...], combine: str | int,
                   add_f32: np.ndarray | None = None) -> np.ndarray:
-        """The global array of one original leaf, in its stored dtype; sums and `add_f32` are done in f32."""
+        """The global array of one original leaf, in its stored dtype; sums and `add_f32` are done in f32. The
+        shards' pieces are read at once, each straight into its rows of the array where they are contiguous there."""
         if combine == SUM:
             total, dtype = self._sum_f32(name, shape)
             return total.astype(dtype)
-        out = None
-        for shard, piece in self._pieces(name, shape, combine):
-            if combine == FIRST:
-                return piece
-            if add_f32 is not None:
-                piece = (piece.astype(np.float32) + add_f32).astype(piece.dtype)
-            if out is None:
-                out = np.empty(shape, piece.dtype)
-            axis = combine % len(shape)
-            size = piece.shape[axis]
-            out[(slice(None),) * axis + (slice(shard * size, (shard + 1) * size),)] = piece
+        if combine == FIRST:
+            return self._piece(name, shape, combine, 0)
+        out = np.empty(shape, self._header(0, self._leaf_index[name])[1])
+        axis = combine % len(shape)
+        size = shape[axis] // self.n_shards
+
+        def place(shard: int) -> None:
+            target = out[(slice(None),) * axis + (slice(shard * size, (shard + 1) * size),)]
+            if add_f32 is None and target.flags.c_contiguous:
+                self._piece(name, shape, combine, shard, target)
+                return
+            piece = self._piece(name, shape, combine, shard)
+            target[...] = piece if add_f32 is None else (piece.astype(np.float32) + add_f32).astype(piece.dtype)
+
+        self._threads.map(place, [(shard,) for shard in range(self.n_shards)])
         return out
 
     def read(self, path: tuple[str, ...], layer: int | None = None) -> np.ndarray:
@@ -291,10 +306,10 @@ class Reader:
         return self._combined(name, shape, combine, bias)
 
     def close(self) -> None:
-        for handle, archive in self._zips.values():
+        self._threads.close()
+        for archive in self._archives.values():
             archive.close()
-            handle.close()
-        self._zips.clear()
+        self._archives.clear()
 
     def __enter__(self) -> Reader:
         return self
