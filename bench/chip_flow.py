@@ -1,9 +1,17 @@
 """The user's GPT-J-6B flows on the accelerator this machine has, with random weights: a random checkpoint in the
 original slim layout (8 shards, written by one process per shard), then LoRA fine-tuning from it with the one-chip
-recipe, sampling in bf16 and int8, each stage a child process whose wall time, peak resident host memory and the
-figures it logs are emitted as JSON lines (with the commit, device kind and JAX version in a first record).
+recipe, sampling in bf16 and int8, and the server's start at the 6B config's context, each stage a child process
+whose wall time, peak resident host memory and the figures it logs are emitted as JSON lines (with the commit,
+device kind and JAX version in a first record).
 
-    python bench/chip_flow.py --work /tmp/g6b [--only write,lora,sample_bf16,sample_int8] [--lora-steps 4]
+Cold start: each stage's record carries when its log first said the runtime was up (`runtime_s`), the weights were
+read (`read_s`), the server had sized itself (`sized_s`) and compiled its programs (`compiled_s`), the first
+completion was made (`first_token_s`), the server was ready (`ready_s`) and the first training steps were logged
+(`first_step_s`), in seconds from the stage's start; and what the compilation cache did. The LoRA, int8 sampling
+and serving stages run twice, on an empty compilation cache (`cold`) and again on what that run left (`warm`). A
+chip's machine may allow no sockets: the server's stage ends once it is ready (its bind may then fail).
+
+    python bench/chip_flow.py --work /tmp/g6b [--only write,lora,sample_bf16,sample_int8,serve] [--lora-steps 4]
         [--lora-set remat_policy=save_qkv]
 """
 from __future__ import annotations
@@ -30,7 +38,11 @@ logging.basicConfig(level=logging.INFO, format="%(message)s")
 sys.argv[0] = "device_sample.py"
 runpy.run_path("device_sample.py", run_name="__main__")
 """
-STAGES = ("write", "data", "lora", "sample_bf16", "sample_int8")
+STAGES = ("write", "data", "lora", "sample_bf16", "sample_int8", "serve")
+# When a stage's log first says what: the seconds from its start are its record's fields.
+MARKERS = {"runtime_s": r"inference mesh:|train mesh:", "read_s": r"read [\d.]+ GB of params",
+           "sized_s": r"memory per device:", "compiled_s": r"compiled them in", "first_token_s": r"\d+ tokens in",
+           "ready_s": r"serving .* slots on http", "first_step_s": r"tok_s="}
 CONFIG = "configs/6B_roto_256.json"
 LORA_CONFIG = "configs/6B_lora_v5litepod-1.json"
 
@@ -58,22 +70,36 @@ def meta() -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-def stage(name: str, argv: list[str], log_path: str, **extra) -> tuple[int, str]:
-    """Run one stage as a child process, its output in log_path; emit its exit status, wall time and peak resident
-    memory (its own rusage) with `extra`; return (status, output)."""
-    start = time.perf_counter()
+def stage(name: str, argv: list[str], log_path: str, until: str | None = None, **extra) -> tuple[int, str]:
+    """Run one stage as a child process, its output in log_path, ended once a line matches `until`; emit its exit
+    status, wall time, peak resident memory (its own rusage) and when each of MARKERS was first logged, with
+    `extra`; return (status, output)."""
+    start, seen, lines = time.perf_counter(), {}, []
+    child = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     with open(log_path, "w") as log:
-        child = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
-        _, status, usage = os.wait4(child.pid, 0)
-    with open(log_path) as log:
-        output = log.read()
-    rc = os.waitstatus_to_exitcode(status)
+        for line in iter(child.stdout.readline, ""):  # tqdm's "\r" ends a line too (universal newlines)
+            log.write(line)
+            lines.append(line)
+            for field, pattern in MARKERS.items():
+                if field not in seen and re.search(pattern, line):
+                    seen[field] = round(time.perf_counter() - start, 1)
+            if until and re.search(until, line):
+                child.terminate()
+                break
+    _, status, usage = os.wait4(child.pid, 0)
+    output = "".join(lines)
+    rc = 0 if until and re.search(until, output) else os.waitstatus_to_exitcode(status)
     record = {"bench": "chip_flow", "stage": name, "rc": rc, "wall_s": round(time.perf_counter() - start, 1),
-              "peak_rss_gb": round(usage.ru_maxrss * 1024 / 1e9, 2), **extra}
+              "peak_rss_gb": round(usage.ru_maxrss * 1024 / 1e9, 2), **seen, **extra}
     if loaded := re.search(r"read ([\d.]+) GB of params from .* in ([\d.]+) s \((.*)\)", output):
         record.update(params_gb=float(loaded.group(1)), load_s=float(loaded.group(2)), loading=loaded.group(3))
     if tokens := re.search(r"(\d+) tokens in ([\d.]+) s", output):
         record.update(new_tokens=int(tokens.group(1)), generate_s=float(tokens.group(2)))
+    if cache := re.search(r"compilation cache .*: (\d+) of (\d+) programs read from it \(([\d.]+) s", output):
+        record.update(cache_hits=int(cache.group(1)), cache_requests=int(cache.group(2)),
+                      compile_saved_s=float(cache.group(3)))
+    if sized := re.search(r"memory per device: (.*)", output):
+        record["sized"] = sized.group(1)
     if rc:
         record["error"] = [line for line in output.splitlines() if line.strip()][-3:]
     emit(**record)
@@ -129,22 +155,38 @@ def main() -> None:
         stage("demo_corpus", [py, "demo_corpus.py", f"{work}/corpus", "--train-bytes", "2000000"], f"{logs}/corpus.log")
         stage("tfrecords", [py, "create_finetune_tfrecords.py", f"{work}/corpus/train", "train", "--output-dir", data,
                             "--seq", str(args.seq)], f"{logs}/tfrecords.log")
+    cache = f"{work}/compilation_cache"
+
+    def cold_and_warm(name: str, argv: list[str], until: str | None = None) -> None:
+        """The stage on an empty compilation cache, then again on what that run left in it."""
+        subprocess.run(["rm", "-rf", cache])
+        for run in ("cold", "warm"):
+            stage(f"{name}_{run}", [*argv, "--compilation-cache", cache], f"{logs}/{name}_{run}.log", until=until)
+
     if "lora" in stages:
         model_dir = f"{work}/lora"
-        subprocess.run(["rm", "-rf", model_dir])
-        stage("lora_train_from_original", [
-            py, "device_train.py", "--config", args.lora_config, "--tune-model-path", original, "--set",
-            f"train_set={data}/train.index", "--set", f"model_dir={model_dir}", "--set",
-            f"total_steps={args.lora_steps}", "--set", f"ckpt_every={args.lora_steps}", "--set", "wandb_project=null",
-            *[word for item in args.lora_set for word in ("--set", item)]], f"{logs}/lora.log")
+        subprocess.run(["rm", "-rf", cache])
+        for run in ("cold", "warm"):
+            subprocess.run(["rm", "-rf", model_dir])
+            stage(f"lora_train_from_original_{run}", [
+                py, "device_train.py", "--config", args.lora_config, "--tune-model-path", original, "--set",
+                f"train_set={data}/train.index", "--set", f"model_dir={model_dir}", "--set",
+                f"total_steps={args.lora_steps}", "--set", f"ckpt_every={args.lora_steps}", "--set",
+                "wandb_project=null", *[word for item in args.lora_set for word in ("--set", item)],
+                "--compilation-cache", cache], f"{logs}/lora_{run}.log")
         emit(bench="chip_flow", stage="lora_metrics", config=args.lora_config, lora_set=args.lora_set,
              **lora_metrics(model_dir))
     sample = [py, "-c", SAMPLE_LOGGED, "--ckpt", original, "--config", args.config, "--prompt", PROMPT,
-              "--max-new-tokens", "32", "--temperature", "0"]
+              "--max-new-tokens", "64", "--temperature", "0"]
     if "sample_bf16" in stages:
         stage("sample_bf16_from_original", [*sample, "--dtype", "bf16"], f"{logs}/sample_bf16.log")
     if "sample_int8" in stages:
-        stage("sample_int8_from_original", [*sample, "--dtype", "int8"], f"{logs}/sample_int8.log")
+        cold_and_warm("sample_int8_from_original", [*sample, "--dtype", "int8"])
+    if "serve" in stages:  # the 6B config's context, pages by default, every program compiled before it listens
+        serve = [py, "device_serve.py", "--ckpt", original, "--config", args.config, "--dtype", "int8",
+                 "--kv-cache-dtype", "int8", "--max-batch", "64", "--warm-up", "--port", "0"]
+        cold_and_warm("serve_int8", serve, until=MARKERS["ready_s"])
+        stage("serve_refused", [*serve, "--kv-pages", "100000"], f"{logs}/serve_refused.log")
 
 
 if __name__ == "__main__":

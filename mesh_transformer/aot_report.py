@@ -8,14 +8,19 @@ from mesh_transformer.aot_compile import size_text
 
 def verdict(records: list[dict], device_memory: int) -> dict:
     """The fit record: the largest per-device need of the programs against one device's memory (with several
-    training modes, each mode's train step with the inference programs)."""
-    inference = max((r["total_bytes"] for r in records if "train_step" not in r["check"]), default=0)
-    by_mode = {r["mode"]: max(r["total_bytes"], inference) for r in records if "train_step" in r["check"]}
+    training modes, each mode's train step with the inference programs). Where the server's own verdict is among
+    them (aot_check.py with its flags), it stands for inference: the other inference records are the slot cache's
+    and the sampler's at a whole context per slot, which a paged server does not run."""
+    server = [r for r in records if r["check"] == "server"]
+    counted = [r for r in records if "train_step" in r["check"]] + server if server else records
+    inference = max((r["total_bytes"] for r in counted if "train_step" not in r["check"]), default=0)
+    by_mode = {r["mode"]: max(r["total_bytes"], inference) for r in counted if "train_step" in r["check"]}
     need = max(by_mode.values(), default=inference)
     first = records[0]
-    refused = [r["check"] for r in records if "refused" in r]  # a program the compiler would not make does not fit
+    refused = [r["check"] for r in counted if "refused" in r]  # a program the compiler would not make does not fit
+    largest = max(counted, key=lambda r: r["total_bytes"])["check"]
     return {"check": "fit", "mode": first.get("mode"), "mesh": first.get("mesh"), "devices": first.get("devices"),
-            "per_device_need_bytes": need, "device_memory_bytes": device_memory,
+            "per_device_need_bytes": need, "largest": largest, "device_memory_bytes": device_memory,
             "fits": need <= device_memory and not refused, "refused": refused,
             "fits_by_mode": {mode: n <= device_memory for mode, n in by_mode.items()}}
 
@@ -61,9 +66,8 @@ def human_line(records: list[dict]) -> str:
                        f"(the largest program {server['largest_program']})")
     lines += [f"{r['check']}: the compiler refused it: {r['refused']}" for r in records[:-1]
               if "refused" in r and r["check"] != "server" and "train_step" not in r["check"]]
-    largest = max(records[:-1], key=lambda r: r["total_bytes"])
     first = records[0]
     lines.append(f"on {first['target']} ({first['compiler']}): {'fits' if fit['fits'] else 'does NOT fit'} in "
-                 f"{size_text(fit['device_memory_bytes'])} (the largest need: {largest['check']}, "
-                 f"{size_text(largest['total_bytes'])})")
+                 f"{size_text(fit['device_memory_bytes'])} (the largest need: {fit['largest']}, "
+                 f"{size_text(fit['per_device_need_bytes'])})")
     return "\n".join(lines)

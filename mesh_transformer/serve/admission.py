@@ -90,17 +90,18 @@ def admit_to_pages(waiting: collections.deque[GenerationRequest], slots: list[Co
 
 
 def prefill_rows(slots: Sequence[Completion | None], rows_per_group: int, width: int, batch: list[tuple[int, int]],
-                 placements: dict[int, Placement], n_local: int, dp: int) -> tuple[np.ndarray, ...]:
+                 placements: dict[int, Placement], n_local: int, dp: int,
+                 ends: dict[int, int] | None = None) -> tuple[np.ndarray, ...]:
     """A prefill's input rows for a batch of admitted slots, (slot, row) each: ids [R, width] (each prompt after
-    what it reuses), lengths, slots, starts and source slots [R] (slots local to their dp group of n_local; a
-    padding row's -1, written nowhere)."""
+    what it reuses, up to its end in `ends` where it has one), lengths, slots, starts and source slots [R] (slots
+    local to their dp group of n_local; a padding row's -1, written nowhere)."""
     n = rows_per_group * dp
     ids_RxT = np.zeros((n, width), np.int32)
     length, local_slot = np.ones(n, np.int32), np.full(n, -1, np.int32)
     start, source = np.zeros(n, np.int32), np.full(n, -1, np.int32)
     for slot, row in batch:
         placement = placements.get(slot, Placement(slot, slot, 0))
-        tail = slots[slot].request.prompt[placement.reused:]
+        tail = slots[slot].request.prompt[placement.reused:(ends or {}).get(slot)]
         ids_RxT[row, :len(tail)], length[row], local_slot[row] = tail, len(tail), slot % n_local
         start[row], source[row] = placement.reused, placement.source % n_local
     return ids_RxT, length, local_slot, start, source

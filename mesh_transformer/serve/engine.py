@@ -94,8 +94,7 @@ class Engine:
         self.params = place_params(params, layout)
         self._programs = programs or Programs(layout)
         self._book = PagedCacheBook(n_pages, page_size, self._dp) if n_pages else None
-        block = page_size if n_pages else min(self.min_span, cfg.seq)
-        self.schedule = engine_schedule(max_batch, self._dp, cfg.seq, block)
+        self.schedule = engine_schedule(max_batch, self._dp, cfg.seq, page_size if n_pages else None, self.min_span)
         self.n_slots = self.schedule.n_slots
         if self._book:
             self._cache = self._programs.new_pages(n_pages, page_size)
@@ -218,12 +217,29 @@ class Engine:
         return admitted
 
     def _prefills(self, admitted: dict[int, Placement]) -> list[_Step]:
-        """Dispatch the admitted requests' prefills: of whole prompts, and of the rest after a cached prefix."""
+        """Dispatch the admitted requests' prefills: of whole prompts, and of the rest after a cached prefix (with
+        a paged cache, after the pieces of a long prompt too, a row each: `_prefill_pieces`)."""
+        if self.schedule.chunk:
+            admitted = self._prefill_pieces(admitted)
         fresh = {slot: len(self._slots[slot].request.prompt) for slot, p in admitted.items() if not p.reused}
         tails = {slot: len(self._slots[slot].request.prompt) - p.reused for slot, p in admitted.items() if p.reused}
         return ([self._prefill(rows, width, batch) for rows, width, batch in self.schedule.prefill_batches(fresh)]
                 + [self._prefill(rows, width, batch, admitted)
-                   for rows, width, batch in self.schedule.prefill_batches(tails)])
+                   for rows, width, batch in self.schedule.prefill_batches(tails, single=bool(self._book))])
+
+    def _prefill_pieces(self, admitted: dict[int, Placement]) -> dict[int, Placement]:
+        """Dispatch the leading pieces of the prompts longer than the schedule's chunk (after their reused pages),
+        one chunk a row in each program, their first tokens never read; returns the placements of what is left,
+        which the caller prefills as the rest after a prefix."""
+        chunk, starts = self.schedule.chunk, {slot: p.reused for slot, p in admitted.items()}
+        while pieces := {slot: chunk for slot, start in starts.items()
+                         if len(self._slots[slot].request.prompt) - start > chunk}:
+            for rows, width, batch in self.schedule.prefill_batches(pieces, single=True):
+                placements = {slot: Placement(slot, slot, starts[slot]) for slot, _ in batch}
+                self._prefill(rows, width, batch, placements, ends={slot: starts[slot] + chunk for slot, _ in batch})
+            for slot in pieces:
+                starts[slot] += chunk
+        return {slot: Placement(p.slot, p.source, starts[slot]) for slot, p in admitted.items()}
 
     def programs(self) -> list[Program]:
         """Every program the engine can run, as (name, arguments, static arguments) for `Programs.compile`
@@ -250,18 +266,19 @@ class Engine:
         return tokens, logprobs
 
     def _prefill(self, rows_per_group: int, width: int, batch: list[tuple[int, int]],
-                 placements: dict[int, Placement] | None = None) -> _Step:
+                 placements: dict[int, Placement] | None = None, ends: dict[int, int] | None = None) -> _Step:
         """Dispatch the prefill of one batch of admitted requests, (slot, input row) each, in one program of prompts
-        padded to `width`; with `placements`, of the rest of each prompt after its cached prefix. The first tokens
-        and their log-probs stay on the device."""
+        padded to `width`; with `placements`, of the rest of each prompt after its cached prefix (up to `ends`: a
+        piece, whose first token nobody reads). The first tokens and their log-probs stay on the device."""
         ids_RxT, length, local_slot, start, source = prefill_rows(self._slots, rows_per_group, width, batch,
-                                                                  placements or {}, self.schedule.n_local, self._dp)
+                                                                  placements or {}, self.schedule.n_local, self._dp,
+                                                                  ends or {})
         for slot, _ in batch:
             self._slots[slot].dispatched = 1  # the prefill asks for its first token
         sampling = fill_sampling(len(length), [(row, self._slots[slot].request) for slot, row in batch], bias=True)
         state = (self.params, self._cache, self._slot_state)
         if self._book:
-            out = self._paged_prefill(state, batch, ids_RxT, start, length, local_slot, sampling)
+            out = self._paged_prefill(state, batch, ids_RxT, start, length, local_slot, sampling, named=not ends)
         elif placements is None:
             out = self._programs.prefill(*state, ids_RxT, length, local_slot, sampling, top=MAX_TOP)
         else:
@@ -270,11 +287,12 @@ class Engine:
         return _Step(tokens, chosen, [(slot, self._slots[slot], row) for slot, row in batch])
 
     def _paged_prefill(self, state: tuple, batch: list[tuple[int, int]], ids_RxT, start, length, local_slot,
-                       sampling) -> tuple:
+                       sampling, named: bool) -> tuple:
         """`_prefill` on the paged cache: each row's tokens from its start (after its reused pages) written
         through its page table, the whole table read where some row reuses pages (masked to them: one program per
-        prompt shape, however long the prefix, as the slot cache's extend); then its prompt's full pages are named
-        for later requests to share (the device runs programs in order, so they see them written)."""
+        prompt shape, however long the prefix, as the slot cache's extend); then, where `named` (its last piece),
+        its prompt's full pages are named for later requests to share (the device runs programs in order, so they
+        see them written)."""
         rows = [None] * len(length)
         for slot, row in batch:
             rows[row] = slot
@@ -282,7 +300,7 @@ class Engine:
         n_read = self._table_width if start.any() else 0
         out = self._programs.paged_prefill(*state, ids_RxT, start, length, table, local_slot, sampling,
                                            n_read=n_read, top=MAX_TOP)
-        if self._reuse_pages:
+        if self._reuse_pages and named:
             for slot, _ in batch:
                 self._book.commit(slot, self._slots[slot].request.prompt)
         return out

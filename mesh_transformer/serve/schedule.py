@@ -13,7 +13,7 @@ import functools
 from collections.abc import Sequence
 
 from mesh_transformer.config import ConfigError
-from mesh_transformer.infer.decode import block_sizes
+from mesh_transformer.infer.decode import block_sizes, default_block
 from mesh_transformer.infer.sizes import bucket, fit, ladder
 
 MAX_PREFILL_ROWS = 16  # requests prefilled together at most, per dp group
@@ -21,6 +21,11 @@ MAX_PREFILL_ROWS = 16  # requests prefilled together at most, per dp group
 # few or one at a time. Past a few hundred tokens a prefill is bound by compute, not by reading the weights, so
 # batching more gains little, and each (rows, bucket) pair is one more program to compile.
 PREFILL_TOKENS = 1024
+# A paged engine's row prefills at most this many tokens in one program: a longer prompt goes in pieces, each after the
+# pages of the ones before (a prompt's rest after a cached prefix, as `chunk` says). Its temporaries grow with a row's
+# tokens times the positions it attends: compiled for a v5e, GPT-J-6B int8's prefill of a 2048-token prompt after a
+# prefix needed 3.36 GiB, of a 512-token piece after 1536 0.79, which the paged cache's pages get instead.
+PREFILL_CHUNK = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +36,7 @@ class Schedule:
     dp: int
     seq: int
     block_sizes: tuple[int, ...]
+    chunk: int = 0  # the most tokens a row prefills in one program (0: a whole context)
 
     @property
     def n_local(self) -> int:
@@ -51,8 +57,9 @@ class Schedule:
     def prefill_rows(self) -> dict[int, list[int]]:
         """Per prompt bucket, the row counts (per group) prefill programs are compiled for."""
         group_rows = ladder(min(self.n_local, MAX_PREFILL_ROWS), 4)
+        longest = self.chunk or self.seq
         return {width: [r for r in group_rows if r == 1 or r * width <= PREFILL_TOKENS]
-                for width in sorted({bucket(n, maximum=self.seq) for n in range(1, self.seq)})}
+                for width in sorted({bucket(n, maximum=self.seq) for n in range(1, longest + 1)})}
 
     def admission_order(self, free: Sequence[int]) -> list[int]:
         """Free slots in the order requests take them: lowest row of a group first, so steps compute fewer rows."""
@@ -63,9 +70,11 @@ class Schedule:
         one of them makes no step compute more."""
         return fit(max(i % self.n_local for i in busy) + 1, self.decode_rows) if busy else 1
 
-    def prefill_batches(self, prompt_lengths: dict[int, int]) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    def prefill_batches(self, prompt_lengths: dict[int, int],
+                        single: bool = False) -> list[tuple[int, int, list[tuple[int, int]]]]:
         """Admitted requests ({slot: prompt length}) as prefill programs: (rows per group, prompt bucket,
-        [(slot, row)]), at most MAX_PREFILL_ROWS slots per group each, group g's requests at rows g x rows + j."""
+        [(slot, row)]), at most MAX_PREFILL_ROWS slots per group each (`single`: one), group g's requests at rows
+        g x rows + j."""
         groups: list[list[int]] = [[] for _ in range(self.dp)]
         for slot in prompt_lengths:
             groups[slot // self.n_local].append(slot)
@@ -73,6 +82,7 @@ class Schedule:
         batches = []
         while any(groups):
             allowed = rows_by_width[self.width([prompt_lengths[s] for g in groups for s in g[:MAX_PREFILL_ROWS]])]
+            allowed = allowed[:1] if single else allowed
             taken = [group[:allowed[-1]] for group in groups]
             groups = [group[allowed[-1]:] for group in groups]
             rows = fit(max(map(len, taken)), allowed)
@@ -92,10 +102,14 @@ class Schedule:
         return rows, n_blocks, {i: (i // self.n_local) * rows + i % self.n_local for i in positions}
 
 
-def engine_schedule(max_batch: int, dp: int, seq: int, block: int) -> Schedule:
-    """The schedule of an engine of `max_batch` slots (rounded up to a multiple of dp) over cache blocks of `block`
-    positions: a page of a paged cache, or the slot cache's block."""
-    return Schedule(-(-max_batch // dp) * dp, dp, seq, tuple(block_sizes(seq, block)))
+def engine_schedule(max_batch: int, dp: int, seq: int, page_size: int | None = None,
+                    min_span: int | None = None) -> Schedule:
+    """The schedule of an engine of `max_batch` slots (rounded up to a multiple of dp): over a paged cache's pages of
+    `page_size` positions, prompts prefilled in pieces of at most PREFILL_CHUNK tokens; else over the slot cache's
+    blocks of `min_span` positions (default: `decode.default_block`)."""
+    block = page_size or min(min_span or default_block(seq), seq)
+    return Schedule(-(-max_batch // dp) * dp, dp, seq, tuple(block_sizes(seq, block)),
+                    PREFILL_CHUNK if page_size and seq > PREFILL_CHUNK else 0)
 
 
 def check_pages(n_pages: int, page_size: int, dp: int) -> None:

@@ -26,7 +26,6 @@ import jax
 from mesh_transformer import config
 from mesh_transformer.aot_compile import memory_record, refusal, shard_bytes, size_text
 from mesh_transformer.flags import AUTO, MEMORY_FRACTION, OFF
-from mesh_transformer.infer.decode import default_block
 from mesh_transformer.infer.pages import pages_for
 from mesh_transformer.infer.params import abstract_params
 from mesh_transformer.infer.programs import Programs
@@ -124,8 +123,7 @@ def for_server(programs: Programs, *, max_batch: int, n_pages: int | str | None,
     dp, mp = layout.mesh.shape[DP], layout.mesh.shape[MP]
     if isinstance(n_pages, int):
         check_pages(n_pages, page_size, dp)
-    block = page_size if paged else min(default_block(layout.cfg.seq), layout.cfg.seq)
-    schedule = engine_schedule(max_batch, dp, layout.cfg.seq, block)
+    schedule = engine_schedule(max_batch, dp, layout.cfg.seq, page_size if paged else None)
     flags = memory_flags(layout.cfg, paged=paged, pages_given=isinstance(n_pages, int), n_slots=schedule.n_slots,
                          dp=dp, mp=mp, n_devices=len(devices), fraction=memory_fraction)
     return size(programs, schedule, n_pages=n_pages if paged else None, page_size=page_size,
@@ -163,22 +161,22 @@ def advice(flags: Sequence[str]) -> str:
 
 def largest(listed: list[Program]) -> list[Program]:
     """Of the engine's programs, those whose temporaries can be the largest: the decode step of every row reading
-    the most blocks or pages (penalties applied), the prefill of the longest prompt bucket and the one of the most
-    tokens (rows x bucket), each reading the most pages."""
+    the most blocks or pages (penalties applied); of the prefills of whole prompts and of those after a prefix
+    (which read the cache), the one of the longest prompt bucket and the one of the most tokens (rows x bucket)."""
     decodes = [p for p in listed if "decode" in p[0]]
-    prefills = [p for p in listed if "decode" not in p[0]]
 
-    def read(program: Program) -> int:
-        static = program[2]
-        return static.get("n_read", static.get("n_blocks", 0))
+    def reads(program: Program) -> bool:
+        return program[0] == "extend" or program[2].get("n_read", 0) > 0
 
     def tokens(program: Program) -> tuple[int, int]:
         rows, width = program[1][3].shape
         return rows * width, width
 
-    picks = [max(decodes, key=lambda p: (p[2]["rows"], read(p), p[2]["penalized"])),
-             max(prefills, key=lambda p: (tokens(p)[1], read(p), p[0])),
-             max(prefills, key=lambda p: (tokens(p), read(p), p[0]))]
+    picks = [max(decodes, key=lambda p: (p[2]["rows"], p[2].get("n_read", p[2].get("n_blocks")), p[2]["penalized"]))]
+    for kind in (False, True):
+        prefills = [p for p in listed if "decode" not in p[0] and reads(p) == kind]
+        if prefills:
+            picks += [max(prefills, key=lambda p: tokens(p)[::-1]), max(prefills, key=tokens)]
     return list({_name(p): p for p in picks}.values())
 
 

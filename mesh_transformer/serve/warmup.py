@@ -45,16 +45,18 @@ def slot_programs(state: tuple, schedule: Schedule, extend: bool) -> list[Progra
 def paged_programs(state: tuple, schedule: Schedule, table_width: int, pad_page: int,
                    reuse_pages: bool) -> list[Program]:
     """The programs of a paged cache, `state` the engine's (params, pages, slot state), page tables `table_width`
-    wide: prefills reading no pages (whole prompts) and, with `reuse_pages`, the whole table (tails); decodes
+    wide: prefills reading no pages (whole prompts) and, with `reuse_pages` or prompts prefilled in pieces (the
+    schedule's chunk), the whole table (tails after a prefix or the pieces before them: a row a dp group); decodes
     reading each page count."""
     def table(rows: int) -> np.ndarray:
         return np.full((rows, table_width), pad_page, np.int32)
 
-    reads = [0, table_width] if reuse_pages else [0]
+    tails = reuse_pages or bool(schedule.chunk)
     prefills = [("paged_prefill", (*state, np.zeros((r, width), np.int32), np.zeros(r, np.int32),
                                    np.ones(r, np.int32), table(r), np.full(r, -1, np.int32),
                                    fill_sampling(r, [], bias=True)), {"n_read": n_read, "top": MAX_TOP})
-                for width, r in _prefill_shapes(schedule) for n_read in reads]
+                for width, r in _prefill_shapes(schedule)
+                for n_read in ([0, table_width] if tails and r == schedule.dp else [0])]
     decode_args = (*state, _idle_steps(schedule.n_slots), table(schedule.n_slots))
     decodes = [("paged_decode", decode_args, {"rows": rows, "n_read": count, "top": MAX_TOP, "penalized": p})
                for rows, count, p in _decode_shapes(schedule)]

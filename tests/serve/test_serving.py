@@ -18,7 +18,7 @@ from mesh_transformer import config
 from mesh_transformer.infer import sampler as sampling
 from mesh_transformer.infer.programs import Programs
 from mesh_transformer.infer.params import make_inference_layout
-from mesh_transformer.serve import engine as serving, server
+from mesh_transformer.serve import engine as serving, schedule, server
 from mesh_transformer.serve.completion import Event, GenerationRequest, streamable_length
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.tokenizer import EOS_ID, load_tokenizer
@@ -627,9 +627,9 @@ def test_warm_up_compiles_every_program_ahead_and_serving_compiles_no_more(param
     paged = {"n_pages": 32, "page_size": 16} if cache == "pages" else {}
     engine = serving.Engine(layout(), params, tokenizer, programs=programs, max_batch=4, warm_up=True, **paged)
     compiled = programs.traces
-    # Prefill: rows {1, 2} x buckets {16, 32, 64}, whole and after a cached prefix; decode: rows x blocks {1, 2}
-    # (pages read {1, 2, 4}), with penalties and without.
-    assert compiled == len(engine.programs()) == 2 * 3 * 2 + 2 * (3 if paged else 2) * 2
+    # Prefill: rows {1, 2} x buckets {16, 32, 64}, whole and after a cached prefix (paged: a row a group); decode:
+    # rows x blocks {1, 2} (pages read {1, 2, 4}), with penalties and without.
+    assert compiled == len(engine.programs()) == (2 * 3 + 3 + 2 * 3 * 2 if paged else 2 * 3 * 2 + 2 * 2 * 2)
     prompts = [tokenizer.encode(p) for p in PROMPTS[:5]]
     long_prompts = [list(range(100, 100 + n)) for n in (20, 40, 63)]
     got, done = {}, threading.Semaphore(0)
@@ -679,6 +679,29 @@ def test_paged_engine_waits_for_pages_reuses_shared_prefix_pages_and_keeps_the_g
     small.close()
     with pytest.raises(config.ConfigError, match="multiple of the data-parallel size 2"):
         serving.Engine(layout(), params, tokenizer, programs=programs, n_pages=5)
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_paged_engine_prefills_long_prompts_in_pieces_with_the_greedy_output(params, tokenizer, programs,
+                                                                           monkeypatch, prefix_cache):
+    """With pieces of 16 tokens (the chunk a paged engine prefills a row in), prompts of 5 to 60 tokens, two sharing
+    a 37-token prefix, make the offline sampler's greedy tokens on dp2 x mp4, every page given back; no prefill
+    program is wider than a piece."""
+    monkeypatch.setattr(schedule, "PREFILL_CHUNK", 16)
+    rng = random.Random(1)
+    shared = [rng.randrange(1, 1000) for _ in range(37)]
+    prompts = [[rng.randrange(1, 1000) for _ in range(n)] for n in (5, 17, 40, 60)] + [shared + [7], shared + [9, 4]]
+    expected = sampling.Sampler(layout(), params, programs=programs).generate(prompts, 4, temperature=0.0)
+    engine = serving.Engine(layout(), params, tokenizer, programs=programs, max_batch=4, max_queue=len(prompts),
+                            n_pages=32, page_size=8, prefix_cache=prefix_cache)
+    assert engine.schedule.chunk == 16 and max(engine.schedule.prefill_rows) == 16
+    assert run_engine(engine, prompts[:4], 4) == [r.tokens for r in expected[:4]]
+    assert run_engine(engine, prompts[4:5], 4) == [expected[4].tokens]
+    assert run_engine(engine, prompts[5:], 4) == [expected[5].tokens]
+    stats = engine.stats()
+    engine.close()
+    assert stats["pages"]["available"] == 32
+    assert stats["prefix_cache"]["hit_tokens"] == (32 if prefix_cache else 0)  # the shared prefix's 4 full pages
 
 
 def test_server_keeps_idle_connections_past_the_clients_expiry_and_still_stops_at_once():
