@@ -32,8 +32,8 @@ EXAMPLES = """\
 examples:
   python aot_check.py --config configs/6B_lora_v5litepod-1.json --topology v5litepod-1
   python aot_check.py --config configs/6B_roto_256.json --topology v3-8 --mode all
-  python aot_check.py --config configs/6B_roto_256.json --topology v5litepod-1 --inference-only --set weight_dtype=int8 \\
-      --max-batch 64 --kv-cache-dtype int8
+  python aot_check.py --config configs/6B_roto_256.json --topology v5litepod-1 --inference-only \\
+      --set weight_dtype=int8 --max-batch 64 --kv-cache-dtype int8
 """
 
 

@@ -49,10 +49,10 @@ class Sizing:
 
     def summary(self) -> str:
         cache = f"{self.n_pages} pages" if self.n_pages else "slot cache"
+        fraction = self.budget_bytes / self.device_bytes
         return (f"memory per device: {size_text(self.need_bytes)} of the {size_text(self.budget_bytes)} allowed "
-                f"({size_text(self.device_bytes)} x fraction {self.budget_bytes / self.device_bytes:.2f}): weights "
-                f"{size_text(self.weights_bytes)}, KV cache {size_text(self.cache_bytes)} ({cache}), the largest program "
-                f"{self.largest}")
+                f"({size_text(self.device_bytes)} x fraction {fraction:.2f}): weights {size_text(self.weights_bytes)}, "
+                f"KV cache {size_text(self.cache_bytes)} ({cache}), the largest program {self.largest}")
 
 
 def device_memory(devices: Sequence[jax.Device]) -> tuple[int, bool]:
@@ -87,24 +87,25 @@ def size(programs: Programs, schedule: Schedule, *, n_pages: int | str | None, p
         need, biggest = max(zip(pool.map(partial(_need, programs), candidates), candidates), key=lambda x: x[0])
     cache_bytes, weights_bytes = shard_bytes(cache), shard_bytes(params)
     if n_pages == AUTO:
-        per_page = cache_bytes / probe
-        fixed = need - cache_bytes
+        per_page, fixed = cache_bytes / probe, need - cache_bytes
         n_pages = int((budget - fixed) // per_page) // dp * dp
         if not fill:
             n_pages = min(n_pages, schedule.n_slots * width)
-        cache_bytes, need = round(n_pages * per_page), fixed + round(n_pages * per_page)
         if n_pages < dp * width:
+            left, program = size_text(max(0, budget - fixed)), f"{_name(biggest)}: {size_text(fixed - weights_bytes)}"
             raise config.ConfigError(
                 f"the KV cache does not fit: after the weights ({size_text(weights_bytes)} a device) and the largest "
-                f"program ({_name(biggest)}: {size_text(fixed - weights_bytes)} more), {size_text(max(0, budget - fixed))} of "
-                f"the {size_text(budget)} allowed hold {max(0, n_pages)} pages of {page_size} tokens, fewer than one "
-                f"context of {layout.cfg.seq} tokens per data-parallel group ({dp * width} pages in all); {advice(flags)}")
-    sizing = Sizing(n_pages, need, budget, device_bytes, weights_bytes, cache_bytes, _name(biggest))
+                f"program ({program} more), {left} of the {size_text(budget)} allowed hold {max(0, n_pages)} pages "
+                f"of {page_size} tokens, fewer than one context of {layout.cfg.seq} tokens per data-parallel group "
+                f"({dp * width} pages in all); {advice(flags)}")
+        cache_bytes = round(n_pages * per_page)
+        need = fixed + cache_bytes
     if need > budget:
-        raise config.ConfigError(f"the server does not fit: {_name(biggest)} needs {size_text(need)} a device (weights "
-                                 f"{size_text(weights_bytes)}, KV cache {size_text(cache_bytes)}) of the {size_text(budget)} "
-                                 f"allowed ({size_text(device_bytes)} x {fraction:g}); {advice(flags)}")
-    return sizing
+        parts = f"weights {size_text(weights_bytes)}, KV cache {size_text(cache_bytes)}"
+        raise config.ConfigError(
+            f"the server does not fit: {_name(biggest)} needs {size_text(need)} a device ({parts}) of the "
+            f"{size_text(budget)} allowed ({size_text(device_bytes)} x {fraction:g}); {advice(flags)}")
+    return Sizing(n_pages, need, budget, device_bytes, weights_bytes, cache_bytes, _name(biggest))
 
 
 def for_server(programs: Programs, *, max_batch: int, n_pages: int | str | None, page_size: int, prefix_cache: bool,

