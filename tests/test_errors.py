@@ -6,7 +6,7 @@ def test_device_out_of_memory_is_one_line_saying_what_was_asked_and_what_to_chan
     error = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 47559058040 bytes.\nmore")
     message = out_of_memory_message(error)
     assert message.startswith("out of device memory (Out of memory allocating 47559058040 bytes.); ")
-    assert "--dtype bf16" in message and "--mp" in message and "\n" not in message
+    assert "--dtype int8" in message and "--mp" in message and "--kv-pages auto" in message and "\n" not in message
     assert out_of_memory_message(jax.errors.JaxRuntimeError("INTERNAL: other")) is None
     assert out_of_memory_message(ValueError("RESOURCE_EXHAUSTED")) is None
 
