@@ -40,8 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                          "(default: the tokenizer's, else plain 'User: ...' turns)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="compute every prompt whole (default: reuse the cached keys of a prompt prefix a slot holds)")
-    p.add_argument("--warm-up", action="store_true", help="compile every program before listening: a slower start, "
-                                                          "no compile pauses while serving")
+    p.add_argument("--warm-up", action="store_true",
+                   help="compile every program before listening (those applying penalties just after): a slower "
+                        "start, no compile pauses while serving")
     add_paged_cache_args(p, server=True)
     compile_cache.add_cache_args(p)
     args = p.parse_args(argv)

@@ -21,8 +21,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 OUT_OF_MEMORY_HINT = ("the model does not fit: try --dtype int8 (half of bf16's weights; bf16 is half of fp32's), a "
-                      "larger --mp (more devices per model copy), fewer slots (--max-batch), a paged cache of what fits "
-                      "(device_serve.py --kv-pages auto, --kv-cache-dtype int8) or a shorter context (--set seq=N)")
+                      "larger --mp (more devices per model copy), fewer slots (--max-batch), a paged cache of what "
+                      "fits (device_serve.py --kv-pages auto, --kv-cache-dtype int8) or a shorter context "
+                      "(--set seq=N)")
 TRAIN_OUT_OF_MEMORY_HINT = ("the training step does not fit: try a smaller per_replica_batch with more "
                             "gradient_accumulation_steps, remat true, a larger cores_per_replica (or mesh_fsdp), and "
                             "for LoRA base_dtype bfloat16 (--set key=value); aot_check.py --topology checks a config "

@@ -33,11 +33,12 @@ from mesh_transformer.infer.programs import Programs
 from mesh_transformer.infer.score import MAX_TOP
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import DP
+from mesh_transformer.serve import warmup
 from mesh_transformer.serve.admission import admit_to_pages, admit_to_slots, check_request, prefill_rows
 from mesh_transformer.serve.completion import Completion, Event, GenerationRequest
 from mesh_transformer.serve.prefix import Placement, PrefixIndex
 from mesh_transformer.serve.schedule import check_pages, engine_schedule
-from mesh_transformer.serve.warmup import Program, compile_all, paged_programs, slot_programs
+from mesh_transformer.serve.warmup import Program, paged_programs, slot_programs
 from mesh_transformer.tokenizer import eos_ids
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,9 @@ class Engine:
     group's) and reads only the cache blocks (of `min_span` positions) up to the furthest busy one (a power of two of
     them), so a lone request does not pay for N slots and a long context; each (rows, blocks) pair is one compiled
     program. With `warm_up`, the constructor compiles every program first (ahead of time: none is run), so no
-    request waits for a compile. With `prefix_cache`, a request reuses the cached keys of its longest prompt prefix
-    held by a slot (serve/prefix.py) and computes only the rest.
+    request waits for a compile; but those of penalties, which only a request asking for them runs, compile while it
+    serves (`warmed` is set once all are). With `prefix_cache`, a request reuses the cached keys of its longest
+    prompt prefix held by a slot (serve/prefix.py) and computes only the rest.
 
     With `n_pages`, the cache is paged (infer/paged.py): n_pages pages of `page_size` positions, shared by the slots
     of each dp group, so a slot costs only the pages its request fills. A request is admitted when a slot is free
@@ -113,8 +115,7 @@ class Engine:
         self.error: str | None = None
         self.counts = {"completed": 0, "cancelled": 0}
         self._page_counts = [0, 0]  # paged: prompt tokens asked of the prefix cache, and found there
-        if warm_up:
-            compile_all(self._programs, self.programs())
+        self.warmed = warmup.start(self._programs, self.programs() if warm_up else [])  # set: all compiled
         self._thread = threading.Thread(target=self._run, name="serving-engine", daemon=True)
         self._thread.start()
 

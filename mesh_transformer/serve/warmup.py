@@ -1,5 +1,6 @@
 """The serving engine's programs: every (name, arguments, static arguments) it can dispatch, for the slot cache and
-the paged cache, and their compile ahead of time (the engine's `warm_up`), so that no request waits for a compile.
+the paged cache, and their compile ahead of time (the engine's `warm_up`, `start`), so that no request waits for a
+compile.
 
 A program is one per shape: each prompt bucket x its prefill row counts (schedule.py's ladder), and each decode row
 count x cache blocks (or pages) read, with penalties and without. The arguments are placeholders of the right shapes
@@ -10,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import threading
 import time
 
 import numpy as np
@@ -61,6 +63,35 @@ def paged_programs(state: tuple, schedule: Schedule, table_width: int, pad_page:
     decodes = [("paged_decode", decode_args, {"rows": rows, "n_read": count, "top": MAX_TOP, "penalized": p})
                for rows, count, p in _decode_shapes(schedule)]
     return prefills + decodes
+
+
+def start(programs: Programs, listed: list[Program]) -> threading.Event:
+    """The engine's warm-up: compile the listed programs a request stream needs at once before returning, and those
+    it seldom needs (`rare`) in a background thread while the engine serves (a request that needs one first waits
+    for its compile under way). The event is set once every listed program is compiled."""
+    done = threading.Event()
+    if not listed:
+        done.set()
+        return done
+    compile_all(programs, [p for p in listed if not rare(p)])
+
+    def rest() -> None:
+        try:
+            compile_all(programs, [p for p in listed if rare(p)])
+        except Exception:  # a request that needs one compiles it itself, and meets the same failure there
+            log.exception("compiling the warm-up's remaining programs failed")
+        finally:
+            done.set()
+
+    threading.Thread(target=rest, name="warm-up", daemon=True).start()
+    return done
+
+
+def rare(program: Program) -> bool:
+    """Whether a request stream seldom needs the program: a decode step that applies penalties or a logit bias, which
+    runs only while some request asks for them. (Each program is about a second of the host's tracing, under the
+    GIL, even where the compilation cache holds it: the 6B server's 64 decode steps, half of them these.)"""
+    return bool(program[2].get("penalized"))
 
 
 def compile_all(programs: Programs, listed: list[Program]) -> None:

@@ -18,7 +18,7 @@ from mesh_transformer import config
 from mesh_transformer.infer import sampler as sampling
 from mesh_transformer.infer.programs import Programs
 from mesh_transformer.infer.params import make_inference_layout
-from mesh_transformer.serve import engine as serving, schedule, server
+from mesh_transformer.serve import engine as serving, schedule, server, warmup
 from mesh_transformer.serve.completion import Event, GenerationRequest, streamable_length
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.tokenizer import EOS_ID, load_tokenizer
@@ -626,6 +626,9 @@ def test_warm_up_compiles_every_program_ahead_and_serving_compiles_no_more(param
     programs = Programs(layout())
     paged = {"n_pages": 32, "page_size": 16} if cache == "pages" else {}
     engine = serving.Engine(layout(), params, tokenizer, programs=programs, max_batch=4, warm_up=True, **paged)
+    # Ready: every program compiled but those of penalties, which compile on while it serves.
+    assert not any(programs.compile(*p) for p in engine.programs() if not warmup.rare(p))
+    assert engine.warmed.wait(timeout=600)
     compiled = programs.traces
     # Prefill: rows {1, 2} x buckets {16, 32, 64}, whole and after a cached prefix (paged: a row a group); decode:
     # rows x blocks {1, 2} (pages read {1, 2, 4}), with penalties and without.

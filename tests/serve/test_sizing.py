@@ -91,6 +91,7 @@ def test_the_engine_runs_the_programs_sizing_compiled(programs):
     engine = Engine(layout, random_params(CFG, 0), load_tokenizer(), max_batch=BATCH, programs=programs,
                     n_pages=fit.n_pages, page_size=PAGE, warm_up=True)
     try:
+        assert engine.warmed.wait(timeout=600)
         assert programs.traces - compiled == len(engine.programs()) - len(sizing.largest(engine.programs()))
     finally:
         engine.close()
