@@ -6,7 +6,6 @@ Example: python device_sample.py --ckpt gptj_1shard --prompt "Hi" [--dtype bf16]
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import itertools
 import logging
 import sys
@@ -60,27 +59,13 @@ def _main(argv: list[str] | None) -> int:
     for name in ("mesh_transformer.infer.params", "mesh_transformer.compile_cache"):  # the mesh, the cache's use
         logging.getLogger(name).setLevel(logging.INFO)
     cache = compile_cache.enable(args.compilation_cache)
-    from mesh_transformer.infer.load import open_for_inference, read_for_inference
-    from mesh_transformer.infer.programs import Programs
-    from mesh_transformer.infer.sampler import Sampler, compile_ahead
+    from mesh_transformer.infer.load import open_for_inference, sampler_for
 
     layout, tokenizer, source = open_for_inference(args)
-    programs = Programs(layout)
-    # The first prompt's programs compile before the weights arrive (piped stdin: its first line is read first). On
-    # the CPU first, so that the compiler's working memory is not added to the weights'; on an accelerator while
-    # they are read (the compiler works on the host, the weights go to the devices).
+    # The first prompt's programs compile before the weights arrive (piped stdin: its first line is read first).
     lines = stdin_lines() if args.prompt is None else iter(())
     first = args.prompt if args.prompt is not None else None if sys.stdin.isatty() else next(lines, None)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        compiling = None
-        if first is not None:
-            compiling = pool.submit(compile_ahead, programs, args.num_samples, len(tokenizer.encode(first)),
-                                    args.max_new_tokens)
-            if layout.policy.host_loading:
-                compiling.result()
-        sampler = Sampler(layout, read_for_inference(layout, source, args), programs)
-        if compiling is not None:
-            compiling.result()
+    sampler = sampler_for(layout, source, args, None if first is None else len(tokenizer.encode(first)))
     if args.prompt is not None:
         try:
             _complete(sampler, tokenizer, args.prompt, args)

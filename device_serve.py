@@ -65,20 +65,11 @@ def _main(argv: list[str] | None) -> int:
         with open(args.chat_template, encoding="utf-8") as f:
             chat_template = f.read()
     cache = compile_cache.enable(args.compilation_cache)
-    from mesh_transformer.infer.load import open_for_inference, read_for_inference
-    from mesh_transformer.infer.programs import Programs
-    from mesh_transformer.serve import server, sizing
-    from mesh_transformer.serve.engine import Engine
+    from mesh_transformer.serve import server
+    from mesh_transformer.serve.start import sized_engine
 
-    layout, tokenizer, source = open_for_inference(args)
-    cfg, programs = layout.cfg, Programs(layout)
-    # The largest programs compiled first, from shapes alone: a setting that cannot fit fails before the weights are
-    # read, and a paged cache of auto pages takes what they leave.
-    fit = sizing.for_server(programs, max_batch=args.max_batch, prefix_cache=args.prefix_cache, **args.paged)
-    logging.info("%s", fit.summary())
-    engine = Engine(layout, read_for_inference(layout, source, args), tokenizer, max_batch=args.max_batch,
-                    max_queue=args.max_queue, warm_up=args.warm_up, programs=programs,
-                    prefix_cache=args.prefix_cache, n_pages=fit.n_pages, page_size=args.paged["page_size"])
+    engine, tokenizer = sized_engine(args)
+    cfg = engine.cfg
     app = server.create_app(engine, tokenizer, model_name=args.model_name or cfg.name, api_key=args.api_key,
                             chat_template=chat_template)
     logging.info("%s", cache.summary())

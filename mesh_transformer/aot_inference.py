@@ -16,8 +16,7 @@ from mesh_transformer import estimate, targets
 from mesh_transformer.config import ConfigError
 from mesh_transformer.aot_compile import Refused, _compile, memory_record, shard_bytes
 from mesh_transformer.infer.choose import Sampling, fill_sampling
-from mesh_transformer.infer.decode import (KVCache, Steps, block_shape, block_sizes, cache_dtype, default_block,
-                                           new_slots)
+from mesh_transformer.infer.decode import KVCache, Steps, block_shape, block_sizes, cache_dtype, default_block
 from mesh_transformer.infer.params import abstract_params, make_inference_layout
 from mesh_transformer.infer.programs import Programs
 from mesh_transformer.infer.score import MAX_TOP, Rows, Scorer
@@ -41,7 +40,7 @@ def _abstract_slots(programs: Programs, n_slots: int, sizes: list[int]) -> tuple
                                   sharding=programs.cache_sharding) for size in sizes]
     ints = jax.ShapeDtypeStruct((n_slots,), jnp.int32, sharding=row)
     steps = Steps(ints, ints, _abstract_sampling(row, n_slots))
-    slots = _abstract_like(new_slots(n_slots, cfg.n_vocab), row)
+    slots = programs.abstract_slots(n_slots)
     return KVCache([block] * cfg.layers, [block] * cfg.layers), slots, steps
 
 

@@ -3,6 +3,7 @@ config and checkpoint they name, the tokenizer, and the params read onto a mesh 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import logging
 import time
 
@@ -77,3 +78,25 @@ def load_for_inference(args: argparse.Namespace) -> tuple[Layout, PreTrainedToke
     programs' form on a mesh fitted to the devices."""
     layout, tokenizer, source = open_for_inference(args)
     return layout, tokenizer, read_for_inference(layout, source, args)
+
+
+def sampler_for(layout: Layout, source: str, args: argparse.Namespace, first_prompt_tokens: int | None):
+    """A `Sampler` over the params of `source` (`read_for_inference`), the programs of a first prompt of that many
+    tokens (where known) compiled before they arrive: on the CPU first, so that the compiler's working memory is not
+    added to the weights'; on an accelerator while they are read (the compiler works on the host, the weights go to
+    the devices)."""
+    from mesh_transformer.infer.programs import Programs
+    from mesh_transformer.infer.sampler import Sampler, compile_ahead
+
+    programs = Programs(layout)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        compiling = None
+        if first_prompt_tokens is not None:
+            compiling = pool.submit(compile_ahead, programs, args.num_samples, first_prompt_tokens,
+                                    args.max_new_tokens)
+            if layout.policy.host_loading:
+                compiling.result()
+        params = read_for_inference(layout, source, args)
+        if compiling is not None:
+            compiling.result()
+    return Sampler(layout, params, programs)
