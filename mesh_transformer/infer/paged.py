@@ -30,7 +30,7 @@ from mesh_transformer.config import Config
 from mesh_transformer.infer import decode, paged_kernel
 from mesh_transformer.model import gptj
 from mesh_transformer.model.attention import Scaled
-from mesh_transformer.model.order import in_turn
+from mesh_transformer.model.order import in_turn, waits_for
 from mesh_transformer.platforms import Policy
 
 PAGE_AXES = ("batch", "length", "heads", "head_dim")  # [P, page, H, K]: pages over dp, heads over mp
@@ -195,8 +195,7 @@ class _PagedKV(NamedTuple):
         past_mask_Rx1xS = (jnp.arange(self.n_read * page)[None, :] < self.start_R[:, None])[:, None, :]
         # The gather waits for the layer's input: unordered, XLA:TPU gathers every layer's pages up front, all alive
         # at once (GPT-J-6B's 4 x 256-token tail prefill: 5.5 GiB of temporaries on a v5e).
-        first = h_RxTxD.reshape(-1)[0]
-        table_RxM = jnp.where(first == first, self.table_RxM[:, :self.n_read], 0)
+        table_RxM = waits_for(h_RxTxD, self.table_RxM[:, :self.n_read])
         past = [[gather_pages(pages, table_RxM, self.dtype, scales, order, scale_order(self.policy))]
                 for pages, scales in ((k, k_scale), (v, v_scale))]
         past_k, past_v = in_turn(h_RxTxD, past, self.policy)

@@ -29,6 +29,13 @@ def in_turn(h: jax.Array, weights: Any, policy: Policy) -> Any:
     return jax.tree.map(lambda w: _tied(keep, w) if w.ndim >= 2 else w, weights)
 
 
+def waits_for(h: jax.Array, x: jax.Array) -> jax.Array:
+    """x made to depend on h, whatever the policy: a select on a value of h, so XLA cannot compute what reads x (a
+    gather by a page table, say) before h (false only where h is NaN, which what follows would be anyway)."""
+    first = h.reshape(-1)[0]
+    return jnp.where(first == first, x, jnp.zeros((), x.dtype))
+
+
 def _tied(keep: jax.Array, w: jax.Array) -> jax.Array:
     """w made to depend on `keep` (true), where it is converted before its products (narrower than f32)."""
     return jnp.where(keep, w, jnp.zeros((), w.dtype)) if w.dtype.itemsize < 4 else w
