@@ -51,7 +51,6 @@ FORMAT_VERSION = 1
 COMMIT_NAME = "COMMITTED"
 VALUE_TYPES = (bool, int, float, str)  # leaves saved in the index as they are, not as arrays
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_HASH_CHUNK_BYTES = 1 << 20
 # Threads reading an array's pieces at once: a read from the page cache is a copy, so about one a core; at least a
 # few for gs://, where each waits on the network.
 READ_THREADS = min(16, max(4, os.cpu_count() or 1))
@@ -208,11 +207,9 @@ def read_index(root: str, step: int) -> tuple[dict[str, dict], dict]:
 
 
 def _sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
+    """A file's sha256, streamed through one small buffer (hashlib's 256 KiB): READ_THREADS hash at once."""
     with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _read_into(region: np.ndarray, target: np.ndarray, leaf: str) -> bool:
