@@ -100,7 +100,8 @@ def _train_record(compiled: dict, common: dict, no_loop_hoisting: bool = False,
               "remat_policy": cfg.remat_policy,
               "attention": layout.policy.attention,
               "compile_s": round(train_s, 1), "params_bytes": shard_bytes(params),
-              "opt_state_bytes": shard_bytes(train_state["opt_state"]), "no_loop_hoisting": no_loop_hoisting}
+              "opt_state_bytes": shard_bytes(train_state["opt_state"]), "no_loop_hoisting": no_loop_hoisting,
+              "optimizer_split_over": layout.zero_axis}
     if frozen:
         record.update(adapter_params=sum(x.size for x in jax.tree.leaves(train_state["params"])),
                       adapters_bytes=shard_bytes(train_state["params"]), lora_rank=cfg.lora_rank,

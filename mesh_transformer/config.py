@@ -67,6 +67,9 @@ class Config:
     seed: int = 0
     tokenizer: str = "gpt2"
     parallelism: str = "shard_map"
+    # shard_map kind with dp > 1: Adam's moments split over 'dp' too, the gradients reduce-scattered onto them once a
+    # step and the updated params all-gathered (ZeRO-1/2, parallel/layout.py); false: every replica holds them whole.
+    shard_optimizer: bool = True
     mesh_fsdp: int = 1
     mesh_tensor: int = 1
     keep_last: int = 3

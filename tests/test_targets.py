@@ -115,10 +115,12 @@ def test_fit_check_compiles_every_program_for_a_target(topology):
                                              "fit"]
     assert all(r["compiler"] == target.compiler and r["target"] == topology for r in records[:-1])
     assert fit["device_memory_bytes"] == target.chip.memory_bytes and fit["fits"]
-    # Memory from the target's compiler, against the shard sizes: f32 params split over mp, Adam's two moments.
-    mp = train["mesh"]["mp"]
+    # Memory from the target's compiler, against the shard sizes: f32 params split over mp, Adam's two moments over
+    # mp and the 2 data-parallel replicas (`shard_optimizer`).
+    mp, dp = train["mesh"]["mp"], train["mesh"]["dp"]
     assert train["params_bytes"] == pytest.approx(4 * train["params"] / mp, rel=0.05)
-    assert train["opt_state_bytes"] == pytest.approx(2 * train["params_bytes"], rel=0.05)
+    assert train["optimizer_split_over"] == "dp" and dp == 2
+    assert train["opt_state_bytes"] == pytest.approx(2 * train["params_bytes"] / dp, rel=0.05)
     assert train["argument_bytes"] >= train["params_bytes"] + train["opt_state_bytes"]
     assert serve["argument_bytes"] >= serve["params_bytes"] + serve["kv_cache_bytes"]
     assert serve["params_bytes"] == pytest.approx(2 * train["params"] / serve["decode_mesh"]["mp"], rel=0.05)
@@ -431,3 +433,4 @@ def test_the_decode_kernel_compiles_for_a_v5e_under_the_highest_matmul_precision
                                                        _on_a_v5e(8, dtype=jnp.int32), shaped(8, 16, 256),
                                                        shaped(8, 16, 256)).compile()
     assert decode_kernel.NAME in compiled.as_text()
+

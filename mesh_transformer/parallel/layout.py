@@ -117,6 +117,27 @@ def followed_param(key_path: Sequence[str], shape: Sequence[int],
     return None
 
 
+def zero_spec(spec: P, shape: Sequence[int], axis: str, size: int) -> P:
+    """Where an optimizer leaf of a param with `spec` lives when the optimizer is split over `axis` (`size` devices):
+    that axis on the largest dim the spec leaves whole and `size` divides (the first of equals); `spec` where none
+    does (a leaf too small to matter, kept whole on every replica)."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    free = [i for i, (entry, n) in enumerate(zip(entries, shape)) if entry is None and n % size == 0]
+    if not free:
+        return P(*entries)
+    entries[max(free, key=lambda i: shape[i])] = axis
+    return P(*entries)
+
+
+class GradFlow(NamedTuple):
+    """How a train step gets the trainable tree's gradients on a Layout (`Layout.grad_flow`): micro-batches' sums
+    in f32, then one `reduce` to what the optimizer takes."""
+    loss_and_grad: Callable  # (trainable, frozen, tokens) -> (loss, a gradient sum of this batch)
+    loss_and_grad_into: Callable | None  # (trainable, frozen, tokens, grad_sum) -> (loss, grad_sum + this batch's)
+    zeros: Callable  # trainable -> an empty gradient sum
+    reduce: Callable  # a gradient sum -> the gradients, placed like the optimizer state
+
+
 def unstacked(specs: dict, n_layers: int) -> dict:
     """A param-shaped tree of specs with "layers" as a list of per-layer trees (the leading L dropped), as
     `table.unstack_layers` makes of the params."""
@@ -133,6 +154,7 @@ class Layout:
     tp_axis: str | None  # the tensor-parallel axis the layers reduce over (shard_map kind), else None
     dp_axis: str | None  # the batch axis a per-device loss is averaged over (shard_map kind), else None
     policy: Policy  # the platform choices of the mesh's devices (mesh_transformer.platforms)
+    zero_axis: str | None = None  # the data-parallel axis the optimizer state is split over (shard_map kind), else None
 
     def __post_init__(self):
         if self.policy.attention == "splash" and (self.tp_axis is not None or (
@@ -213,9 +235,17 @@ class Layout:
         def place(path, leaf):
             keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
             param = followed_param(keys, leaf.shape, shapes)
-            return self.replicated if param is None else by_path[param].sharding
+            return self.replicated if param is None else self.optimizer_sharding(by_path[param].sharding, leaf.shape)
 
         return jax.tree_util.tree_map_with_path(place, abstract_tree)
+
+    def optimizer_sharding(self, param_sharding: NamedSharding, shape: Sequence[int]) -> NamedSharding:
+        """Where an optimizer leaf shaped like a param (an Adam moment, a gradient) lives: like the param, and split
+        over `zero_axis` too where the optimizer is (`zero_spec`)."""
+        if self.zero_axis is None:
+            return param_sharding
+        spec = zero_spec(param_sharding.spec, shape, self.zero_axis, self.mesh.shape[self.zero_axis])
+        return NamedSharding(self.mesh, spec)
 
     @property
     def batch_shards(self) -> int:
@@ -264,28 +294,75 @@ class Layout:
             return loss
         return self.per_device(loss, (*self._split_specs(split), self.spec(ACTIVATION_AXES["tokens"])), P())
 
-    def loss_and_grad_fn(self, split: Split = FULL, into: Callable | None = None) -> Callable:
+    def loss_and_grad_fn(self, split: Split = FULL, into: Callable | None = None, local: bool = False) -> Callable:
         """(trainable, frozen, tokens [B, T+1]) -> (loss, grads of the trainable tree), placed like it (FSDP
         reduce-scatters them); the frozen tree is a constant of the loss, never differentiated. Under shard_map a
         LoRA adapter's partial sums join each block's one psum. With `into` (train/accumulate.py: (loss, trainable,
         frozen, tokens, grad_sum) -> (loss, grad_sum + grads)) one more argument, a gradient sum placed like the
-        trainable tree."""
+        trainable tree. `local` (shard_map kind): each data-parallel replica's gradients of the mean loss left
+        unsummed over `dp_axis`, stacked on a leading axis split over it, as the gradient sum is too (`grad_flow`)."""
         trainable_specs, frozen_specs = self._split_specs(split)
         loss = self._model_loss(split)
         shardings = jax.tree.map(partial(NamedSharding, self.mesh), trainable_specs,
                                  is_leaf=lambda x: isinstance(x, P))
+        local = local and self.tp_axis is not None and self.dp_axis is not None
 
         def fn(trainable, frozen, tokens_BxT1, *grad_sum):
+            if local:  # the params as each replica's own: their gradients are not summed over the replicas
+                trainable = lax.pcast(trainable, (self.dp_axis,), to="varying")
+                grad_sum = tuple(jax.tree.map(lambda g_1x: g_1x[0], g) for g in grad_sum)
             if into is not None:
                 value, grads = into(loss, trainable, frozen, tokens_BxT1, *grad_sum)
             else:
                 value, grads = jax.value_and_grad(loss)(trainable, frozen, tokens_BxT1)
+            if local:
+                return value, jax.tree.map(lambda g: g[None], grads)
             return value, grads if self.tp_axis is not None else lax.with_sharding_constraint(grads, shardings)
 
         if self.tp_axis is None:
             return fn
+        grad_specs = self._local_specs(trainable_specs) if local else trainable_specs
         in_specs = (trainable_specs, frozen_specs, self.spec(ACTIVATION_AXES["tokens"]))
-        return self.per_device(fn, in_specs + (trainable_specs,) * (into is not None), (P(), trainable_specs))
+        return self.per_device(fn, in_specs + (grad_specs,) * (into is not None), (P(), grad_specs))
+
+    def _local_specs(self, specs: Any) -> Any:
+        return jax.tree.map(lambda spec: P(self.dp_axis, *spec), specs, is_leaf=lambda x: isinstance(x, P))
+
+    def grad_flow(self, split: Split = FULL, into: Callable | None = None) -> GradFlow:
+        """The train step's gradients (`GradFlow`). Where the optimizer is split over data parallel (`zero_axis`),
+        each replica sums its micro-batches' gradients on its own and a step reduce-scatters the sum once, onto
+        the optimizer state's split (ZeRO-2: the original summed over replicas once a step too); else the gradients
+        come summed over the replicas from each micro-batch, placed like the trainable tree."""
+        def zeros_like(trainable, leading=()):
+            return jax.tree.map(lambda p: jnp.zeros((*leading, *p.shape), jnp.float32), trainable)
+
+        if self.zero_axis is None:
+            return GradFlow(self.loss_and_grad_fn(split), into and self.loss_and_grad_fn(split, into), zeros_like,
+                            lambda grads: grads)
+        trainable_specs = self._split_specs(split)[0]
+        local_specs = self._local_specs(trainable_specs)
+        n_replicas = self.mesh.shape[self.zero_axis]
+
+        def zeros(trainable):
+            placed = jax.tree.map(partial(NamedSharding, self.mesh), local_specs, is_leaf=lambda x: isinstance(x, P))
+            return lax.with_sharding_constraint(zeros_like(trainable, (n_replicas,)), placed)
+
+        def reduce(grad_sum):
+            out_specs = jax.tree.map(lambda g, spec: zero_spec(spec, g.shape[1:], self.zero_axis, n_replicas),
+                                     grad_sum, trainable_specs)
+            flat_out, tree = jax.tree.flatten(out_specs, is_leaf=lambda x: isinstance(x, P))
+            dims = [next((i for i, entry in enumerate(spec) if entry == self.zero_axis), None) for spec in flat_out]
+
+            def sum_over_replicas(grads_1x):
+                return tree.unflatten([
+                    lax.psum(g_1x[0], self.zero_axis) if dim is None else
+                    lax.psum_scatter(g_1x[0], self.zero_axis, scatter_dimension=dim, tiled=True)
+                    for g_1x, dim in zip(tree.flatten_up_to(grads_1x), dims)])
+
+            return self.per_device(sum_over_replicas, (local_specs,), out_specs)(grad_sum)
+
+        return GradFlow(self.loss_and_grad_fn(split, local=True),
+                        into and self.loss_and_grad_fn(split, into, local=True), zeros, reduce)
 
     def logits_fn(self) -> Callable:
         """Jitted (params, ids [B, T]) -> logits [B, T, V] in f32, placed by the rules (batch and vocab split)."""
@@ -369,7 +446,9 @@ def make_layout(cfg: Config, devices: Sequence[jax.Device] | None = None, mesh: 
     if cfg.compute_dtype == "auto":
         cfg = dataclasses.replace(cfg, compute_dtype=policy.compute_dtype)
     if cfg.parallelism == SHARD_MAP:
-        return Layout(cfg, mesh, MEGATRON, tp_axis=MP, dp_axis=DP, policy=platforms.for_layout(policy, gspmd=False))
+        zero_axis = DP if cfg.shard_optimizer and mesh.shape[DP] > 1 else None
+        return Layout(cfg, mesh, MEGATRON, tp_axis=MP, dp_axis=DP, policy=platforms.for_layout(policy, gspmd=False),
+                      zero_axis=zero_axis)
     mappings = gspmd_mappings(cfg)
     _check_gspmd(cfg, mesh, mappings)
     heads_spec = logical_to_spec(ACTIVATION_AXES["heads"], mappings.compute)

@@ -19,6 +19,7 @@ from jax import lax
 
 from mesh_transformer.model.gptj import LayerLoop
 from mesh_transformer.model.split import Split
+from mesh_transformer.parallel.layout import GradFlow
 
 
 def into(split: Split) -> Callable:
@@ -84,30 +85,31 @@ def _layers_into_bwd(step, trained, residuals, d_out_BxTxD):
 _layers_into.defvjp(_layers_into_fwd, _layers_into_bwd)
 
 
-def accumulated_train_step(loss_and_grad: Callable, optimizer: optax.GradientTransformation, schedule: Callable,
-                           loss_and_grad_into: Callable | None = None) -> Callable:
+def accumulated_train_step(grads: GradFlow, optimizer: optax.GradientTransformation, schedule: Callable) -> Callable:
     """(state, tokens [G, B, T+1], frozen) -> (state, metrics): gradients of G micro-batches summed in f32, one
-    update of the state's trainable tree. `loss_and_grad(trainable, frozen, tokens)`; `loss_and_grad_into`
-    (trainable, frozen, tokens, grad_sum) -> (loss, grad_sum + grads), where given, does the summing."""
+    update of the state's trainable tree. `grads` (`Layout.grad_flow`) gives each micro-batch's gradient sum (added
+    into the running sum by `loss_and_grad_into` where it has one) and reduces the sum to the optimizer's
+    gradients."""
     def step(state, tokens_GxBxT1, frozen):
         def micro(carry, tokens_BxT1):
             loss_sum, grad_sum = carry
-            if loss_and_grad_into is not None:
-                loss, grad_sum = loss_and_grad_into(state["params"], frozen, tokens_BxT1, grad_sum)
+            if grads.loss_and_grad_into is not None:
+                loss, grad_sum = grads.loss_and_grad_into(state["params"], frozen, tokens_BxT1, grad_sum)
                 return (loss_sum + loss, grad_sum), None
-            loss, grads = loss_and_grad(state["params"], frozen, tokens_BxT1)
-            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+            loss, micro_grads = grads.loss_and_grad(state["params"], frozen, tokens_BxT1)
+            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, micro_grads)), None
 
         n_micro = tokens_GxBxT1.shape[0]
         if n_micro == 1:  # no accumulator: the gradients go straight into the update
-            loss_sum, grad_sum = loss_and_grad(state["params"], frozen, tokens_GxBxT1[0])
+            loss_sum, grad_sum = grads.loss_and_grad(state["params"], frozen, tokens_GxBxT1[0])
         else:
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state["params"])
+            zeros = grads.zeros(state["params"])
             (loss_sum, grad_sum), _ = lax.scan(micro, (jnp.zeros((), jnp.float32), zeros), tokens_GxBxT1)
-        grads = jax.tree.map(lambda g: g / n_micro, grad_sum)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        mean_grads = jax.tree.map(lambda g: g / n_micro, grads.reduce(grad_sum))
+        updates, opt_state = optimizer.update(mean_grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss_sum / n_micro, "grad_norm": optax.global_norm(grads), "lr": schedule(state["step"])}
+        metrics = {"loss": loss_sum / n_micro, "grad_norm": optax.global_norm(mean_grads),
+                   "lr": schedule(state["step"])}
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
     return step

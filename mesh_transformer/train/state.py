@@ -80,9 +80,8 @@ def make_train_step(layout: Layout, optimizer: optax.GradientTransformation, sch
     # Micro-batches add their layer gradients into the sum inside the backward (`accumulate.into`). That backward
     # recomputes each layer whole, as remat "full" does, so it is used there; a policy that keeps more of a layer
     # (remat_policy) takes the plain sum of each micro-batch's gradients, a second set of them.
-    into = (layout.loss_and_grad_fn(split, accumulate.into(split))
-            if layout.cfg.remat and layout.cfg.remat_policy == "full" else None)
-    step = accumulate.accumulated_train_step(layout.loss_and_grad_fn(split), optimizer, schedule, into)
+    into = accumulate.into(split) if layout.cfg.remat and layout.cfg.remat_policy == "full" else None
+    step = accumulate.accumulated_train_step(layout.grad_flow(split, into), optimizer, schedule)
     frozen = frozen_shardings(layout, split) if frozen_formats is None else frozen_formats
     return jax.jit(step, in_shardings=(shardings, layout.batch_sharding(), frozen),
                    out_shardings=(shardings, layout.replicated), donate_argnums=0)

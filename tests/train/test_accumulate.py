@@ -93,8 +93,8 @@ def test_summing_in_the_backward_holds_one_set_of_layer_gradients_fewer():
     abstract = state_lib.abstract_train_state(layout, optimizer)
     tokens = jax.ShapeDtypeStruct((2, 8, cfg.seq + 1), jnp.int32, sharding=layout.batch_sharding())
     temps = []
-    for into in (None, layout.loss_and_grad_fn(FULL, accumulate.into(FULL))):
-        step = accumulate.accumulated_train_step(layout.loss_and_grad_fn(), optimizer, optim.lr_schedule(cfg), into)
+    for into in (None, accumulate.into(FULL)):
+        step = accumulate.accumulated_train_step(layout.grad_flow(FULL, into), optimizer, optim.lr_schedule(cfg))
         temps.append(jax.jit(step, donate_argnums=0).lower(abstract, tokens, {}).compile().memory_analysis()
                      .temp_size_in_bytes)
     layer_grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(abstract["params"]["layers"]))
