@@ -36,6 +36,10 @@ def _train_line(train: dict) -> str:
     if "estimated_step_s" in train:
         line += (f", estimated {train['estimated_step_s']:.2f} s per step, {train['estimated_tokens_per_s']:,.0f} "
                  f"tokens/s, MFU {100 * train['estimated_mfu']:.0f}% (an estimate from the compiler's cost model)")
+    if "estimated_collective_s" in train:
+        line += (f"; its collectives {size_text(train['collective_bytes'])} a device, "
+                 f"{train['estimated_collective_s']:.2f} s over ICI: "
+                 f"{train['estimated_tokens_per_s_with_collectives']:,.0f} tokens/s if none overlapped")
     return line
 
 

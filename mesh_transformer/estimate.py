@@ -9,7 +9,9 @@ update), multiplied by the trip counts of the loops around it (XLA's `known_trip
 loop condition's bound). The estimated time is the sum over instructions of max(FLOPs / peak, bytes / bandwidth), a
 per-instruction roofline at the rates the chip attains where they were measured on one (`targets.Chip.attained`),
 else at its datasheet's (`step_estimate` gives its measured error on a v5e chip): an estimate, not a measurement.
-Collectives, their overlap with compute and the host are not modelled.
+Collectives are counted apart (`_Module.collective_bytes`): the bytes a device sends in a ring algorithm over each
+collective's group, at the chip's ICI bandwidth (`targets.Chip.ici_bandwidth`), added to the step as if none
+overlapped compute (an upper bound of their cost). The host is not modelled.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from mesh_transformer.infer import decode_kernel
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\([^=]*?\)|\w+\[[^\]]*\](?:\{[^}]*\})?) ([\w\-]+)\((.*)$")
 _SHAPE = re.compile(r"\w+\[([\d,]*)\]")
+_SHAPE_ALL = re.compile(r"\w+\[[\d,]*\]")
 _CALLED = re.compile(r"(?:calls|to_apply|body|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _ARRAY_LAYOUT = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\](\{[^}]*\}|)")
@@ -31,6 +34,43 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
          "after-all", "partition-id", "replica-id", "opt-barrier", "iota"}
 _SLICES = {"dynamic-slice", "slice"}
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_GROUPS_LISTED = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}")
+
+
+def _group_size(rest: str) -> int:
+    """The devices in each group of a collective's replica_groups (listed, iota [groups, size], or mesh axes)."""
+    if match := _GROUPS_LISTED.search(rest):
+        return len(match.group(1).split(","))
+    if match := _GROUPS_IOTA.search(rest):
+        return int(match.group(2))
+    if match := _GROUPS_MESH.search(rest):
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", match.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", match.group(2)))
+    return 1
+
+
+def _collective_bytes(opcode: str, shape: str, shapes: dict, operands: list[str], rest: str) -> float:
+    """Bytes one device sends in a ring algorithm for one collective instruction (0 for others): an all-reduce of N
+    bytes 2 (g - 1) / g N over a group of g, an all-gather to N or a reduce-scatter from N (g - 1) / g N, a
+    permute N."""
+    kind = opcode.removesuffix("-start")
+    if kind not in _COLLECTIVES:
+        return 0.0
+    result = sum(_bytes(s, vmem=True) for s in _SHAPE_ALL.findall(shape))  # wherever they lie (a core's VMEM too)
+    inputs = sum(_bytes(shapes[o], vmem=True) for o in operands if o in shapes)
+    if kind == "collective-permute":
+        return float(inputs)
+    g = _group_size(rest)
+    if g < 2:
+        return 0.0
+    if kind == "all-reduce":
+        return 2.0 * (g - 1) / g * inputs
+    if kind == "all-gather":
+        return (g - 1) / g * (result - inputs if opcode.endswith("-start") else result)
+    return (g - 1) / g * inputs  # reduce-scatter, all-to-all
 
 
 def _dims(shape: str) -> list[int]:
@@ -250,6 +290,15 @@ class _Module:
                 memory_s += runs * traffic / bandwidth
         return seconds, compute_s, memory_s
 
+    def collective_bytes(self) -> float:
+        """Bytes one device sends in the collectives of one run (`_collective_bytes`), loops by their trip counts."""
+        total = 0.0
+        for computation, runs in self.times().items():
+            shapes = {name: shape for name, shape, _, _ in self.instructions[computation]}
+            for line, (_, shape, opcode, operands) in zip(self.lines[computation], self.instructions[computation]):
+                total += runs * _collective_bytes(opcode, shape, shapes, operands, line)
+        return total
+
     def _instruction_cost(self, shape, opcode, operands, shapes, computation, name) -> tuple[float, float]:
         """(FLOPs, bytes read and written) of one scheduled instruction."""
         if opcode in _SLICES:
@@ -362,14 +411,22 @@ def step_estimate(compiled, chip, tokens: int, model_flops: float) -> dict:
     (16 x 2048 tokens, splash attention), 0.98-1.00 of GPT-J-6B's LoRA step, 1.01 / 1.04 of its bf16 decode step at
     batch 1 / 16 and 1.00 / 1.03 / 1.01 of its int8 decode step at batch 1 / 32 / 64 (docs/performance.md).
     `estimated_compute_s` and `estimated_memory_s` are the two sums apart; `estimated_mfu` is against the datasheet's
-    peak."""
+    peak. Where the chip's ICI bandwidth is known, `collective_bytes` (what a device sends in the step's
+    collectives), `estimated_collective_s` (those bytes at that bandwidth) and
+    `estimated_tokens_per_s_with_collectives` (none overlapping the rest: a lower bound)."""
     module = _Module(compiled.as_text())
     weighted, once = module.weighted()
     cost = compiled.cost_analysis() or {}  # None on GPU
     cost = cost[0] if isinstance(cost, list) else cost
     seconds, compute_s, memory_s = module.times_s(chip.peak_flops * chip.attained[0],
                                                   chip.bandwidth * chip.attained[1])
-    return {"estimated_flops": weighted, "xla_counted_flops": float(cost.get("flops", 0.0)),
-            "estimated_compute_s": compute_s, "estimated_memory_s": memory_s,
-            "loop_scale": round(weighted / once, 2) if once else 1.0, "estimated_step_s": seconds,
-            "estimated_tokens_per_s": tokens / seconds, "estimated_mfu": model_flops / (seconds * chip.peak_flops)}
+    record = {"estimated_flops": weighted, "xla_counted_flops": float(cost.get("flops", 0.0)),
+              "estimated_compute_s": compute_s, "estimated_memory_s": memory_s,
+              "loop_scale": round(weighted / once, 2) if once else 1.0, "estimated_step_s": seconds,
+              "estimated_tokens_per_s": tokens / seconds, "estimated_mfu": model_flops / (seconds * chip.peak_flops)}
+    if chip.ici_bandwidth:
+        sent = module.collective_bytes()
+        with_collectives = seconds + sent / chip.ici_bandwidth
+        record.update(collective_bytes=sent, estimated_collective_s=sent / chip.ici_bandwidth,
+                      estimated_tokens_per_s_with_collectives=tokens / with_collectives)
+    return record

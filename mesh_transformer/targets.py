@@ -30,21 +30,27 @@ class Chip:
     peak_flops: float  # dense bf16 (fp16 where the device has no bf16 units), per device
     bandwidth: float  # memory bytes/s, per device
     attained: tuple = (1.0, 1.0)  # (FLOP/s, bytes/s) fractions of the above that the step estimate takes
+    # Bytes/s a device sends into a ring collective: one way over its two ring links, shared by a chip's devices;
+    # 0 where unknown (its collectives are then not counted).
+    ici_bandwidth: float = 0.0
 
 
 # Per JAX device. v2/v3 expose each of a chip's two cores as a device; v4 and v5p join a chip's two as one device
 # (megacore: libtpu's compile-only v4 is asked for it, `_CHIP_CONFIG`); v5e and v6e have one core per chip.
+# ICI (`ici_bandwidth`): v2 and v3 chips have 4 links of 496 and 656 Gbit/s (Jouppi et al. 2021), taken as both
+# directions' total (the lower reading), the ring's share per core half a chip's; v4 6 links of 400 Gbit/s each way;
+# v5e 400 GB/s both ways over 4 ports, v5p 1,200 GB/s over 6 (the Cloud TPU datasheets); v6e's is not used here.
 TPU_CHIPS = {
-    "v2": Chip("TPU v2 core", 8 * GIB, 22.5e12, 350e9),
-    "v3": Chip("TPU v3 core", 16 * GIB, 61.5e12, 450e9),
-    "v4": Chip("TPU v4 chip", 32 * GIB, 275e12, 1200e9),
+    "v2": Chip("TPU v2 core", 8 * GIB, 22.5e12, 350e9, ici_bandwidth=31e9),
+    "v3": Chip("TPU v3 core", 16 * GIB, 61.5e12, 450e9, ici_bandwidth=41e9),
+    "v4": Chip("TPU v4 chip", 32 * GIB, 275e12, 1200e9, ici_bandwidth=100e9),
     # Measured on a v5e chip (2026-12-06): of its 16 GiB a program gets 15.75 (`memory_stats()["bytes_limit"]`, what
     # the chip refuses beyond); a bf16 8192^3 product runs at 169.7 TFLOP/s (`bench/device_suite.py`), and a chain
     # of bf16 weight products streams its weights at 739 GB/s (`bench/weight_stream_ab.py`, 8 layers of GPT-J-6B's
     # two joined matrices, steps back to back). A copy, which writes as much as it reads, reaches 644 GB/s (0.79):
     # a step's bytes are mostly read.
-    "v5e": Chip("TPU v5e chip", 16_909_336_064, 197e12, 819e9, attained=(0.86, 0.90)),
-    "v5p": Chip("TPU v5p chip", 95 * GIB, 459e12, 2765e9),
+    "v5e": Chip("TPU v5e chip", 16_909_336_064, 197e12, 819e9, attained=(0.86, 0.90), ici_bandwidth=100e9),
+    "v5p": Chip("TPU v5p chip", 95 * GIB, 459e12, 2765e9, ici_bandwidth=200e9),
     "v6e": Chip("TPU v6e chip", 32 * GIB, 918e12, 1640e9),
 }
 # The device_kind JAX reports for each generation's device (v5e's and v6e's say "lite", v5p's "TPU v5").

@@ -9,7 +9,9 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from mesh_transformer import aot, config, estimate, platforms, targets
 from mesh_transformer.config import ConfigError
@@ -220,7 +222,7 @@ def test_the_estimate_reads_one_layer_of_stacked_weights_per_trip(v3_8):
     # not as L squared (which counting the whole stack at every trip would give).
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
 
     mesh = Mesh(v3_8, ("x",))
 
@@ -434,3 +436,25 @@ def test_the_decode_kernel_compiles_for_a_v5e_under_the_highest_matmul_precision
                                                        shaped(8, 16, 256)).compile()
     assert decode_kernel.NAME in compiled.as_text()
 
+
+def test_the_estimate_counts_the_collectives_a_ring_sends(v3_8):
+    # A psum of N bytes over g devices sends 2 (g - 1) / g N from each, a reduce-scatter from N and an all-gather to
+    # N (g - 1) / g N each, counted once per trip of the loop around them, at the chip's ICI bandwidth.
+    mesh = jax.sharding.Mesh(np.array(v3_8).reshape(2, 4), ("dp", "mp"))
+    n_bytes = 1024 * 1024 * 4  # the f32 [1024, 1024] each device holds
+
+    def body(x, y, z):
+        def trip(carry, _):
+            x, y, z = carry
+            return (jax.lax.psum(x, "mp"), jax.lax.psum_scatter(y, "dp", tiled=True).repeat(2, 0),
+                    jax.lax.all_gather(z[:512], "dp", tiled=True) * 2), None
+        return jax.lax.scan(trip, (x, y, z), None, length=3)[0]
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    like = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)
+    compiled = step.lower(like, like, like).compile()
+    sent = estimate._Module(compiled.as_text()).collective_bytes()
+    assert sent == pytest.approx(3 * (2 * 3 / 4 + 1 / 2 + 1 / 2) * n_bytes)
+    record = estimate.step_estimate(compiled, targets.TPU_CHIPS["v3"], 1, 1.0)
+    assert record["estimated_collective_s"] == pytest.approx(sent / targets.TPU_CHIPS["v3"].ici_bandwidth)
+    assert record["estimated_tokens_per_s_with_collectives"] < record["estimated_tokens_per_s"]
