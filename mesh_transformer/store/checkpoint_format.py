@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mesh_transformer import storage
+from mesh_transformer.store import npz
 
 FORMAT_VERSION = 1
 COMMIT_NAME = "COMMITTED"
@@ -329,6 +330,7 @@ class PieceReader:
                                 f"says {piece['sha256']}")
         if mmap_mode:
             self._verified.add(path)
-        array = np.load(source, mmap_mode=mmap_mode, allow_pickle=False)
+        with npz.HEADER_LOCK:  # pieces are loaded by several threads at once
+            array = np.load(source, mmap_mode=mmap_mode, allow_pickle=False)
         dtype = jnp.dtype(dtype_name)
         return array if array.dtype == dtype else array.view(dtype)

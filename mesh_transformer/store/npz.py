@@ -22,6 +22,10 @@ from mesh_transformer import storage
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # a zip entry's local header; its last two fields: name and extra lengths
 _NPY_PREFIX = 12  # magic (6), version (2), header length (2 in version 1, 4 in version 2)
+# Held while numpy parses an .npy header: it does so with ast.literal_eval, which CPython 3.11 cannot run in several
+# threads at once (a reader's threads parse shards' headers side by side: "SystemError: AST constructor recursion
+# depth mismatch").
+HEADER_LOCK = threading.Lock()
 
 
 class Member(NamedTuple):
@@ -96,11 +100,12 @@ class Archive:
             np.lib.format.read_array_header_2_0
         fp = io.BytesIO(header)
         np.lib.format.read_magic(fp)
-        shape, fortran_order, dtype = read_header(fp)
+        with HEADER_LOCK:
+            shape, fortran_order, dtype = read_header(fp)
         return Member(tuple(shape), dtype, start + length, header, not fortran_order and not dtype.hasobject)
 
     def _through_zipfile(self, name: str) -> Member:
-        with self._lock, self._zip.open(name) as fp:  # rare: read whole once for its shape and dtype
+        with self._lock, HEADER_LOCK, self._zip.open(name) as fp:  # rare: read whole once for its shape and dtype
             array = np.lib.format.read_array(fp, allow_pickle=False)
         return Member(array.shape, array.dtype, 0, b"", False)
 
