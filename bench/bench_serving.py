@@ -6,7 +6,11 @@ tokens. Every program is compiled before timing (the engine's warm-up), so the f
 server runs in a process of its own, as it would in use, so the clients' work does not hold its interpreter lock.
 
     python bench/bench_serving.py [--config configs/bench.json] [--clients 32] [--new-tokens 64] [--prompt-len 32]
-                                  [--kv-pages 192 --page-size 16]
+                                  [--kv-pages 192 --page-size 16] [--adapters 8 --adapter-rank 16]
+
+With --adapters N the server holds N LoRA adapter slots (random adapters of --adapter-rank on every projection,
+loaded from PEFT directories at the start) and the concurrent requests run twice, side by side: all on the base, and
+spread over the N adapters; then one more adapter is loaded at run time, timed (`adapter_load`).
 """
 from __future__ import annotations
 
@@ -37,10 +41,11 @@ from mesh_transformer.tokenizer import load_tokenizer
 GOAL_SPEEDUP = 8
 
 
-def one_request(client: httpx.Client, prompt: list[int], new_tokens: int) -> dict:
-    """Stream one greedy completion; its latency, time to first token and completion tokens."""
+def one_request(client: httpx.Client, prompt: list[int], new_tokens: int, model: str | None = None) -> dict:
+    """Stream one greedy completion (of `model`, a served adapter's name, or the base); its latency, time to first
+    token and completion tokens."""
     body = {"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, **({"model": model} if model else {})}
     start_s = time.perf_counter()
     first_s, tokens = None, 0
     with client.stream("POST", "/v1/completions", json=body) as response:
@@ -56,14 +61,15 @@ def one_request(client: httpx.Client, prompt: list[int], new_tokens: int) -> dic
     return {"latency_s": time.perf_counter() - start_s, "ttft_s": first_s, "tokens": tokens}
 
 
-def concurrent(client: httpx.Client, prompts: list[list[int]], new_tokens: int) -> tuple[list[dict], float]:
-    """All requests at once, one client thread each; (per-request results, wall seconds)."""
+def concurrent(client: httpx.Client, prompts: list[list[int]], new_tokens: int,
+               models: list[str | None] | None = None) -> tuple[list[dict], float]:
+    """All requests at once, one client thread each (request i of models[i]); (per-request results, wall seconds)."""
     results: list[dict] = [{}] * len(prompts)
     gate = threading.Barrier(len(prompts) + 1)
 
     def run(i: int) -> None:
         gate.wait()
-        results[i] = one_request(client, prompts[i], new_tokens)
+        results[i] = one_request(client, prompts[i], new_tokens, models[i] if models else None)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for thread in threads:
@@ -94,10 +100,32 @@ def summary(mode: str, results: list[dict], wall_s: float, **extra) -> dict:
     return record
 
 
+def write_adapters(cfg, n: int, rank: int, root: str) -> list[tuple[str, str]]:
+    """n random adapters of `rank` on every projection, as PEFT directories under root: (name, path) each."""
+    import dataclasses
+
+    from mesh_transformer.model import lora
+    from mesh_transformer.store import peft
+
+    shapes = lora.lora_shapes(dataclasses.replace(cfg, lora_rank=rank, lora_targets=list(config.LORA_TARGETS)))
+    modules = []
+    for i in range(n + 1):  # one more, loaded at run time
+        rng = np.random.default_rng(100 + i)
+        arrays = {t: {w: (rng.standard_normal(s.shape) * 0.02).astype(np.float32) for w, s in ab.items()}
+                  for t, ab in shapes.items()}
+        path = os.path.join(root, f"adapter{i}")
+        peft.write_peft(path, arrays, cfg, rank, float(rank))
+        modules.append((f"adapter{i}", path))
+    return modules
+
+
 def run_server(config_path: str, slots: int, ready: multiprocessing.Queue, stop: multiprocessing.Event,
-               paged: dict, overrides: list[str]) -> None:
+               paged: dict, overrides: list[str], adapters: int = 0, rank: int = 16) -> None:
     """The server process: random weights, every program compiled, then serving on a free port until `stop`."""
-    cfg = config.load(config_path, ["cores_per_replica=1", *overrides])
+    import tempfile
+
+    lora = [f"max_loras={adapters + 1}", f"max_lora_rank={rank}"] if adapters else []
+    cfg = config.load(config_path, ["cores_per_replica=1", *overrides, *lora])
     params = jax.tree.map(np.asarray, table.init_unsharded(cfg, jax.random.PRNGKey(0)))
     tokenizer = load_tokenizer()
     start_s = time.perf_counter()
@@ -108,12 +136,19 @@ def run_server(config_path: str, slots: int, ready: multiprocessing.Queue, stop:
     setup = {"slots": engine.n_slots, **paged, "warm_up_s": round(time.perf_counter() - start_s, 1),
              "layers": cfg.layers, "d_model": cfg.d_model, "seq": cfg.seq, "devices": jax.device_count(),
              "platform": jax.devices()[0].platform}
-    try:
-        with server.BackgroundServer(server.create_app(engine, tokenizer, model_name=cfg.name)) as running:
-            ready.put((running.url, setup))
-            stop.wait()
-    finally:
-        engine.close()
+    with tempfile.TemporaryDirectory() as root:
+        modules = write_adapters(cfg, adapters, rank, root) if adapters else []
+        if adapters:
+            slot_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.params["layers"][0]["lora"])) * cfg.layers
+            setup.update(adapters=adapters, adapter_rank=rank, adapter_slots=cfg.max_loras,
+                         bytes_per_adapter_slot=slot_bytes // cfg.max_loras, extra_adapter=modules[-1])
+        try:
+            app = server.create_app(engine, tokenizer, model_name=cfg.name, lora_modules=modules[:adapters])
+            with server.BackgroundServer(app) as running:
+                ready.put((running.url, setup))
+                stop.wait()
+        finally:
+            engine.close()
 
 
 def main() -> None:
@@ -122,17 +157,20 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--adapters", type=int, default=0, help="LoRA adapters the requests are spread over")
+    parser.add_argument("--adapter-rank", type=int, default=16)
     add_paged_cache_args(parser)
     args = parser.parse_args()
     args.overrides = []  # --kv-cache-dtype's
     paged = paged_cache(parser, args)
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or JAX state inherited
     ready, stop = context.Queue(), context.Event()
-    process = context.Process(target=run_server, args=(args.config, args.clients, ready, stop, paged, args.overrides),
-                              daemon=True)
+    process = context.Process(target=run_server, args=(args.config, args.clients, ready, stop, paged, args.overrides,
+                                                       args.adapters, args.adapter_rank), daemon=True)
     process.start()
     try:
         url, setup = ready.get(timeout=1800)
+        extra_adapter = setup.pop("extra_adapter", None)
         emit(bench="serving_setup", **setup)
         rng = np.random.default_rng(0)
         prompts = rng.integers(0, len(load_tokenizer()), (args.clients, args.prompt_len)).tolist()
@@ -141,6 +179,9 @@ def main() -> None:
             concurrent(client, prompts[:4], 4)  # warms the HTTP path and the client's connections
             shared = {"clients": args.clients, "new_tokens": args.new_tokens, "prompt_len": args.prompt_len}
             batched = summary("concurrent", *concurrent(client, prompts, args.new_tokens), **shared)
+            if args.adapters:
+                compare_adapters(client, prompts, args, batched, shared, extra_adapter)
+                return
             alone = summary("one_at_a_time", *one_at_a_time(client, prompts, args.new_tokens), **shared)
         speedup = batched["tokens_per_s"] / alone["tokens_per_s"]
         emit(bench="serving_speedup", concurrent_over_one_at_a_time=round(speedup, 2), goal=GOAL_SPEEDUP,
@@ -148,6 +189,26 @@ def main() -> None:
     finally:
         stop.set()
         process.join(60)
+
+
+GOAL_ADAPTERS = 0.8  # mixed-adapter throughput over base-only, 32 clients on the CPU
+
+
+def compare_adapters(client: httpx.Client, prompts: list, args, base: dict, shared: dict,
+                     extra_adapter: tuple[str, str]) -> None:
+    """The same concurrent requests spread over the adapters, against `base` (all on the base); then one adapter
+    loaded at run time, timed."""
+    models = [f"adapter{i % args.adapters}" for i in range(len(prompts))]
+    mixed = summary("concurrent_adapters", *concurrent(client, prompts, args.new_tokens, models),
+                    adapters=args.adapters, adapter_rank=args.adapter_rank, **shared)
+    ratio = mixed["tokens_per_s"] / base["tokens_per_s"]
+    emit(bench="serving_adapters", mixed_over_base_only=round(ratio, 3), goal=GOAL_ADAPTERS, met=ratio >= GOAL_ADAPTERS)
+    name, path = extra_adapter
+    start_s = time.perf_counter()
+    client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}).raise_for_status()
+    load_s = time.perf_counter() - start_s
+    check = one_request(client, prompts[0], 4, name)
+    emit(bench="adapter_load", load_s=round(load_s, 3), adapter_rank=args.adapter_rank, served_after=check["tokens"])
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def _abstract_slots(programs: Programs, n_slots: int, sizes: list[int]) -> tuple
     block = [jax.ShapeDtypeStruct(block_shape(n_slots, size, cfg, policy), cache_dtype(cfg, policy),
                                   sharding=programs.cache_sharding) for size in sizes]
     ints = jax.ShapeDtypeStruct((n_slots,), jnp.int32, sharding=row)
-    steps = Steps(ints, ints, _abstract_sampling(row, n_slots))
+    steps = Steps(ints, ints, _abstract_sampling(row, n_slots, adapters=bool(cfg.max_loras)))
     slots = programs.abstract_slots(n_slots)
     return KVCache([block] * cfg.layers, [block] * cfg.layers), slots, steps
 
@@ -49,8 +49,8 @@ def _abstract_like(tree, sharding: NamedSharding):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
-def _abstract_sampling(sharding: NamedSharding, n: int, bias: bool = False) -> Sampling:
-    return _abstract_like(fill_sampling(n, [], bias=bias), sharding)
+def _abstract_sampling(sharding: NamedSharding, n: int, bias: bool = False, adapters: bool = False) -> Sampling:
+    return _abstract_like(fill_sampling(n, [], bias=bias, adapters=adapters), sharding)
 
 
 def measure_inference(train_layout: Layout, n_slots: int, common: dict,
@@ -95,7 +95,7 @@ def measure_inference(train_layout: Layout, n_slots: int, common: dict,
     cache, last, _ = _abstract_slots(programs, n_slots, serve_blocks)
     ids = jax.ShapeDtypeStruct((dp, cfg.seq), jnp.int32, sharding=layout.sharding(("batch", "length")))
     rows = jax.ShapeDtypeStruct((dp,), jnp.int32, sharding=programs.row_sharding)
-    sampling = _abstract_sampling(programs.row_sharding, dp, bias=True)
+    sampling = _abstract_sampling(programs.row_sharding, dp, bias=True, adapters=bool(cfg.max_loras))
     prefill, prefill_s = _compile(programs.jitted["prefill"], params, cache, last, ids, rows, rows, sampling,
                                   policy=policy)
     # A prompt's rest after a cached prefix (the prefix cache): half the context each, reading the whole slot.
@@ -104,7 +104,8 @@ def measure_inference(train_layout: Layout, n_slots: int, common: dict,
                                 sampling, policy=policy)
     paged = _measure_paged(programs, params, n_slots, base, common)
     score_rows = Rows(*[ids] * 6)
-    scorer, scorer_s = _compile(Scorer(layout, None)._program, params, score_rows, policy=policy, top_k=MAX_TOP)
+    scorer, scorer_s = _compile(Scorer(layout, None)._program, params, score_rows, rows, policy=policy,
+                                top_k=MAX_TOP)
     return [{"check": "serve_decode_step", **serve, **serve_memory, "per_slot_bytes": round(per_slot),
              "slots_that_fit": fit},
             {"check": "serve_prefill", **base, "slots": n_slots, "prompt_tokens": cfg.seq,

@@ -82,6 +82,9 @@ class Config:
     weight_dtype: str = "compute"
     quantize_head: bool = False  # with int8 weights, the LM head in int8 too (the embedding stays in compute dtype)
     kv_cache_dtype: str = "compute"  # the paged KV cache: in the compute dtype, or "int8" (infer/paged.py)
+    # Serving LoRA adapters side by side over the base (model/lora_slots.py): slots held, and their rank (0: none).
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     @property
     def head_dim(self) -> int:
@@ -165,7 +168,8 @@ def _check_family(cfg: Config) -> None:
 def _check_values(cfg: Config) -> None:
     _check_family(cfg)
     positive = ("layers", "d_model", "n_heads", "n_vocab", "seq", "cores_per_replica", "per_replica_batch",
-                "gradient_accumulation_steps", "tpu_size", "total_steps", "keep_last", "mesh_fsdp", "mesh_tensor")
+                "gradient_accumulation_steps", "tpu_size", "total_steps", "keep_last", "mesh_fsdp", "mesh_tensor",
+                "max_lora_rank")
     for key in positive:
         if getattr(cfg, key) < 1:
             raise ConfigError(f"config key '{key}' must be at least 1, got {getattr(cfg, key)}")
@@ -186,6 +190,8 @@ def _check_values(cfg: Config) -> None:
 
 
 def _check_lora(cfg: Config) -> None:
+    if cfg.max_loras < 0:
+        raise ConfigError(f"config key 'max_loras' must be at least 0 (0 = no adapter slots), got {cfg.max_loras}")
     if cfg.lora_rank < 0:
         raise ConfigError(f"config key 'lora_rank' must be at least 0 (0 = no LoRA), got {cfg.lora_rank}")
     if cfg.lora_alpha is not None and cfg.lora_alpha <= 0:

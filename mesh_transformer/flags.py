@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from mesh_transformer import config
 
@@ -182,3 +182,16 @@ def stdin_lines() -> Iterator[str]:
             return
         if line.strip():
             yield line.rstrip("\n")
+
+
+def parse_modules(items: Sequence[str]) -> list[tuple[str, str]]:
+    """`--lora-modules NAME=PATH ...` as (name, path) pairs; a ConfigError names a malformed or repeated one."""
+    pairs = []
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise config.ConfigError(f"--lora-modules takes NAME=PATH items, got {item!r}")
+        if name in dict(pairs):
+            raise config.ConfigError(f"--lora-modules names {name!r} twice")
+        pairs.append((name, path))
+    return pairs

@@ -372,3 +372,37 @@ def left_pad(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     for row, prompt in enumerate(prompts):
         ids[row, length - len(prompt):], mask[row, length - len(prompt):] = prompt, 1
     return ids, mask
+
+
+# ---- LoRA adapters served side by side (model/lora_slots.py) ----
+
+def served_greedy(layout: Layout, params: dict, prompts: list, row_slots: np.ndarray, steps: int, page: int = 4):
+    """Greedy tokens and chosen log-probs [rows, 1 + steps] through the paged programs over params with adapter
+    slots, prompt r in slot r running adapter slot row_slots[r] (-1: the base)."""
+    from mesh_transformer.infer import decode
+    from mesh_transformer.infer.choose import fill_sampling
+    from mesh_transformer.infer.programs import Programs
+    from mesh_transformer.parallel.mesh import DP
+
+    programs, dp, n = Programs(layout), layout.mesh.shape[DP], len(prompts)
+    local, per_row = n // dp, layout.cfg.seq // page
+    cache, slots = programs.new_pages(n * per_row, page), programs.new_slots(n)
+    table_ = np.tile(np.arange(local * per_row, dtype=np.int32).reshape(local, per_row), (dp, 1))
+    width = max(map(len, prompts))
+    ids = np.zeros((n, width), np.int32)
+    for i, prompt in enumerate(prompts):
+        ids[i, :len(prompt)] = prompt
+    length = np.array([len(p) for p in prompts], np.int32)
+    sampling = fill_sampling(n, [])._replace(adapter=np.asarray(row_slots, np.int32), logprobs=np.ones(n, bool))
+    slot = np.tile(np.arange(local, dtype=np.int32), dp)
+    token, chosen, slots, cache = programs.paged_prefill(params, cache, slots, ids, np.zeros(n, np.int32), length,
+                                                         table_, slot, sampling, n_read=0)
+    state = decode.Steps(length.copy(), np.ones(n, np.int32), sampling)
+    tokens, logprobs = [np.asarray(token)], [np.asarray(chosen.chosen)]
+    for _ in range(steps):
+        read = max(1, -(-int(np.max(np.asarray(state.position))) // page))
+        token, chosen, slots, state, cache = programs.paged_decode(params, cache, slots, state, table_, rows=local,
+                                                                   n_read=read)
+        tokens.append(np.asarray(token))
+        logprobs.append(np.asarray(chosen.chosen))
+    return np.stack(tokens, 1), np.stack(logprobs, 1)

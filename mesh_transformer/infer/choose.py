@@ -33,16 +33,21 @@ class Sampling(NamedTuple):
     presence: Any  # f32: subtracted from the logit of each token drawn before in the completion (0 = off)
     frequency: Any  # f32: subtracted once per earlier draw of the token (0 = off)
     bias: LogitBias | None = None  # the bias itself, at a request's first token (prefill; decode steps keep it)
+    adapter: Any = None  # i32: the served LoRA adapter slot (-1: the base alone); None where none are served
 
 
-def fill_sampling(n: int, placed: Iterable[tuple[int, Any]], bias: bool = False) -> Sampling:
+def fill_sampling(n: int, placed: Iterable[tuple[int, Any]], bias: bool = False, adapters: bool = False) -> Sampling:
     """Sampling rows [n] (numpy) with each item's temperature, top_k, top_p, seed, logprobs and penalties at its row,
-    and with `bias` its logit bias ({token id: value}); the other rows are greedy, without log-probs."""
+    with `bias` its logit bias ({token id: value}), with `adapters` its served adapter slot (`adapter`, -1: none);
+    the other rows are greedy, without log-probs or adapter."""
     rows = Sampling(np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32), np.zeros(n, np.uint32),
                     np.zeros(n, bool), np.zeros(n, np.float32), np.zeros(n, np.float32),
                     LogitBias(np.full((n, MAX_LOGIT_BIAS), np.iinfo(np.int32).max, np.int32),
-                              np.zeros((n, MAX_LOGIT_BIAS), np.float32)) if bias else None)
+                              np.zeros((n, MAX_LOGIT_BIAS), np.float32)) if bias else None,
+                    np.full(n, -1, np.int32) if adapters else None)
     for row, item in placed:
+        if adapters:
+            rows.adapter[row] = item.adapter
         rows.temperature[row], rows.top_k[row], rows.top_p[row] = item.temperature, item.top_k, item.top_p
         rows.seed[row], rows.logprobs[row] = item.seed % 2 ** 32, item.logprobs
         rows.presence[row], rows.frequency[row] = item.presence_penalty, item.frequency_penalty

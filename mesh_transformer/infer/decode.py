@@ -34,7 +34,7 @@ from jax import lax
 from mesh_transformer.config import Config
 from mesh_transformer.infer import decode_kernel
 from mesh_transformer.infer.choose import Sampling, choose, dense_bias
-from mesh_transformer.model import gptj, layers
+from mesh_transformer.model import gptj, layers, lora_slots
 from mesh_transformer.model.order import in_turn, weights_in_turn
 from mesh_transformer.platforms import Policy
 
@@ -259,18 +259,19 @@ def run_cached(params: dict, cache: KVCache, ids_RxT: jax.Array, positions_RxT: 
 
 
 def prefill_logits(params: dict, cache: KVCache, ids_RxT: jax.Array, length_R: jax.Array, slot_R: jax.Array,
-                   cfg: Config, tp_axis: str | None = None, *, policy: Policy) -> tuple[jax.Array, KVCache]:
+                   cfg: Config, tp_axis: str | None = None, *, policy: Policy,
+                   adapters: lora_slots.Rows | None = None) -> tuple[jax.Array, KVCache]:
     """Run R prompts (right-padded to T) together, write each one's keys and values from position 0 of its slot
     (a slot of -1 is a padding row, written nowhere), and return the logits after each prompt's last token [R, V]."""
     target_R = jnp.where(slot_R >= 0, slot_R, cache.k[0][0].shape[0])  # past the end: the scatter drops it
     kv = _PrefillKV(target_R, gptj.precision(cfg).compute, policy.cache_order)
     return run_cached(params, cache, ids_RxT, gptj.positions(ids_RxT), kv, cfg, tp_axis, policy,
-                       columns_BxC=(length_R - 1)[:, None])
+                       columns_BxC=(length_R - 1)[:, None], adapters=adapters)
 
 
 def extend_logits(params: dict, cache: KVCache, ids_RxT: jax.Array, start_R: jax.Array, length_R: jax.Array,
                   slot_R: jax.Array, source_R: jax.Array, cfg: Config, tp_axis: str | None = None, *,
-                  policy: Policy) -> tuple[jax.Array, KVCache]:
+                  policy: Policy, adapters: lora_slots.Rows | None = None) -> tuple[jax.Array, KVCache]:
     """`prefill_logits` of prompt tails (right-padded to T) that follow a cached prefix: row r's `length_r` tokens go
     to positions start_r on of its slot, after the prefix held by slot source_r (its own, or another of the group,
     copied in); return the logits after each tail's last token [R, V]."""
@@ -280,16 +281,22 @@ def extend_logits(params: dict, cache: KVCache, ids_RxT: jax.Array, start_R: jax
                    policy.cache_order)
     positions_RxT = start_R[:, None] + gptj.positions(ids_RxT)
     return run_cached(params, cache, ids_RxT, positions_RxT, kv, cfg, tp_axis, policy,
-                       columns_BxC=(length_R - 1)[:, None])
+                       columns_BxC=(length_R - 1)[:, None], adapters=adapters)
 
 
 def decode_logits(params: dict, cache: KVCache, token_R: jax.Array, position_R: jax.Array, cfg: Config,
-                  n_blocks: int, tp_axis: str | None = None, *, policy: Policy) -> tuple[jax.Array, KVCache]:
+                  n_blocks: int, tp_axis: str | None = None, *, policy: Policy,
+                  adapters: lora_slots.Rows | None = None) -> tuple[jax.Array, KVCache]:
     """Feed one token to each of the first R slots: write its key at the slot's own position, attend to the cache
     positions in the first `n_blocks` blocks (keys after a slot's own position are masked), return logits [R, V]."""
     kv = _DecodeKV(position_R, n_blocks, gptj.precision(cfg).compute, policy)
     return run_cached(params, cache, token_R[:, None], position_R[:, None], kv, cfg, tp_axis, policy,
-                       mask_BxTxS=jnp.ones((token_R.shape[0], 1, 1), bool))
+                       mask_BxTxS=jnp.ones((token_R.shape[0], 1, 1), bool), adapters=adapters)
+
+
+def served(sampling: Sampling, rows: int | None = None) -> lora_slots.Rows | None:
+    """The first `rows` rows' served adapter slots (all rows' where None), or None where no slots are served."""
+    return None if sampling.adapter is None else lora_slots.Rows(sampling.adapter[:rows])
 
 
 class Slots(NamedTuple):
@@ -311,7 +318,8 @@ def prefill_local(params, cache, slots_N: Slots, ids_RxT, length_R, slot_R, samp
     """`prefill_logits`, then each row's first token: returns tokens [R] and their `Logprobs` (with the `top` most
     likely), the `Slots` with these rows' written into theirs (the next decode step's input; counts and bias
     restarted), and the cache. Per dp group: its own rows, its own slots."""
-    logits_RxV, cache = prefill_logits(params, cache, ids_RxT, length_R, slot_R, cfg, tp_axis, policy=policy)
+    logits_RxV, cache = prefill_logits(params, cache, ids_RxT, length_R, slot_R, cfg, tp_axis, policy=policy,
+                                       adapters=served(sampling_R))
     return first_tokens(logits_RxV, cache, slots_N, slot_R, sampling_R, top)
 
 
@@ -333,7 +341,7 @@ def extend_local(params, cache, slots_N: Slots, ids_RxT, start_R, length_R, slot
                  policy, top: int = 0, tp_axis=None):
     """`prefill_local` of prompt tails after cached prefixes (`extend_logits`)."""
     logits_RxV, cache = extend_logits(params, cache, ids_RxT, start_R, length_R, slot_R, source_R, cfg, tp_axis,
-                                      policy=policy)
+                                      policy=policy, adapters=served(sampling_R))
     return first_tokens(logits_RxV, cache, slots_N, slot_R, sampling_R, top)
 
 
@@ -345,7 +353,7 @@ def decode_local(params, cache, slots_N: Slots, steps_N: Steps, *, cfg, policy, 
     are chosen with them, and counted (every row's: a row without penalties never reads its counts, and a prefill
     restarts them); without, the program never touches the counts and bias."""
     logits_RxV, cache = decode_logits(params, cache, slots_N.last[:rows], steps_N.position[:rows], cfg, n_blocks,
-                                      tp_axis, policy=policy)
+                                      tp_axis, policy=policy, adapters=served(steps_N.sampling, rows))
     return next_tokens(logits_RxV, cache, slots_N, steps_N, rows, top, penalized)
 
 

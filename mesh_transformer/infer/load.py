@@ -30,6 +30,8 @@ def inference_config(args: argparse.Namespace) -> tuple[config.Config, str]:
         overrides.update(config.INFERENCE_DTYPES[args.dtype])
     if getattr(args, "quantize_head", False):
         overrides["quantize_head"] = True
+    if getattr(args, "max_loras", 0):  # device_serve.py's served LoRA adapters' slots
+        overrides.update(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
 
     def file_config(path: str) -> config.Config:
         return config.from_dict({**config.load(path).to_dict(), **overrides})

@@ -257,14 +257,15 @@ class _PagedKV(NamedTuple):
 
 def paged_logits(params: dict, cache: PagedCache, ids_RxT: jax.Array, start_R: jax.Array, length_R: jax.Array,
                  table_RxM: jax.Array, cfg: Config, n_read: int, tp_axis: str | None = None, *,
-                 policy: Policy) -> tuple[jax.Array, PagedCache]:
+                 policy: Policy, adapters=None) -> tuple[jax.Array, PagedCache]:
     """Run R rows of tokens at positions start_r on (`_PagedKV`); the logits after each row's last real token
     [R, V] and the cache with their keys and values written."""
     kv = _PagedKV(table_RxM, start_R, length_R, n_read, gptj.precision(cfg).compute, policy, [], [])
     positions_RxT = start_R[:, None] + gptj.positions(ids_RxT)
     mask = jnp.ones((ids_RxT.shape[0], 1, 1), bool) if ids_RxT.shape[1] == 1 else None  # None: causal
     logits_RxV, cache = decode.run_cached(params, cache, ids_RxT, positions_RxT, kv, cfg, tp_axis, policy,
-                                           mask_BxTxS=mask, columns_BxC=(length_R - 1)[:, None])
+                                           mask_BxTxS=mask, columns_BxC=(length_R - 1)[:, None],
+                                           adapters=adapters)
     return logits_RxV, cache
 
 
@@ -274,7 +275,7 @@ def prefill_local(params, cache, slots_N: decode.Slots, ids_RxT, start_R, length
     row r's tokens written through its table; each row's first token chosen and written into its slot of slots_N
     (the per-request sampling state, as with the slot cache)."""
     logits_RxV, cache = paged_logits(params, cache, ids_RxT, start_R, length_R, table_RxM, cfg, n_read, tp_axis,
-                                     policy=policy)
+                                     policy=policy, adapters=decode.served(sampling_R))
     return decode.first_tokens(logits_RxV, cache, slots_N, slot_R, sampling_R, top)
 
 
@@ -285,6 +286,6 @@ def decode_local(params, cache, slots_N: decode.Slots, steps_N: decode.Steps, ta
     position_R = steps_N.position[:rows]
     logits_RxV, cache = paged_logits(params, cache, slots_N.last[:rows, None], position_R,
                                      jnp.ones_like(position_R), table_NxM[:rows], cfg, n_read, tp_axis,
-                                     policy=policy)
+                                     policy=policy, adapters=decode.served(steps_N.sampling, rows))
     return decode.next_tokens(logits_RxV, cache, slots_N, steps_N, rows, top, penalized)
 

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from mesh_transformer.config import Config, ConfigError, model_parallel_widths
-from mesh_transformer.model import fused, gptj, lora, quant, table
+from mesh_transformer.model import fused, gptj, lora, lora_slots, quant, table
 from mesh_transformer.parallel.layout import SHARD_MAP, Layout, make_layout
 from mesh_transformer.parallel.mesh import DP, MP, make_mesh
 from mesh_transformer.store import convert, placing, readahead
@@ -170,7 +170,8 @@ def place_params(params: dict, layout: Layout, adapters: dict | None = None) -> 
                                                                                           precision.compute))
 
     unstacked_params = table.unstack_layers({**placed, "layers": params["layers"]}, split)
-    spec_leaves, spec_tree = jax.tree.flatten(layout.placed_specs()["layers"][0], is_leaf=lambda x: isinstance(x, P))
+    spec_leaves, spec_tree = jax.tree.flatten(layout.placed_specs(slots=False)["layers"][0],
+                                              is_leaf=lambda x: isinstance(x, P))
     lora_scale = lora.scale(cfg) if adapters else 0.0
     fuse = _fuser(mesh, tuple(spec_leaves), spec_tree, lora_scale, precision.int8, precision.compute)
     amax = _amax_of(precision.compute, layout.replicated, lora_scale)
@@ -194,6 +195,8 @@ def abstract_params(layout: Layout) -> dict:
     fused = jax.eval_shape(partial(join_layer, tp_size=layout.mesh.shape[MP], int8=precision.int8), layer)
     if precision.int8_head:
         shapes = {**shapes, "lm_head": jax.eval_shape(partial(quant.quantize_head, xp=jnp), shapes["lm_head"])}
+    if layout.cfg.max_loras:  # the served adapters' slots (infer/adapter_slots.py)
+        fused = {**fused, "lora": lora_slots.slot_shapes(layout.cfg, precision.compute)}
     shardings = jax.tree.map(partial(NamedSharding, layout.mesh), layout.placed_specs(),
                              is_leaf=lambda x: isinstance(x, P))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -287,7 +290,8 @@ def _layer_placer(layout: Layout, lora_scale: float):
     precision = gptj.precision(layout.cfg)
     part_shardings = jax.tree.map(lambda s: NamedSharding(layout.mesh, P(*s.spec[1:])),
                                   layout.param_shardings()["layers"])
-    spec_leaves, spec_tree = jax.tree.flatten(layout.placed_specs()["layers"][0], is_leaf=lambda x: isinstance(x, P))
+    spec_leaves, spec_tree = jax.tree.flatten(layout.placed_specs(slots=False)["layers"][0],
+                                              is_leaf=lambda x: isinstance(x, P))
     fuse = _fuser(layout.mesh, tuple(spec_leaves), spec_tree, 0.0, precision.int8, precision.compute)
     amax = _amax_of(precision.compute, layout.replicated)
 
@@ -307,7 +311,7 @@ def _host_placer(layout: Layout):
     """(layer in the compute dtype (int8 with its scales from an int8 checkpoint), scales or None, None: merged as
     read) -> the layer joined on the host and placed (`_place_layer`)."""
     precision = gptj.precision(layout.cfg)
-    shardings = jax.tree.map(partial(NamedSharding, layout.mesh), layout.placed_specs()["layers"][0],
+    shardings = jax.tree.map(partial(NamedSharding, layout.mesh), layout.placed_specs(slots=False)["layers"][0],
                              is_leaf=lambda x: isinstance(x, P))
     return lambda layer, scales, _: _place_layer(layer, scales, dtype=precision.compute,
                                                  tp_size=layout.mesh.shape[MP], int8=precision.int8,

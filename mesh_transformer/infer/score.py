@@ -25,7 +25,7 @@ from mesh_transformer.config import Config
 from mesh_transformer.infer.sizes import bucket
 from mesh_transformer.infer.params import place_params
 from mesh_transformer.infer.programs import checks_vma
-from mesh_transformer.model import attention, gptj, layers
+from mesh_transformer.model import attention, gptj, layers, lora_slots
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import DP
 from mesh_transformer.platforms import Policy
@@ -109,11 +109,14 @@ def _top(logits_RxTxV: jax.Array, k: int, tp_axis: str | None) -> tuple[jax.Arra
     return ids_RxTxk, values_RxTxk - lse_RxT[..., None]
 
 
-def score_local(params: dict, rows: Rows, *, cfg: Config, policy: Policy, top_k: int, tp_axis: str | None = None):
-    """Per device: the forward over packed rows, then `Scores` of each position (this dp group's rows)."""
+def score_local(params: dict, rows: Rows, adapter_R, *, cfg: Config, policy: Policy, top_k: int,
+                tp_axis: str | None = None):
+    """Per device: the forward over packed rows (each row through its served LoRA adapter's slot, -1: the base,
+    where the params hold slots), then `Scores` of each position (this dp group's rows)."""
     mask_RxTxT = packed_mask(rows.groups, rows.segments)
+    adapters = lora_slots.Rows(adapter_R) if "lora" in params["layers"][0] else None
     logits_RxTxV, _ = gptj.run(params, rows.ids, rows.positions, cfg, policy=policy, tp_axis=tp_axis,
-                               mask_BxTxS=mask_RxTxT, columns_BxC=rows.columns)
+                               mask_BxTxS=mask_RxTxT, columns_BxC=rows.columns, adapters=adapters)
     targets_RxT = jnp.maximum(rows.targets, 0)
     logprob_RxT = -layers.cross_entropy(logits_RxTxV, targets_RxT, tp_axis)
     greedy_RxT = _greedy(logits_RxTxV, targets_RxT, tp_axis)
@@ -136,22 +139,24 @@ class Scorer:
         self.traces = 0
         self._program = jax.jit(self._score, static_argnames=("top_k",))
 
-    def _score(self, params: dict, rows: Rows, *, top_k: int):
+    def _score(self, params: dict, rows: Rows, adapter_R, *, top_k: int):
         self.traces += 1
         row = self.layout.spec(("batch", "length"))
         top = self.layout.spec(("batch", "length", None))
         fn = partial(score_local, cfg=self.cfg, policy=self.layout.policy, top_k=top_k, tp_axis=self.layout.tp_axis)
-        return self.layout.per_device(fn, (self.layout.placed_specs(), Rows(*[row] * 6)), (row, row, top, top),
-                                      checks_vma(self.layout.policy))(params, rows)
+        in_specs = (self.layout.placed_specs(), Rows(*[row] * 6), self.layout.spec(("batch",)))
+        return self.layout.per_device(fn, in_specs, (row, row, top, top), checks_vma(self.layout.policy))(
+            params, rows, adapter_R)
 
     def width(self, longest: int) -> int:
         """The row width for units of at most `longest` tokens: a power of two, at most seq (a longer unit is cut
         into pieces that each repeat its context)."""
         return bucket(min(longest, self.cfg.seq), maximum=self.cfg.seq)
 
-    def run(self, rows: Rows, top_k: int = 0) -> Scores:
+    def run(self, rows: Rows, top_k: int = 0, adapter: int = -1) -> Scores:
         """Scores of packed rows (padded here to a multiple of batch_rows), with the top_k (at most MAX_TOP)
-        alternatives: one program finds MAX_TOP for every k, so k does not add compiles."""
+        alternatives: one program finds MAX_TOP for every k, so k does not add compiles. `adapter`: the served LoRA
+        adapter slot every row runs (-1: the base)."""
         if not 0 <= top_k <= MAX_TOP:
             raise ValueError(f"top_k must be in [0, {MAX_TOP}], got {top_k}")
         n = rows.ids.shape[0]
@@ -160,7 +165,8 @@ class Scorer:
         for start in range(0, padded, self.batch_rows):
             chunk = Rows(*[_pad_rows(x[start:start + self.batch_rows], self.batch_rows, fill)
                            for x, fill in zip(rows, PAD)])
-            out.append(self._program(self.params, chunk, top_k=MAX_TOP if top_k else 0))
+            adapter_R = np.full(self.batch_rows, adapter, np.int32)
+            out.append(self._program(self.params, chunk, adapter_R, top_k=MAX_TOP if top_k else 0))
         logprob, greedy, top_ids, top_logprobs = (np.concatenate([np.asarray(o[i]) for o in out])[:n]
                                                   for i in range(4))
         return Scores(logprob, greedy, top_ids[..., :top_k], top_logprobs[..., :top_k])
@@ -244,12 +250,14 @@ class TokenScores:
     alternatives: list[list[tuple[int, float]]]
 
 
-def score_sequences(scorer: Scorer, sequences: Sequence[Sequence[int]], top_k: int = 0) -> list[TokenScores]:
-    """Per-token scores of whole sequences (an echoed prompt and its completion), packed like any units."""
+def score_sequences(scorer: Scorer, sequences: Sequence[Sequence[int]], top_k: int = 0,
+                    adapter: int = -1) -> list[TokenScores]:
+    """Per-token scores of whole sequences (an echoed prompt and its completion), packed like any units, through a
+    served LoRA adapter's slot where `adapter` is one."""
     units = [Unit(tuple(s[:1]), (tuple(s[1:]),)) for s in sequences]
     width = scorer.width(max((u.length for u in units), default=1))
     rows, placed = pack(units, width)
-    scores = scorer.run(rows, top_k=top_k)
+    scores = scorer.run(rows, top_k=top_k, adapter=adapter)
     out = []
     for (p,) in placed:
         span = slice(p.start, p.start + p.length)

@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 
 from mesh_transformer.config import Config
-from mesh_transformer.model import families, family, layers, lora, order, quant
+from mesh_transformer.model import families, family, layers, lora, lora_slots, order, quant
 from mesh_transformer.model.table import DTYPES
 from mesh_transformer.platforms import Policy
 
@@ -121,7 +121,8 @@ def run(params: dict, ids_BxT: jax.Array, positions_BxT: jax.Array, cfg: Config,
     - `kv`, `kv_states`: a KV cache's per-layer reads and writes (`KV`), with each layer's state;
     - `columns_BxC`: the positions that reach the head (None: all);
     - `head(params, h_BxCxD)`: what the head computes (default `logits`: f32, this device's vocab columns);
-    - `adapters`: LoRA adapters on the stacked layers (model/lora.py), or None;
+    - `adapters`: LoRA adapters on the stacked layers (model/lora.py); for placed layers with adapter slots, each
+      row's slot (`lora_slots.Rows`); or None;
     - `constrain`: pins activations between layers (GSPMD: under FSDP that makes XLA gather one layer's weights per
       scan iteration instead of splitting the activations like the weights); `loop`: how the layers run (default:
       `scanned` for stacked layers, `unrolled` for a list).
@@ -137,7 +138,11 @@ def run(params: dict, ids_BxT: jax.Array, positions_BxT: jax.Array, cfg: Config,
     dtype = precision(cfg).compute
 
     def step(h_BxTxD, layer_and_adapters, state):
-        layer = lora.adapt_layer(*quant.cast(layer_and_adapters, dtype), lora.scale(cfg))
+        layer, layer_adapters = layer_and_adapters
+        if isinstance(layer_adapters, lora_slots.Rows):  # served adapters: each row's slot (model/lora_slots.py)
+            layer = {**quant.cast(layer, dtype), "lora_rows": layer_adapters}
+        else:
+            layer = lora.adapt_layer(*quant.cast(layer_and_adapters, dtype), lora.scale(cfg))
         past = None if kv is None else kv.read(state, h_BxTxD)
         h_BxTxD, (k, v) = layers.block(h_BxTxD, layer, cfg.head_dim, sincos, arch=arch, mask_BxTxT=mask_BxTxS,
                                        tp_axis=tp_axis, past=past, join=cfg.join_projections, policy=policy)
@@ -147,7 +152,7 @@ def run(params: dict, ids_BxT: jax.Array, positions_BxT: jax.Array, cfg: Config,
     if loop is None:
         loop = (partial(scanned, remat=cfg.remat, remat_policy=cfg.remat_policy) if stacked
                 else partial(unrolled, policy=policy))
-    layers_ = (params["layers"], adapters) if stacked else [(layer, None) for layer in params["layers"]]
+    layers_ = (params["layers"], adapters) if stacked else [(layer, adapters) for layer in params["layers"]]
     h_BxTxD, kv_states = loop(step, h_BxTxD, layers_, kv_states)
     if columns_BxC is not None:
         h_BxTxD = jnp.take_along_axis(h_BxTxD, columns_BxC[..., None], axis=1)

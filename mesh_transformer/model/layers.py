@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from mesh_transformer.model import order, quant, quant_kernel
+from mesh_transformer.model import lora_slots, order, quant, quant_kernel
 from mesh_transformer.model.attention import attend, causal_mask, self_attention
 from mesh_transformer.platforms import Policy
 
@@ -181,8 +181,9 @@ def projections(p: dict, join: bool, policy: Policy) -> Projections:
     """A layer's `Projections`: `fused.fuse_layer`'s joined matrices (inference, int8 ones with their scales), the param
     tree's matrices joined inside the computation (`join`, for a family with one LayerNorm), or the param tree's
     products as they are."""
-    if "fused" in p:
-        return _fused(p["fused"], policy)
+    if "fused" in p:  # with served adapters' slots beside it, each row's own added (model/lora_slots.py)
+        proj = _fused(p["fused"], policy)
+        return proj if p.get("lora_rows") is None else lora_slots.adapted(proj, p["lora"], p["lora_rows"])
     attn, mlp_p = p["attn"], p["mlp"]
     fc_in, fc_out = mlp_p["fc_in"], mlp_p["fc_out"]
 

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from mesh_transformer import platforms
 from mesh_transformer.config import Config, ConfigError, fit_devices
-from mesh_transformer.model import fused, gptj, quant, table
+from mesh_transformer.model import fused, gptj, lora_slots, quant, table
 from mesh_transformer.model.split import FULL, Split
 from mesh_transformer.parallel.mesh import DATA, DP, FSDP, MP, TENSOR, make_mesh
 from mesh_transformer.platforms import Policy
@@ -203,15 +203,19 @@ class Layout:
     def param_specs(self) -> dict:
         return param_specs(self.mappings, self.cfg)
 
-    def placed_specs(self) -> dict:
+    def placed_specs(self, slots: bool = True) -> dict:
         """Specs of the params placed for inference (infer/params.py): layers unstacked into a list, each joined by
-        `fused.fuse_layer` (shard_map kind), with int8 weights' scales (and the head's, with quantize_head)."""
+        `fused.fuse_layer` (shard_map kind), with int8 weights' scales (and the head's, with quantize_head), and the
+        served adapters' slots where the config holds some (`max_loras`) unless `slots` is False (the loaders')."""
         joined, specs = fused.fused_axes(table.param_axes(self.cfg)["layers"]), self.param_specs()
         if gptj.precision(self.cfg).int8:
             joined = {**joined, "fused": {**joined["fused"], **quant.SCALE_AXES}}
         if gptj.precision(self.cfg).int8_head:
             specs = {**specs, "lm_head": {**specs["lm_head"], **self.specs(quant.HEAD_SCALE_AXES)}}
-        return {**specs, "layers": [self.specs(joined)] * self.cfg.layers}
+        layer = self.specs(joined)
+        if slots and self.cfg.max_loras:  # served LoRA adapters' slots beside the layer (model/lora_slots.py)
+            layer = {**layer, "lora": self.specs(lora_slots.slot_axes(self.cfg))}
+        return {**specs, "layers": [layer] * self.cfg.layers}
 
     def param_shardings(self) -> dict:
         return self.shardings(table.param_axes(self.cfg))

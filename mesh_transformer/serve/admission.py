@@ -47,7 +47,7 @@ def admit_to_slots(waiting: collections.deque[GenerationRequest], slots: list[Co
     request's Completion: where the prefix cache says, else the first free. Returns {slot: its placement}."""
     admitted, pinned = {}, set()
     while free and waiting:
-        prompt = waiting[0].prompt
+        prompt = waiting[0].cache_key(waiting[0].prompt)
         if prefix:
             busy = [i for i, slot in enumerate(slots) if slot is not None]  # admissions so far included
             placement = prefix.place(prompt, free, pinned, schedule.cheap_rows(busy))
@@ -61,7 +61,7 @@ def admit_to_slots(waiting: collections.deque[GenerationRequest], slots: list[Co
         admitted[placement.slot] = placement
     if prefix:  # once placed, their prompts' blocks are held (the programs writing them run first)
         for slot in admitted:
-            prefix.hold(slot, slots[slot].request.prompt)
+            prefix.hold(slot, slots[slot].request.cache_key(slots[slot].request.prompt))
     return admitted
 
 
@@ -76,7 +76,7 @@ def admit_to_pages(waiting: collections.deque[GenerationRequest], slots: list[Co
         return next(slot for slot in free if slot // n_local == group)
 
     while free and waiting:
-        prompt = waiting[0].prompt
+        prompt = waiting[0].cache_key(waiting[0].prompt)
         groups = sorted({slot // n_local for slot in free})
         # Without prefix reuse the engine names no page (`_paged_prefill`, `_release_pages`), so none matches.
         allocation = book.place_in(groups, first_free, prompt, waiting[0].max_tokens)

@@ -67,6 +67,7 @@ class CompletionParams:
     presence_penalty: float = 0.0  # OpenAI's penalties and logit bias ((token id, value) pairs): choose.adjusted
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    model: str | None = None  # the model the request names: the base, or a served LoRA adapter (serve/adapters.py)
 
 
 # --------------------------------------------------------------------------------------------------------- parsing
@@ -268,7 +269,8 @@ def parse_completion(body: dict, tokenizer: Any, limits: Limits) -> CompletionPa
     if max_tokens == 0 and not echo:
         raise ApiError(400, "'max_tokens' must be at least 1 unless 'echo' is true", "max_tokens")
     params = CompletionParams(prompts=prompts, max_tokens=max_tokens, echo=echo,
-                              logprobs=int_field(body, "logprobs", None, 0, MAX_LOGPROBS), **sampling)
+                              logprobs=int_field(body, "logprobs", None, 0, MAX_LOGPROBS), model=body.get("model"),
+                              **sampling)
     check_context(prompts, max_tokens, limits.context)
     return params
 

@@ -181,7 +181,7 @@ def parse_chat(body: dict, tokenizer: Any, limits: Limits, template: ChatTemplat
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
     sampling["stop"] += template.stop
     return CompletionParams(prompts=(prompt,), max_tokens=max_tokens,
-                            logprobs=(top_logprobs or 0) if logprobs else None, **sampling)
+                            logprobs=(top_logprobs or 0) if logprobs else None, model=body.get("model"), **sampling)
 
 
 # ------------------------------------------------------------------------------------------------------- responses

@@ -45,6 +45,14 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    adapter: int = -1  # the served LoRA adapter's slot (serve/adapters.py), -1: the base alone
+    adapter_key: int = 0  # what its prefix cache entries are named under: 0 for the base, else the adapter's load
+
+    def cache_key(self, tokens: Sequence[int]) -> Sequence[int]:
+        """`tokens` as the prefix caches name them: as they are for the base, shifted by the adapter's key (a
+        multiple of 2^32, no token's id) for an adapter, so two adapters, or an adapter and the base, never share
+        cached keys."""
+        return tokens if not self.adapter_key else [t + (self.adapter_key << 32) for t in tokens]
 
 
 def streamable_length(text: str, stop: Sequence[str]) -> int:

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from mesh_transformer.infer import adapter_slots
 from mesh_transformer.infer.choose import Logprobs, fill_sampling
 from mesh_transformer.infer.decode import Steps, default_block
 from mesh_transformer.infer.pages import PagedCacheBook, pages_for
@@ -93,7 +94,9 @@ class Engine:
         self._dp = layout.mesh.shape[DP]
         if n_pages is not None:
             check_pages(n_pages, page_size, self._dp)
-        self.params = place_params(params, layout)
+        self.params = adapter_slots.with_slots(place_params(params, layout), layout)
+        self._served = warmup.serves_adapters(self.params)  # LoRA adapters' slots beside the base (adapters.py)
+        self._slot_writer = adapter_slots.SlotWriter(layout) if self._served else None
         self._programs = programs or Programs(layout)
         self._book = PagedCacheBook(n_pages, page_size, self._dp) if n_pages else None
         self.schedule = engine_schedule(max_batch, self._dp, cfg.seq, page_size if n_pages else None, self.min_span)
@@ -143,6 +146,20 @@ class Engine:
             self._calls.append((fn, future))
             self._cond.notify()
         return future
+
+    def write_adapter(self, slot: int, adapters: dict | None, scale: float = 0.0) -> concurrent.futures.Future:
+        """Write a LoRA adapter ({target: {"a", "b"}} stacked, f32, checked against the base) into served slot `slot`,
+        or clear it (`adapters` None), on the engine thread between two steps; no program recompiles. The caller
+        (serve/adapters.py) gives a slot no request runs."""
+        if not self._served:
+            raise ValueError("this engine serves no LoRA adapters (max_loras 0)")
+
+        def write() -> None:
+            writer = self._slot_writer
+            self.params = (writer.clear(self.params, slot) if adapters is None
+                           else writer.write(self.params, slot, adapters, scale))
+            jax.block_until_ready(self.params["layers"][-1]["lora"])
+        return self.call(write)
 
     def cancel(self, requests: Sequence[GenerationRequest]) -> None:
         """Stop generating for these requests (e.g. the client went away); no further events are sent."""
@@ -276,7 +293,8 @@ class Engine:
                                                                   ends or {})
         for slot, _ in batch:
             self._slots[slot].dispatched = 1  # the prefill asks for its first token
-        sampling = fill_sampling(len(length), [(row, self._slots[slot].request) for slot, row in batch], bias=True)
+        sampling = fill_sampling(len(length), [(row, self._slots[slot].request) for slot, row in batch], bias=True,
+                                 adapters=self._served)
         state = (self.params, self._cache, self._slot_state)
         if self._book:
             out = self._paged_prefill(state, batch, ids_RxT, start, length, local_slot, sampling, named=not ends)
@@ -303,7 +321,8 @@ class Engine:
                                            n_read=n_read, top=MAX_TOP)
         if self._reuse_pages and named:
             for slot, _ in batch:
-                self._book.commit(slot, self._slots[slot].request.prompt)
+                request = self._slots[slot].request
+                self._book.commit(slot, request.cache_key(request.prompt))
         return out
 
     def _decode_step(self) -> _Step | None:
@@ -313,7 +332,7 @@ class Engine:
             return None
         rows, n_blocks, out_rows = self.schedule.decode({i: self._slots[i].position for i in live})
         position, index = np.zeros(self.n_slots, np.int32), np.zeros(self.n_slots, np.int32)
-        sampling = fill_sampling(self.n_slots, [(i, self._slots[i].request) for i in live])
+        sampling = fill_sampling(self.n_slots, [(i, self._slots[i].request) for i in live], adapters=self._served)
         for i in live:
             slot = self._slots[i]
             position[i], index[i] = slot.position, slot.dispatched
@@ -337,9 +356,10 @@ class Engine:
                 top = tuple(zip(logprobs.top_ids[row].tolist(), logprobs.top[row].tolist()))
             for event in completion.accept(int(tokens[row]), chosen, self.tokenizer, self.stop_token_ids, top):
                 if event.finish_reason is not None:
+                    written = completion.request.cache_key(completion.request.prompt + completion.tokens[:-1])
                     if self._prefix:  # its slot holds the keys of every token fed to it
-                        self._prefix.hold(i, completion.request.prompt + completion.tokens[:-1])
-                    self._release_pages(i, completion.request.prompt + completion.tokens[:-1])
+                        self._prefix.hold(i, written)
+                    self._release_pages(i, written)
                     with self._cond:
                         self._slots[i] = None
                         self.counts["completed"] += 1

@@ -7,9 +7,12 @@ Read from the engine when scraped (`engine.stats()`):
                                  request's whole context), or with a paged cache of its pages held by requests
 - vllm:gpu_prefix_cache_queries  counter: prompt tokens looked up in the prefix cache (when the engine has one)
 - vllm:gpu_prefix_cache_hits     counter: of those, tokens whose cached keys were reused
+- vllm:lora_requests_info        gauge (where LoRA adapters are served): labels running_lora_adapters (the names
+                                 requests are running) and max_lora (the slots)
 
 Counted where requests finish, per engine request (one choice: a request with n > 1 or several prompts makes
-several), by `RequestTimer`, which every generating route's requests go through:
+several), by `RequestTimer`, which every generating route's requests go through, labelled with the model the request
+named (the base's name, or a served LoRA adapter's):
 - vllm:prompt_tokens_total                      prompt tokens prefilled (counted at a request's first event)
 - vllm:generation_tokens_total                  tokens generated and handed to the client
 - vllm:request_success_total{finished_reason}   finished requests: "stop" (EOS or a stop string) or "length"
@@ -21,8 +24,10 @@ several), by `RequestTimer`, which every generating route's requests go through:
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -72,41 +77,78 @@ class EngineCollector:
 
 class ServingMetrics:
     """One app's metrics: its own registry (apps in one process do not clash), the request counters and latency
-    histograms that RequestTimers feed, and the engine's state read at scrape time."""
+    histograms that RequestTimers feed, each labelled with the model a request named (the base, or a served LoRA
+    adapter), and the engine's state read at scrape time."""
 
-    def __init__(self, stats: Callable[[], dict], model_name: str):
+    def __init__(self, stats: Callable[[], dict], model_name: str, adapters: Callable[[], dict] | None = None):
         self.registry = registry = CollectorRegistry()
+        self.model_name = model_name
         labelled = {"labelnames": ["model_name"], "registry": registry}
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens prefilled.", **labelled).labels(model_name)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", **labelled).labels(model_name)
-        success = Counter("vllm:request_success", "Requests finished, by finish reason.",
-                          ["model_name", "finished_reason"], registry=registry)
-        self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
-        self.time_to_first_token_s = Histogram(
+        self._prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens prefilled.", **labelled)
+        self._generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", **labelled)
+        self._success = Counter("vllm:request_success", "Requests finished, by finish reason.",
+                                ["model_name", "finished_reason"], registry=registry)
+        self._time_to_first_token_s = Histogram(
             "vllm:time_to_first_token_seconds", "Seconds to the first tokens of a streamed request.",
-            buckets=TTFT_BUCKETS_S, **labelled).labels(model_name)
-        self.time_per_output_token_s = Histogram(
+            buckets=TTFT_BUCKETS_S, **labelled)
+        self._time_per_output_token_s = Histogram(
             "vllm:time_per_output_token_seconds", "Seconds per token after the first, of a streamed request.",
-            buckets=TPOT_BUCKETS_S, **labelled).labels(model_name)
-        self.e2e_request_latency_s = Histogram(
+            buckets=TPOT_BUCKETS_S, **labelled)
+        self._e2e_request_latency_s = Histogram(
             "vllm:e2e_request_latency_seconds", "Seconds from a request's submission to its end.",
-            buckets=E2E_BUCKETS_S, **labelled).labels(model_name)
+            buckets=E2E_BUCKETS_S, **labelled)
+        self.of(model_name)  # the base's series exist from the start
         registry.register(EngineCollector(stats, model_name))
+        if adapters is not None:
+            registry.register(AdapterCollector(adapters))
+
+    def of(self, model: str) -> ModelMetrics:
+        """The series of one model name (made on first use)."""
+        return ModelMetrics(self._prompt_tokens.labels(model), self._generation_tokens.labels(model),
+                            {reason: self._success.labels(model, reason) for reason in FINISH_REASONS},
+                            self._time_to_first_token_s.labels(model), self._time_per_output_token_s.labels(model),
+                            self._e2e_request_latency_s.labels(model))
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric."""
         return generate_latest(self.registry)
 
-    def timer(self, request: GenerationRequest) -> RequestTimer:
-        """A timer started now for a request about to be submitted."""
-        return RequestTimer(self, len(request.prompt), request.stream)
+    def timer(self, request: GenerationRequest, model: str | None = None) -> RequestTimer:
+        """A timer started now for a request about to be submitted, counted under `model` (default: the base)."""
+        return RequestTimer(self.of(model or self.model_name), len(request.prompt), request.stream)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelMetrics:
+    """One model name's series."""
+    prompt_tokens: Any
+    generation_tokens: Any
+    success: dict
+    time_to_first_token_s: Any
+    time_per_output_token_s: Any
+    e2e_request_latency_s: Any
+
+
+class AdapterCollector:
+    """vLLM's vllm:lora_requests_info gauge: the LoRA adapters requests are running (comma-separated names) and the
+    slots served, as labels, from `info()` = {"running": [...], "max_lora": N}."""
+
+    def __init__(self, info: Callable[[], dict]):
+        self._info = info
+
+    def collect(self) -> Iterator[Metric]:
+        info = self._info()
+        family = GaugeMetricFamily("vllm:lora_requests_info", "Running LoRA adapters and the adapter slots served.",
+                                   labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters"])
+        family.add_metric([",".join(info["running"]), str(info["max_lora"]), ""], time.time())
+        yield family
 
 
 class RequestTimer:
     """One engine request's times and tokens: fed its events (on the engine thread, as they are made), it counts
     and observes into the metrics as they happen."""
 
-    def __init__(self, metrics: ServingMetrics, prompt_tokens: int, streamed: bool):
+    def __init__(self, metrics: ModelMetrics, prompt_tokens: int, streamed: bool):
         self.metrics, self.prompt_tokens, self.streamed = metrics, prompt_tokens, streamed
         self.submitted_s = time.perf_counter()
         self.first_s: float | None = None

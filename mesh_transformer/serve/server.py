@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mesh_transformer.infer.score import Scorer, TokenScores, score_sequences
 from mesh_transformer.serve import api, chat
+from mesh_transformer.serve.adapters import AdapterSlots, add_adapter_routes
 from mesh_transformer.serve.api import ApiError, CompletionParams
 from mesh_transformer.serve.completion import Event, GenerationRequest
 from mesh_transformer.serve.engine import Engine, EngineStopped, QueueFull
@@ -42,16 +43,23 @@ class _Job:
     """The engine requests behind one HTTP request (prompts x n); their events are timed for the metrics where they
     are made and arrive on the event loop's queue."""
 
-    def __init__(self, engine: Engine, params: CompletionParams, metrics: ServingMetrics):
+    def __init__(self, engine: Engine, params: CompletionParams, metrics: ServingMetrics,
+                 adapters: AdapterSlots | None = None):
         self.engine, self.events_queue, loop = engine, asyncio.Queue(), asyncio.get_running_loop()
+        n = len(params.prompts) * params.n
+        # The adapter the request names holds its slot until every choice has ended (`release`).
+        self.adapters, (self.slot, key) = adapters, adapters.acquire(params.model, n) if adapters else (-1, 0)
         self.requests = [
             GenerationRequest(list(prompt), params.max_tokens, partial(self._deliver, loop, index),
                               temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                               seed=params.seed + index, stop=params.stop, stream=params.stream,
                               logprobs=params.logprobs is not None, presence_penalty=params.presence_penalty,
-                              frequency_penalty=params.frequency_penalty, logit_bias=dict(params.logit_bias))
+                              frequency_penalty=params.frequency_penalty, logit_bias=dict(params.logit_bias),
+                              adapter=self.slot, adapter_key=key)
             for index, prompt in enumerate(p for p in params.prompts for _ in range(params.n))]
-        self.timers = [metrics.timer(request) for request in self.requests]
+        model = params.model if self.slot >= 0 else None
+        self.timers = [metrics.timer(request, model) for request in self.requests]
+        self._released = False
 
     def _deliver(self, loop: asyncio.AbstractEventLoop, index: int, event: Event) -> None:
         self.timers[index].on_event(event)
@@ -61,10 +69,15 @@ class _Job:
         try:
             self.engine.submit(self.requests)
         except QueueFull as e:
+            self.release()
             raise ApiError(429, f"{e}; please retry shortly", type="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except EngineStopped as e:
+            self.release()
             raise ApiError(503, str(e), type="server_error") from None
+        except BaseException:
+            self.release()
+            raise
 
     async def events(self) -> AsyncIterator[tuple[int, Event]]:
         """(choice index, event) until every choice has finished; an engine error ends them all."""
@@ -77,7 +90,14 @@ class _Job:
             running -= event.finish_reason is not None
 
     def cancel(self) -> None:
+        """Ends the job: its requests stop (a no-op for those finished) and its adapter slot is released."""
         self.engine.cancel(self.requests)
+        self.release()
+
+    def release(self) -> None:
+        if self.adapters is not None and not self._released:
+            self._released = True
+            self.adapters.release(self.slot, len(self.requests))
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -164,15 +184,24 @@ class _Scoring:
     """Log-probs and top alternatives of echoed prompts, from one forward over each prompt, run on the engine thread
     between decode steps (a completion's come from the decode steps that made its tokens)."""
 
-    def __init__(self, engine: Engine, scorer: Scorer):
-        self.engine, self.scorer = engine, scorer
+    def __init__(self, engine: Engine, scorer: Scorer, adapters: AdapterSlots | None = None):
+        self.engine, self.scorer, self.adapters = engine, scorer, adapters
 
-    async def __call__(self, sequences: list[list[int]], top_k: int) -> list[TokenScores]:
+    async def __call__(self, sequences: list[list[int]], top_k: int, model: str | None = None) -> list[TokenScores]:
+        slot = self.adapters.acquire(model)[0] if self.adapters else -1
+
+        def score() -> list[TokenScores]:
+            self.scorer.params = self.engine.params  # as they are now: adapters come and go
+            return score_sequences(self.scorer, sequences, top_k, adapter=slot)
+
         try:
-            future = self.engine.call(partial(score_sequences, self.scorer, sequences, top_k))
+            future = self.engine.call(score)
+            return await asyncio.wrap_future(future)
         except EngineStopped as e:
             raise ApiError(503, str(e), type="server_error") from None
-        return await asyncio.wrap_future(future)
+        finally:
+            if self.adapters:
+                self.adapters.release(slot)
 
     def wanted(self, params: CompletionParams) -> bool:
         return params.logprobs is not None and params.echo
@@ -198,7 +227,7 @@ async def _echoed(scoring: _Scoring, params: CompletionParams, tokenizer: Any,
     prompts = [list(p) for p in params.prompts for _ in range(params.n)]
     scores = [None] * len(events)
     if scoring.wanted(params):
-        scores = await scoring(prompts, params.logprobs)
+        scores = await scoring(prompts, params.logprobs, params.model)
     out = []
     for prompt, event, score in zip(prompts, events, scores):
         text = tokenizer.decode(prompt) + event.text if params.echo else event.text
@@ -260,15 +289,19 @@ class _Served:
     limits: api.Limits
     metrics: ServingMetrics
     max_body_bytes: int
+    adapters: AdapterSlots | None = None
 
     async def body(self, request: Request) -> dict:
         return api.parse_json_object(await _read_body(request, self.max_body_bytes))
 
     def job(self, params: CompletionParams) -> _Job:
-        return _Job(self.engine, params, self.metrics)
+        return _Job(self.engine, params, self.metrics, self.adapters)
 
-    def meta(self, id_prefix: str) -> dict:
-        return {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
+    def meta(self, id_prefix: str, params: CompletionParams | None = None) -> dict:
+        """A response's id, time and model: the adapter it names, else the base."""
+        served = self.adapters is not None and params is not None and params.model not in (None, self.model_name)
+        return {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": params.model if served else self.model_name}
 
 
 def _add_completion_routes(app: FastAPI, served: _Served, authorized: list, scoring: _Scoring) -> None:
@@ -278,7 +311,7 @@ def _add_completion_routes(app: FastAPI, served: _Served, authorized: list, scor
     @app.post("/v1/completions", dependencies=authorized)
     async def completions(request: Request) -> Response:
         params = api.parse_completion(await served.body(request), tokenizer, served.limits)
-        meta, prompt_tokens = served.meta("cmpl"), sum(map(len, params.prompts))
+        meta, prompt_tokens = served.meta("cmpl", params), sum(map(len, params.prompts))
         if params.stream:
             job = None
             if params.max_tokens > 0:
@@ -314,7 +347,7 @@ def _add_chat_route(app: FastAPI, served: _Served, authorized: list, template: c
     @app.post("/v1/chat/completions", dependencies=authorized)
     async def chat_completions(request: Request) -> Response:
         params = chat.parse_chat(await served.body(request), tokenizer, served.limits, template)
-        meta, prompt_tokens, job = served.meta("chatcmpl"), len(params.prompts[0]), served.job(params)
+        meta, prompt_tokens, job = served.meta("chatcmpl", params), len(params.prompts[0]), served.job(params)
         if params.stream:
             job.submit()
             return _event_stream(chat.chunks(job.events(), tokenizer, params, meta, prompt_tokens), job)
@@ -326,20 +359,30 @@ def _add_chat_route(app: FastAPI, served: _Served, authorized: list, template: c
 
 def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, scorer: Scorer | None = None,
-               chat_template: str | None = None) -> FastAPI:
+               chat_template: str | None = None, lora_modules: list[tuple[str, str]] = ()) -> FastAPI:
     """The HTTP app over a running engine. With `api_key`, every route but /health needs `Authorization: Bearer`.
     `scorer` (by default one over the engine's params) scores echoed prompts and finds top_logprobs;
-    `chat_template` (jinja source) replaces the tokenizer's (serve/chat.py)."""
+    `chat_template` (jinja source) replaces the tokenizer's (serve/chat.py). Where the engine serves LoRA adapters
+    (its config's `max_loras`), `lora_modules` (name, path) are loaded first and /v1/load_lora_adapter and
+    /v1/unload_lora_adapter load and unload more (serve/adapters.py)."""
     app = FastAPI(title="mesh-transformer serving", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
     vocab = min(len(tokenizer), engine.cfg.n_vocab)
     limits = api.Limits(context=engine.cfg.seq, vocab=vocab, max_choices=min(api.MAX_PROMPTS, engine.max_queue))
-    metrics = ServingMetrics(engine.stats, model_name)
-    served = _Served(engine, tokenizer, model_name, limits, metrics, max_body_bytes)
+    adapters = AdapterSlots(engine, model_name) if engine.cfg.max_loras else None
+    if lora_modules and adapters is None:
+        raise ValueError("LoRA modules need adapter slots: give --max-loras")
+    for name, path in lora_modules:
+        try:
+            adapters.load(name, path)
+        except ApiError as e:
+            raise ValueError(f"--lora-modules {name}={path}: {e.message}") from None
+    metrics = ServingMetrics(engine.stats, model_name, adapters and adapters.info)
+    served = _Served(engine, tokenizer, model_name, limits, metrics, max_body_bytes, adapters)
     authorized = [Depends(_authorizer(api_key))]
     _add_error_handlers(app)
     _add_completion_routes(app, served, authorized,
-                           _Scoring(engine, scorer or Scorer(engine.layout, engine.params, batch_rows=4)))
+                           _Scoring(engine, scorer or Scorer(engine.layout, engine.params, batch_rows=4), adapters))
     _add_chat_route(app, served, authorized, chat.template_for(tokenizer, chat_template))
 
     @app.get("/metrics", dependencies=authorized)
@@ -348,8 +391,14 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
 
     @app.get("/v1/models", dependencies=authorized)
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "mesh-transformer-jax"}]}
+        base = {"id": model_name, "object": "model", "created": created, "owned_by": "mesh-transformer-jax",
+                "root": model_name, "parent": None}
+        return {"object": "list", "data": [base] + [
+            {"id": a.name, "object": "model", "created": a.created, "owned_by": "mesh-transformer-jax",
+             "root": a.path, "parent": model_name} for a in (adapters.names() if adapters else [])]}
+
+    if adapters is not None:
+        add_adapter_routes(app, served.body, authorized, adapters)
 
     @app.get("/health")
     async def health() -> JSONResponse:

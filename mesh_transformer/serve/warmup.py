@@ -31,14 +31,14 @@ def slot_programs(state: tuple, schedule: Schedule, extend: bool) -> list[Progra
     """The programs of a slot cache, `state` the engine's (params, cache, slot state): prefills of whole prompts
     and, with `extend` (a prefix cache), of the rest after a cached prefix; decodes reading each block count."""
     prefills = [("prefill", (*state, np.zeros((r, width), np.int32), np.ones(r, np.int32),
-                             np.full(r, -1, np.int32), fill_sampling(r, [], bias=True)), {"top": MAX_TOP})
+                             np.full(r, -1, np.int32), _sampling(state, r)), {"top": MAX_TOP})
                 for width, r in _prefill_shapes(schedule)]
     if extend:
         prefills += [("extend", (*state, np.zeros((r, width), np.int32), np.zeros(r, np.int32),
                                  np.ones(r, np.int32), np.full(r, -1, np.int32), np.full(r, -1, np.int32),
-                                 fill_sampling(r, [], bias=True)), {"top": MAX_TOP})
+                                 _sampling(state, r)), {"top": MAX_TOP})
                      for width, r in _prefill_shapes(schedule)]
-    decode_args = (*state, _idle_steps(schedule.n_slots))
+    decode_args = (*state, _idle_steps(state, schedule.n_slots))
     decodes = [("decode", decode_args, {"rows": rows, "n_blocks": count, "top": MAX_TOP, "penalized": p})
                for rows, count, p in _decode_shapes(schedule)]
     return prefills + decodes
@@ -56,10 +56,10 @@ def paged_programs(state: tuple, schedule: Schedule, table_width: int, pad_page:
     tails = reuse_pages or bool(schedule.chunk)
     prefills = [("paged_prefill", (*state, np.zeros((r, width), np.int32), np.zeros(r, np.int32),
                                    np.ones(r, np.int32), table(r), np.full(r, -1, np.int32),
-                                   fill_sampling(r, [], bias=True)), {"n_read": n_read, "top": MAX_TOP})
+                                   _sampling(state, r)), {"n_read": n_read, "top": MAX_TOP})
                 for width, r in _prefill_shapes(schedule)
                 for n_read in ([0, table_width] if tails and r == schedule.dp else [0])]
-    decode_args = (*state, _idle_steps(schedule.n_slots), table(schedule.n_slots))
+    decode_args = (*state, _idle_steps(state, schedule.n_slots), table(schedule.n_slots))
     decodes = [("paged_decode", decode_args, {"rows": rows, "n_read": count, "top": MAX_TOP, "penalized": p})
                for rows, count, p in _decode_shapes(schedule)]
     return prefills + decodes
@@ -114,7 +114,17 @@ def _decode_shapes(schedule: Schedule) -> list[tuple[int, int, bool]]:
     return [(rows, count, p) for rows in schedule.decode_rows for count in schedule.block_counts for p in (False, True)]
 
 
-def _idle_steps(n_slots: int) -> Steps:
+def _idle_steps(state: tuple, n_slots: int) -> Steps:
     """A decode step's inputs for n_slots slots, all at position 0."""
     zeros = np.zeros(n_slots, np.int32)
-    return Steps(zeros, zeros, fill_sampling(n_slots, []))
+    return Steps(zeros, zeros, fill_sampling(n_slots, [], adapters=serves_adapters(state[0])))
+
+
+def _sampling(state: tuple, rows: int):
+    """A prefill's sampling rows, with the logit bias (and where the params serve adapters, each row's slot)."""
+    return fill_sampling(rows, [], bias=True, adapters=serves_adapters(state[0]))
+
+
+def serves_adapters(params: dict) -> bool:
+    """Whether placed params (or their shapes) hold served LoRA adapters' slots (infer/adapter_slots.py)."""
+    return "lora" in params["layers"][0]

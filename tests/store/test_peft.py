@@ -11,11 +11,12 @@ from transformers import GPTJForCausalLM
 
 from mesh_transformer.model import table
 from mesh_transformer import config
+from mesh_transformer.infer import adapter_slots
 from mesh_transformer.infer import params as infer_params
 from mesh_transformer.model import gptj as model
 from mesh_transformer.model import lora
-from mesh_transformer.store import checkpoint, convert, hf
-from tests.helpers import CPU_POLICY, TINY_SHAPE, random_hf_dir, run_script, state_dict_numpy
+from mesh_transformer.store import adapters, checkpoint, convert, hf
+from tests.helpers import CPU_POLICY, TINY_SHAPE, random_hf_dir, run_script, served_greedy, state_dict_numpy
 
 CFG = config.from_dict({**TINY_SHAPE, "seq": 16, "cores_per_replica": 1, "lora_rank": 4, "lora_alpha": 8})
 IDS = np.random.default_rng(0).integers(0, CFG.n_vocab, (2, CFG.seq))
@@ -100,3 +101,30 @@ def test_lora_whose_shapes_do_not_match_the_base_is_a_one_line_error(run):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]  # after the log lines
     assert errors == [result.stderr.strip().splitlines()[-1]]
     assert errors[0].startswith(f"error: adapter {bad}: q.a has shape") and "the base model needs" in errors[0]
+
+
+def test_adapters_saved_by_peft_served_side_by_side_give_peft_s_own_models_tokens_and_logprobs(run, tmp_path):
+    """Two PEFT adapters (ranks 4 and 8, other targets) in adapter slots beside the base, one batch of a row each
+    and a base row: each row's greedy tokens are the argmax of PEFT's own model over them, its log-probs PEFT's."""
+    configs = [LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "out_proj", "fc_out"],
+                          init_lora_weights=False, lora_dropout=0.0),
+               LoraConfig(r=8, lora_alpha=8, target_modules=["k_proj", "fc_in"], init_lora_weights=False,
+                          lora_dropout=0.0)]
+    served_cfg = dataclasses.replace(CFG, lora_rank=0, max_loras=2, max_lora_rank=8)
+    layout = infer_params.make_inference_layout(served_cfg, jax.devices()[:1], mp=1)
+    params = adapter_slots.with_slots(infer_params.place_params(run["base"], layout), layout)
+    writer, hf_models = adapter_slots.SlotWriter(layout), [GPTJForCausalLM.from_pretrained(run["base_dir"]).eval()]
+    for slot, peft_cfg in enumerate(configs):
+        torch.manual_seed(slot)
+        peft_model = get_peft_model(GPTJForCausalLM.from_pretrained(run["base_dir"]), peft_cfg).eval()
+        peft_model.save_pretrained(str(tmp_path / f"a{slot}"))
+        params = writer.write(params, slot, *adapters.read_adapters(str(tmp_path / f"a{slot}"), served_cfg))
+        hf_models.append(peft_model)
+    prompts = [[5, 17, 42, 9], [100, 3, 7], [1, 2, 3, 4, 5]]
+    tokens, logprobs = served_greedy(layout, params, prompts, np.array([-1, 0, 1]), steps=4)
+    for prompt, row_tokens, row_logprobs, hf_model in zip(prompts, tokens, logprobs, hf_models):
+        ids = np.array([prompt + list(row_tokens)])
+        logp = torch.log_softmax(torch.tensor(torch_logits(hf_model, ids)[0]), -1).numpy()
+        positions = range(len(prompt) - 1, len(prompt) - 1 + len(row_tokens))
+        assert list(row_tokens) == [int(logp[p].argmax()) for p in positions]
+        np.testing.assert_allclose(row_logprobs, [logp[p, t] for p, t in zip(positions, row_tokens)], atol=1e-4)
