@@ -6,6 +6,8 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import json
+import subprocess
+import sys
 
 import httpx
 import jax
@@ -227,3 +229,23 @@ def test_an_echoed_prompt_is_scored_through_its_adapter(url, base_params, adapte
         assert (np.abs(np.array(got[1:]) - want).max() > 1e-2) == differs
         if not differs:
             np.testing.assert_allclose(got[1:], want, rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize("flags, named", [(["--lora-modules", "nameonly"], "NAME=PATH"),
+                                          (["--lora-modules", "a=x", "a=y"], "names 'a' twice"),
+                                          (["--lora-modules", "a=x", "b=y", "--max-loras", "1"], "--max-loras 1"),
+                                          (["--max-lora-rank", "0"], "--max-lora-rank")])
+def test_device_serve_bad_lora_flags_are_one_line_errors(flags, named):
+    result = subprocess.run([sys.executable, "device_serve.py", "--config", "configs/bench.json", *flags],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and named in result.stderr, result.stderr
+
+
+def test_a_lora_module_that_cannot_load_stops_the_start_naming_it(base_params, tokenizer, programs, tmp_path):
+    engine = serving.Engine(programs.layout, base_params, tokenizer, max_batch=8, programs=programs)
+    try:
+        with pytest.raises(ValueError, match=f"--lora-modules x={tmp_path}/none: adapter 'x'"):
+            server.create_app(engine, tokenizer, model_name="tiny", lora_modules=[("x", f"{tmp_path}/none")])
+    finally:
+        engine.close()
