@@ -10,8 +10,8 @@ its rows and B replicated, so each device's part joins the block's one psum, as 
 
 Which slot each row runs travels with its sampling values (`choose.Sampling.adapter`, -1: the base alone), so the
 programs are the engine's own with one more per-row array. A step of no more rows than slots gathers each row's
-adapter; a wider one reads every slot once and masks each row to its own. A layer whose step has no adapted row
-skips the low-rank products.
+adapter; a wider one reads every slot once and keeps each row's own (the fewer bytes: a decode step is bound by
+memory). A layer whose step has no adapted row skips the low-rank products.
 """
 from __future__ import annotations
 
@@ -66,11 +66,12 @@ def slot_values(adapters: dict, scale: float, cfg: Config, dtype) -> list[dict]:
     return layers
 
 
-def delta(x_RxTxI: jax.Array, ab: dict, adapter_R: jax.Array) -> jax.Array:
+def _delta(x_RxTxI: jax.Array, ab: dict, adapter_R: jax.Array, gather: bool = False) -> jax.Array:
     """Each row's (x @ A_s) @ B_s for its slot s (zeros for a row of none) [R, T, out], from this device's part of
-    the stacks {"a" [S, in, r], "b" [S, r, out]}."""
+    the stacks {"a" [S, in, r], "b" [S, r, out]}: each row's own slot's A and B gathered where the rows are no more
+    than the slots (or `gather`), else every slot's read once and each row's kept."""
     n_slots, rows = ab["a"].shape[0], adapter_R.shape[0]
-    if rows <= n_slots:  # each row's own slot's A and B
+    if gather or rows <= n_slots:  # each row's own slot's A and B
         slot_R = jnp.maximum(adapter_R, 0)
         a_RxIxQ, b_RxQxO = jnp.take(ab["a"], slot_R, 0), jnp.take(ab["b"], slot_R, 0)
         xa_RxTxQ = jnp.einsum("rti,riq->rtq", x_RxTxI, a_RxIxQ)
@@ -83,23 +84,27 @@ def delta(x_RxTxI: jax.Array, ab: dict, adapter_R: jax.Array) -> jax.Array:
 
 def adapted(proj, slots: dict, rows: Rows):
     """A layer's `layers.Projections` with each row's adapter added to every adapted product; a step without an
-    adapted row runs none of them (`lax.cond`)."""
+    adapted row runs none of them (one `lax.cond` a side)."""
     some = jnp.any(rows.adapter >= 0)
 
-    def plus(y, x, target):
-        return y + lax.cond(some, lambda: delta(x, slots[target], rows.adapter).astype(y.dtype),
-                            lambda: jnp.zeros_like(y))
+    def plus(ys: tuple, xs: tuple, targets: tuple) -> tuple:
+        def deltas():
+            return tuple(_delta(x, slots[t], rows.adapter).astype(y.dtype) for y, x, t in zip(ys, xs, targets))
+        return tuple(y + d for y, d in zip(ys, lax.cond(some, deltas, lambda: tuple(map(jnp.zeros_like, ys)))))
 
     def inputs(n_attn, n_mlp):
-        q, k, v, pre = proj.inputs(n_attn, n_mlp)
-        return plus(q, n_attn, "q"), plus(k, n_attn, "k"), plus(v, n_attn, "v"), plus(pre, n_mlp, "fc_in")
+        return plus(proj.inputs(n_attn, n_mlp), (n_attn, n_attn, n_attn, n_mlp), ("q", "k", "v", "fc_in"))
 
-    def attn_inputs(n):
-        return tuple(plus(y, n, t) for y, t in zip(proj.attn_inputs(n), "qkv"))
+    def output(attn, act):
+        y = proj.output(attn, act)
+
+        def deltas():
+            adapter_R = rows.adapter
+            return (_delta(attn, slots["out"], adapter_R) + _delta(act, slots["fc_out"], adapter_R)).astype(y.dtype)
+        return y + lax.cond(some, deltas, lambda: jnp.zeros_like(y))
 
     return proj._replace(
-        inputs=inputs, attn_inputs=attn_inputs,
-        mlp_input=lambda n: plus(proj.mlp_input(n), n, "fc_in"),
-        output=lambda attn, act: plus(plus(proj.output(attn, act), attn, "out"), act, "fc_out"),
-        attn_output=lambda attn: plus(proj.attn_output(attn), attn, "out"),
-        mlp_output=lambda act: plus(proj.mlp_output(act), act, "fc_out"))
+        inputs=inputs, attn_inputs=lambda n: plus(proj.attn_inputs(n), (n, n, n), ("q", "k", "v")),
+        mlp_input=lambda n: plus((proj.mlp_input(n),), (n,), ("fc_in",))[0], output=output,
+        attn_output=lambda attn: plus((proj.attn_output(attn),), (attn,), ("out",))[0],
+        mlp_output=lambda act: plus((proj.mlp_output(act),), (act,), ("fc_out",))[0])

@@ -13,7 +13,7 @@ from mesh_transformer.infer import params as infer_params
 from mesh_transformer.infer.choose import fill_sampling
 from mesh_transformer.infer.programs import Programs
 from mesh_transformer.infer.sampler import Sampler
-from mesh_transformer.model import lora
+from mesh_transformer.model import lora, lora_slots
 from mesh_transformer.parallel.mesh import make_dp_mp
 from tests.helpers import random_params, served_greedy
 
@@ -143,3 +143,15 @@ def test_an_adapter_over_the_served_rank_is_refused(models):
     params = adapter_slots.with_slots(infer_params.place_params(models[0], layout), layout)
     with pytest.raises(ConfigError, match="rank 8 is over the served maximum 4"):
         adapter_slots.SlotWriter(layout).write(params, 0, *models[1][2])
+
+
+@pytest.mark.parametrize("rows", [3, 9])
+def test_gathering_each_rows_adapter_and_reading_every_slot_give_the_same_products(rows):
+    """`lora_slots._delta`'s two forms (the CPU's gather, and every slot once where the rows outnumber the slots)."""
+    rng = np.random.default_rng(0)
+    ab = {"a": rng.normal(size=(4, 16, 8)).astype(np.float32), "b": rng.normal(size=(4, 8, 24)).astype(np.float32)}
+    x = rng.normal(size=(rows, 5, 16)).astype(np.float32)
+    adapter = rng.integers(-1, 4, rows).astype(np.int32)
+    want = np.stack([np.zeros((5, 24)) if s < 0 else x[r] @ ab["a"][s] @ ab["b"][s] for r, s in enumerate(adapter)])
+    for gather in (True, False):
+        np.testing.assert_allclose(lora_slots._delta(x, ab, adapter, gather), want, rtol=1e-5, atol=1e-5)
