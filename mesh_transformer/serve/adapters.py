@@ -120,6 +120,10 @@ class AdapterSlots:
             self._users[adapter.slot] += n
             return adapter.slot, adapter.key
 
+    def check(self, model: str | None) -> None:
+        """OpenAI's 404 where `model` is neither the base nor a served adapter."""
+        self.release(*self.acquire(model)[:1])
+
     def release(self, slot: int, n: int = 1) -> None:
         """`n` requests of `slot` have ended; an unloaded adapter's slot is cleared after its last."""
         if slot < 0:

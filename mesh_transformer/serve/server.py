@@ -298,8 +298,10 @@ class _Served:
         return _Job(self.engine, params, self.metrics, self.adapters)
 
     def meta(self, id_prefix: str, params: CompletionParams | None = None) -> dict:
-        """A response's id, time and model: the adapter it names, else the base."""
+        """A response's id, time and model: the adapter it names, else the base (an unknown name: OpenAI's 404)."""
         served = self.adapters is not None and params is not None and params.model not in (None, self.model_name)
+        if served:
+            self.adapters.check(params.model)
         return {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": params.model if served else self.model_name}
 

@@ -150,9 +150,11 @@ def test_concurrent_requests_mixing_adapters_each_get_their_merged_models_output
 
 
 def test_an_unknown_model_is_openais_404(url):
-    response = complete(url, "nope")
-    assert response.status_code == 404
-    assert response.json()["error"]["code"] == "model_not_found" and "nope" in response.json()["error"]["message"]
+    for response in (complete(url, "nope"), complete(url, "nope", max_tokens=0, echo=True),
+                     httpx.post(f"{url}/v1/chat/completions", json={"model": "nope", "messages": [
+                         {"role": "user", "content": "hi"}]}, timeout=120)):
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "model_not_found" and "nope" in response.json()["error"]["message"]
 
 
 def test_an_adapter_loads_and_unloads_at_run_time_no_request_is_lost_and_bad_ones_are_400s(own_url, adapter_dirs,
