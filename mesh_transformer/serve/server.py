@@ -23,9 +23,10 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mesh_transformer.infer.score import Scorer, TokenScores, score_sequences
+from mesh_transformer.infer.score import Scorer
 from mesh_transformer.serve import api, chat
 from mesh_transformer.serve.adapters import AdapterSlots, add_adapter_routes
+from mesh_transformer.serve.echo import Scoring, echoed, scored
 from mesh_transformer.serve.api import ApiError, CompletionParams
 from mesh_transformer.serve.completion import Event, GenerationRequest
 from mesh_transformer.serve.engine import Engine, EngineStopped, QueueFull
@@ -180,68 +181,13 @@ async def _run(job: _Job, request: Request) -> tuple[list[Event], float] | None:
         job.cancel()  # frees the slots of a client that went away; a no-op once finished
 
 
-class _Scoring:
-    """Log-probs and top alternatives of echoed prompts, from one forward over each prompt, run on the engine thread
-    between decode steps (a completion's come from the decode steps that made its tokens)."""
-
-    def __init__(self, engine: Engine, scorer: Scorer, adapters: AdapterSlots | None = None):
-        self.engine, self.scorer, self.adapters = engine, scorer, adapters
-
-    async def __call__(self, sequences: list[list[int]], top_k: int, model: str | None = None) -> list[TokenScores]:
-        slot = self.adapters.acquire(model)[0] if self.adapters else -1
-
-        def score() -> list[TokenScores]:
-            self.scorer.params = self.engine.params  # as they are now: adapters come and go
-            return score_sequences(self.scorer, sequences, top_k, adapter=slot)
-
-        try:
-            future = self.engine.call(score)
-            return await asyncio.wrap_future(future)
-        except EngineStopped as e:
-            raise ApiError(503, str(e), type="server_error") from None
-        finally:
-            if self.adapters:
-                self.adapters.release(slot)
-
-    def wanted(self, params: CompletionParams) -> bool:
-        return params.logprobs is not None and params.echo
-
-
-def _scored(event: Event, prompt: list[int], prompt_scores: TokenScores | None, echo: bool,
-            k: int | None) -> tuple[Event, list | None]:
-    """The event with the prompt in front when echoing (with the prompt's scores, its log-probs and alternatives;
-    the first token's null), and the k alternatives of each token (k > 0), the completion's from its decode steps."""
-    alternatives = [list(top[:k]) for top in event.alternatives] if k else None
-    if echo and prompt_scores is not None:
-        event = dataclasses.replace(event, logprobs=(None, *prompt_scores.logprobs, *event.logprobs))
-        if k:
-            alternatives = [None, *prompt_scores.alternatives, *alternatives]
-    if echo:
-        event = dataclasses.replace(event, tokens=(*prompt, *event.tokens))
-    return event, alternatives
-
-
-async def _echoed(scoring: _Scoring, params: CompletionParams, tokenizer: Any,
-                  events: list[Event]) -> list[tuple[Event, list | None]]:
-    """Whole choices with the prompt echoed and log-probs re-scored as the request asks."""
-    prompts = [list(p) for p in params.prompts for _ in range(params.n)]
-    scores = [None] * len(events)
-    if scoring.wanted(params):
-        scores = await scoring(prompts, params.logprobs, params.model)
-    out = []
-    for prompt, event, score in zip(prompts, events, scores):
-        text = tokenizer.decode(prompt) + event.text if params.echo else event.text
-        out.append(_scored(dataclasses.replace(event, text=text), prompt, score, params.echo, params.logprobs))
-    return out
-
-
 async def _stream(job: _Job | None, params: CompletionParams, tokenizer: Any, meta: dict, prompt_tokens: int,
-                  scoring: _Scoring) -> AsyncIterator[dict | str]:
+                  scoring: Scoring) -> AsyncIterator[dict | str]:
     """A streamed completion's data, ending with [DONE]; with echo, each prompt comes first."""
     n_choices = len(params.prompts) * params.n
     offsets, completion_tokens = [0] * n_choices, 0
     if params.echo:
-        echoes = await _echoed(scoring, params, tokenizer, [Event(finish_reason=None if job else "length")
+        echoes = await echoed(scoring, params, tokenizer, [Event(finish_reason=None if job else "length")
                                                             for _ in range(n_choices)])
         for index, (event, alternatives) in enumerate(echoes):
             chunk = api.choice(index, event, tokenizer, params.logprobs, 0, alternatives)
@@ -251,7 +197,7 @@ async def _stream(job: _Job | None, params: CompletionParams, tokenizer: Any, me
         if event.error:
             yield api.error_body(event.error, "server_error")
             return
-        event, alternatives = _scored(event, [], None, False, params.logprobs)
+        event, alternatives = scored(event, [], None, False, params.logprobs)
         chunk = api.choice(index, event, tokenizer, params.logprobs, offsets[index], alternatives)
         offsets[index] += len(event.text)
         completion_tokens += len(event.tokens)
@@ -306,7 +252,7 @@ class _Served:
                 "model": params.model if served else self.model_name}
 
 
-def _add_completion_routes(app: FastAPI, served: _Served, authorized: list, scoring: _Scoring) -> None:
+def _add_completion_routes(app: FastAPI, served: _Served, authorized: list, scoring: Scoring) -> None:
     """/v1/completions and the original /complete."""
     tokenizer = served.tokenizer
 
@@ -328,7 +274,7 @@ def _add_completion_routes(app: FastAPI, served: _Served, authorized: list, scor
             events = done[0]
         usage = api.usage(prompt_tokens, sum(len(e.tokens) for e in events))
         choices = [api.choice(i, event, tokenizer, params.logprobs, 0, alternatives)
-                   for i, (event, alternatives) in enumerate(await _echoed(scoring, params, tokenizer, events))]
+                   for i, (event, alternatives) in enumerate(await echoed(scoring, params, tokenizer, events))]
         return JSONResponse(api.completion(**meta, choices=choices, usage=usage))
 
     @app.post("/complete", dependencies=authorized)
@@ -384,7 +330,7 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, api_key: str 
     authorized = [Depends(_authorizer(api_key))]
     _add_error_handlers(app)
     _add_completion_routes(app, served, authorized,
-                           _Scoring(engine, scorer or Scorer(engine.layout, engine.params, batch_rows=4), adapters))
+                           Scoring(engine, scorer or Scorer(engine.layout, engine.params, batch_rows=4), adapters))
     _add_chat_route(app, served, authorized, chat.template_for(tokenizer, chat_template))
 
     @app.get("/metrics", dependencies=authorized)
