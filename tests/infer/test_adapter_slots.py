@@ -155,3 +155,19 @@ def test_gathering_each_rows_adapter_and_reading_every_slot_give_the_same_produc
     want = np.stack([np.zeros((5, 24)) if s < 0 else x[r] @ ab["a"][s] @ ab["b"][s] for r, s in enumerate(adapter)])
     for gather in (True, False):
         np.testing.assert_allclose(lora_slots._delta(x, ab, adapter, gather), want, rtol=1e-5, atol=1e-5)
+
+
+def test_adapters_beside_int8_weights_leave_the_base_rows_as_the_int8_model_has_them(models):
+    """int8 weights (the adapters in the compute dtype beside them): the base's row is the int8 model's own, and each
+    adapter moves its row."""
+    base, adapters = models
+    int8 = config.from_dict({**SERVED.to_dict(), **config.INFERENCE_DTYPES["int8"]})
+    layout = infer_params.make_inference_layout(int8, mesh=make_dp_mp(1, 1))
+    plain = infer_params.make_inference_layout(dataclasses.replace(int8, max_loras=0), mesh=make_dp_mp(1, 1))
+    tokens, logprobs = run_paged(layout, served_params(base, adapters, layout))
+    alone = Sampler(plain, infer_params.place_params(base, plain)).generate(
+        [PROMPTS[0]], STEPS + 1, temperature=0.0, return_logprobs=True, stop_token_ids=[])[0]
+    assert list(tokens[0]) == list(alone.tokens)
+    np.testing.assert_allclose(logprobs[0], alone.logprobs, rtol=0, atol=1e-3)
+    cleared = run_paged(layout, adapter_slots.with_slots(infer_params.place_params(base, layout), layout))[1]
+    assert all(np.abs(logprobs[r] - cleared[r]).max() > 1e-2 for r in (1, 2, 3))
