@@ -33,7 +33,7 @@ examples:
   python aot_check.py --config configs/6B_lora_v5litepod-1.json --topology v5litepod-1
   python aot_check.py --config configs/6B_roto_256.json --topology v3-8 --mode all
   python aot_check.py --config configs/6B_roto_256.json --topology v5litepod-1 --inference-only \\
-      --set weight_dtype=int8 --max-batch 64 --kv-cache-dtype int8
+      --set weight_dtype=int8 --max-batch 64 --kv-cache-dtype int8 --max-loras 16
 """
 
 
@@ -59,11 +59,15 @@ def main(argv: list[str] | None = None) -> int:
                              "hoists an f32 copy of a bf16 base out of the layer loop (GPUs and TPUs hold none)")
     server = parser.add_argument_group("device_serve.py's cache flags (with --inference-only: the server's verdict)")
     flags.add_paged_cache_args(server, server=True)
+    server.add_argument("--max-loras", type=int, help="LoRA adapter slots the server holds (device_serve.py's)")
+    server.add_argument("--max-lora-rank", type=int, help="their rank (device_serve.py's; default 16)")
     args = parser.parse_args(argv)
-    given = [f for f in ("kv_pages", "kv_cache_dtype") if getattr(args, f) is not None]
+    given = [f for f in ("kv_pages", "kv_cache_dtype", "max_loras", "max_lora_rank") if getattr(args, f) is not None]
     if given and not args.inference_only:
         parser.error(f"--{given[0].replace('_', '-')} is device_serve.py's: give it with --inference-only")
     paged = flags.paged_cache(parser, args) if args.inference_only else None
+    args.overrides += [f"{key}={getattr(args, key)}" for key in ("max_loras", "max_lora_rank")
+                       if getattr(args, key) is not None]
 
     def run() -> int:
         from mesh_transformer import aot

@@ -105,3 +105,25 @@ def test_aot_check_reaches_the_servers_verdict_with_its_flags():
     result = subprocess.run([sys.executable, "aot_check.py", "--config", "configs/tiny_rot_partial.json",
                              "--kv-pages", "auto"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--kv-pages is device_serve.py's: give it with --inference-only" in result.stderr
+
+
+def test_aot_check_counts_the_servers_lora_adapter_slots():
+    """--max-loras / --max-lora-rank (device_serve.py's): the server's params hold the adapter slots beside the
+    weights, every projection's A and B at the rank, per device as the Megatron rules split them."""
+    from mesh_transformer.model import lora_slots
+
+    cfg = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=4"])
+    base = {r["check"]: r for r in aot.run(cfg, None, "", 8, None, n_slots=4, inference_only=True,
+                                          server={"n_pages": None, "page_size": 16, "memory_fraction": 0.9})}
+    result = subprocess.run([sys.executable, "aot_check.py", "--config", "configs/tiny_rot_partial.json", "--set",
+                             "cores_per_replica=4", "--inference-only", "--slots", "4", "--max-loras", "4",
+                             "--max-lora-rank", "8"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    served = {r["check"]: r for r in map(json.loads, filter(lambda line: line.startswith("{"),
+                                                           result.stdout.splitlines()))}
+    slots = lora_slots.slot_shapes(dataclasses.replace(cfg, max_loras=4, max_lora_rank=8), jnp.float32)
+    mp = 4  # A of a row-split weight and B of a column-split one are split over mp; the rest is whole on each device
+    per_device = sum(s.size * 4 // (mp if ("heads" in axes or "mlp" in axes) else 1)
+                     for s, axes in zip(jax.tree.leaves(slots), jax.tree.leaves(
+                         lora_slots.slot_axes(cfg), is_leaf=lambda x: isinstance(x, tuple))))
+    assert served["server"]["params_bytes"] - base["server"]["params_bytes"] == per_device * cfg.layers
