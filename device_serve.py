@@ -12,7 +12,8 @@ from functools import partial
 
 from mesh_transformer import compile_cache
 from mesh_transformer.errors import run_main
-from mesh_transformer.flags import Parser, add_inference_args, add_paged_cache_args, paged_cache, parse_modules
+from mesh_transformer.flags import (Parser, add_inference_args, add_lora_args, add_paged_cache_args, lora_args,
+                                   paged_cache)
 from mesh_transformer.platforms import platform_setup
 
 
@@ -45,23 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compile every program before listening (those applying penalties just after): a slower "
                         "start, no compile pauses while serving")
     add_paged_cache_args(p, server=True)
-    lora = p.add_argument_group("LoRA adapters served side by side over the base (the request's model picks one)")
-    lora.add_argument("--enable-lora", action="store_true", help="hold adapter slots (implied by --lora-modules)")
-    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
-                      help="adapters to serve from the start: a LoRA run of ours or an HF PEFT directory each")
-    lora.add_argument("--max-loras", type=int, default=None,
-                      help="adapter slots held on the devices (default: the --lora-modules given, at least 4)")
-    lora.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank served (default 16)")
+    add_lora_args(p)
     compile_cache.add_cache_args(p)
     args = p.parse_args(argv)
-    lora_wanted = args.enable_lora or args.lora_modules or args.max_loras
-    if args.max_loras is None:
-        args.max_loras = max(4, len(args.lora_modules)) if lora_wanted else 0
-    if args.max_loras < 0 or args.max_lora_rank < 1:
-        p.error("--max-loras must be at least 0 and --max-lora-rank at least 1")
-    if len(args.lora_modules) > args.max_loras:
-        p.error(f"--lora-modules names {len(args.lora_modules)} adapters for --max-loras {args.max_loras} slots")
-    args.lora_modules = parse_modules(args.lora_modules)
+    lora_args(p, args)
     args.paged = paged_cache(p, args)
     if not 0 <= args.port <= 65535:
         p.error(f"--port must be in [0, 65535], got {args.port}")

@@ -195,3 +195,26 @@ def parse_modules(items: Sequence[str]) -> list[tuple[str, str]]:
             raise config.ConfigError(f"--lora-modules names {name!r} twice")
         pairs.append((name, path))
     return pairs
+
+
+def add_lora_args(parser: argparse.ArgumentParser) -> None:
+    """device_serve.py's LoRA adapters served side by side over the base (serve/adapters.py)."""
+    lora = parser.add_argument_group("LoRA adapters served side by side over the base (the request's model picks one)")
+    lora.add_argument("--enable-lora", action="store_true", help="hold adapter slots (implied by --lora-modules)")
+    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                      help="adapters to serve from the start: a LoRA run of ours or an HF PEFT directory each")
+    lora.add_argument("--max-loras", type=int, default=None,
+                      help="adapter slots held on the devices (default: the --lora-modules given, at least 4)")
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank served (default 16)")
+
+
+def lora_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`add_lora_args`' flags checked, --max-loras defaulted and --lora-modules parsed into (name, path) pairs."""
+    lora_wanted = args.enable_lora or args.lora_modules or args.max_loras
+    if args.max_loras is None:
+        args.max_loras = max(4, len(args.lora_modules)) if lora_wanted else 0
+    if args.max_loras < 0 or args.max_lora_rank < 1:
+        parser.error("--max-loras must be at least 0 and --max-lora-rank at least 1")
+    if len(args.lora_modules) > args.max_loras:
+        parser.error(f"--lora-modules names {len(args.lora_modules)} adapters for --max-loras {args.max_loras} slots")
+    args.lora_modules = parse_modules(args.lora_modules)
