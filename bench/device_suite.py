@@ -17,6 +17,9 @@ appended to `--out` too).
 - serving_paged: the engine over a paged int8 KV cache (int8 weights), a slot per client and the pages
   device_serve.py takes by default (serve/sizing.py): tokens/s and time to first token at 1, 8, 32, 64 and 128
   concurrent requests, and how many it holds in flight beside the slot engine's slots;
+- serving_adapters: that engine with 8 random rank-16 LoRA adapters in its slots (every projection), the concurrent
+  requests spread over them against all on the base (medians of 3 alternating rounds), and one more adapter loaded
+  from a PEFT directory while it serves (bench/suite_adapters.py);
 - compile and memory, after each section: the compile seconds of every program it ran; the arrays still alive
   after it (none should be) and the device's memory in use.
 
@@ -56,6 +59,7 @@ import numpy as np
 
 from bench.common import (copy_bandwidth_bytes_per_s, datasheet, emit, figure, matmul_peak_flop_per_s,
                           train_flops_per_token)
+from bench.suite_adapters import serving_adapters_records
 from bench.suite_parts import (PAGE, SIZES, CompileLog, Peaks, Sizes, decode_records, device_sizes, error_text,
                                model_config, one_device_layout, param_count, random_arrays, serving_paged_records,
                                serving_records, train_bytes)
@@ -71,7 +75,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_BYTES_LIMIT = 16 * 2 ** 30  # an accelerator that does not say how much memory it has is planned as 16 GiB
 # --tiny only shows that everything runs, so it compiles without XLA's costly backend passes (half the time).
 TINY_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
-SECTIONS = ("device", "train", "train_lora", "decode", "decode_int8", "serving", "serving_paged")
+SECTIONS = ("device", "train", "train_lora", "decode", "decode_int8", "serving", "serving_paged", "serving_adapters")
 
 
 def memory_stats(device: jax.Device) -> dict:
@@ -250,6 +254,9 @@ def run_section(name: str, device: jax.Device, sizes: Sizes, peaks: Peaks | None
         layout = one_device_layout(model_config(sizes.serving_model, kv_cache_dtype="int8"), device)
         return serving_paged_records(with_choices(layout, choices), sizes, choices.page_size,
                                      memory_stats(device).get("bytes_limit", DEFAULT_BYTES_LIMIT)), peaks
+    if name == "serving_adapters":
+        layout = one_device_layout(model_config(sizes.serving_model, kv_cache_dtype="int8"), device)
+        return serving_adapters_records(with_choices(layout, choices), sizes, choices.page_size), peaks
     peaks = peaks or measure_device(device, sizes)[1]  # the sections below are measured against them
     if name == "train":
         cfg = model_config(sizes.train_model, **{"remat": True, "per_replica_batch": sizes.train_batch,

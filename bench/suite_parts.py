@@ -393,9 +393,10 @@ class _CharPerToken:
         return "x" * len(tokens)
 
 
-def _run_together(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float], int]:
-    """Submit all prompts at once (greedy, streamed) and wait for them: (wall seconds, time to first token of
-    each, tokens made)."""
+def _run_together(engine: Engine, prompts: list[list[int]], new_tokens: int,
+                  adapters: list[int] | None = None) -> tuple[float, list[float], int]:
+    """Submit all prompts at once (greedy, streamed; prompt i through served adapter slot adapters[i] where given)
+    and wait for them: (wall seconds, time to first token of each, tokens made)."""
     n = len(prompts)
     first_s: list[float | None] = [None] * n
     made, done, errors = [0] * n, [threading.Event() for _ in range(n)], []
@@ -411,7 +412,9 @@ def _run_together(engine: Engine, prompts: list[list[int]], new_tokens: int) -> 
                 done[i].set()
         return on_event
 
-    requests = [GenerationRequest(prompt, new_tokens, receiver(i), temperature=0.0, stream=True, logprobs=False)
+    slots = adapters or [-1] * n
+    requests = [GenerationRequest(prompt, new_tokens, receiver(i), temperature=0.0, stream=True, logprobs=False,
+                                  adapter=slots[i], adapter_key=slots[i] + 1)
                 for i, prompt in enumerate(prompts)]
     start_s = time.perf_counter()
     engine.submit(requests)

@@ -11,8 +11,8 @@ from bench.suite_parts import (GPTJ_6B, HEADROOM, INT8, decode_bytes, device_siz
 from tests.helpers import run_script
 
 RECORDS = {"meta", "device", "train", "train_lora_6b", "decode", "serving", "serving_speedup", "serving_paged",
-           "serving_paged_capacity", "compile", "memory"}
-SECTIONS = {"device", "train", "train_lora", "decode", "decode_int8", "serving", "serving_paged"}
+           "serving_paged_capacity", "serving_adapters", "serving_adapters_ratio", "adapter_load", "compile", "memory"}
+SECTIONS = {"device", "train", "train_lora", "decode", "decode_int8", "serving", "serving_paged", "serving_adapters"}
 V5E_BYTES_LIMIT = 16_909_336_064  # what one TPU v5e chip's memory_stats() says
 
 
@@ -44,6 +44,9 @@ def test_tiny_suite_emits_every_record_with_finite_positive_figures(tmp_path):
     assert {r["mode"] for r in records if r["bench"] == "serving"} == {"concurrent", "one_at_a_time"}
     paged = [r for r in records if r["bench"] == "serving_paged"]
     assert [r["concurrent"] for r in paged] == [1, 8] and {r["kv_cache_dtype"] for r in paged} == {"int8"}
+    adapters = [r for r in records if r["bench"] == "serving_adapters"]
+    assert [r["mode"] for r in adapters] == ["base", "adapters"]
+    assert all(r["adapters"] == 8 and r["adapter_slots"] == 9 and len(r["rounds_tokens_per_s"]) == 3 for r in adapters)
     assert {r["section"] for r in records if r["bench"] == "compile"} == SECTIONS
     memory = [r for r in records if r["bench"] == "memory"]
     assert {r["section"] for r in memory} == SECTIONS

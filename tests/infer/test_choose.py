@@ -45,3 +45,43 @@ def test_penalties_and_bias_per_row_equal_the_numpy_reference():
     assert tokens[2] == 3 and list(tokens) == list(np.argmax(got, -1))
     log_softmax = jax.nn.log_softmax(logits)
     np.testing.assert_allclose(logprobs.chosen, log_softmax[np.arange(4), tokens], rtol=1e-5)
+
+
+def kept_by_sorting(logits, top_k, top_p):
+    """Top-k then top-p by sorting one row (NumPy): the smallest prefix of the sorted top-k whose mass before each
+    kept token is below top_p, and every token tied with the last kept one."""
+    order = np.sort(logits)[::-1]
+    k = min(top_k, len(logits)) if top_k > 0 else len(logits)
+    top = order[:k].astype(np.float64)
+    probs = np.exp(top - top[0]) / np.exp(top - top[0]).sum()
+    before = np.cumsum(probs) - probs
+    n = k if top_p >= 1 else int((before < top_p).sum())
+    return (logits >= order[n - 1]) & np.isfinite(logits)  # a masked token stays masked
+
+
+def test_top_k_and_top_p_by_bisection_equal_sorting_with_ties_and_masked_tokens():
+    rng = np.random.default_rng(0)
+    for trial in range(12):
+        vocab = int(rng.integers(2, 200))
+        logits = (rng.standard_normal((16, vocab)) * rng.uniform(0.2, 4)).astype(np.float32)
+        if trial % 2:
+            logits = np.round(logits, 1)  # many ties
+        if trial % 3 == 0:
+            logits[:, : vocab // 3] = -np.inf  # masked tokens (a logit bias of -100 and below, say)
+        top_k = rng.integers(0, vocab + 3, 16).astype(np.int32)
+        top_k[::4] = 0
+        # top_p away from the rounding of a cumulative sum (f32 here, f64 in the reference)
+        top_p = rng.uniform(0.05, 1.0, 16).astype(np.float32)
+        top_p[::5] = 1.0
+        kept = np.isfinite(np.asarray(jax.jit(choose.filter_logits)(logits, top_k, top_p)))
+        for row in range(16):
+            np.testing.assert_array_equal(kept[row], kept_by_sorting(logits[row], top_k[row], top_p[row]))
+
+
+def test_top_k_by_argmax_equals_lax_top_k_ties_by_the_lower_id():
+    rng = np.random.default_rng(1)
+    x = np.round(rng.standard_normal((8, 300)), 1).astype(np.float32)
+    values, ids = jax.jit(choose.top_k, static_argnums=1)(x, 5)
+    want_values, want_ids = jax.lax.top_k(x, 5)
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
