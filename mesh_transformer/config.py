@@ -11,7 +11,7 @@ from typing import Any
 from collections.abc import Sequence
 
 
-LORA_TARGETS = ("q", "k", "v", "out", "fc_in", "fc_out")
+LORA_TARGETS = ("q", "k", "v", "out", "fc_in", "fc_out", "gate")  # "gate": a gated MLP's (llama)
 
 
 class ConfigError(ValueError):
@@ -23,7 +23,10 @@ class Config:
     # The model family (model/families/: "gptj", "gptneox") and its own keys (each family names those it reads).
     family: str = "gptj"
     parallel_residual: bool = True  # gptneox: attention and the MLP read the layer's input side by side
-    rotary_base: float = 10000.0  # gptneox: the rotary embedding's base
+    rotary_base: float = 10000.0  # gptneox, llama: the rotary embedding's base (HF's rope_theta)
+    n_kv_heads: int = 0  # llama: key and value heads (grouped-query attention; 0: n_heads)
+    intermediate_size: int = 0  # llama: the MLP's width (0: 4 x d_model)
+    rope_scaling: dict | None = None  # llama: HF's rope scaling ({"rope_type": "llama3" | "linear", "factor", ...})
     # Model shape (original keys).
     layers: int = 28
     d_model: int = 4096
@@ -92,7 +95,11 @@ class Config:
 
     @property
     def d_ff(self) -> int:
-        return 4 * self.d_model
+        return self.intermediate_size or 4 * self.d_model
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
 
     @property
     def model_path(self) -> str:
@@ -175,7 +182,11 @@ def _check_values(cfg: Config) -> None:
             raise ConfigError(f"config key '{key}' must be at least 1, got {getattr(cfg, key)}")
     if cfg.d_model % cfg.n_heads:
         raise ConfigError(f"config key 'd_model' ({cfg.d_model}) must be divisible by n_heads ({cfg.n_heads})")
-    for key in ("n_heads", "n_vocab") if cfg.parallelism == "shard_map" else ():  # GSPMD: parallel.layout checks
+    if cfg.n_kv_heads < 0 or cfg.n_heads % cfg.kv_heads or cfg.intermediate_size < 0:
+        raise ConfigError(f"config key 'n_kv_heads' ({cfg.n_kv_heads}) must divide n_heads ({cfg.n_heads}), and "
+                          f"'intermediate_size' must be at least 0 (0: 4 x d_model)")
+    split = ("n_heads", "n_kv_heads", "n_vocab") if cfg.parallelism == "shard_map" else ()  # GSPMD: parallel.layout
+    for key in split:
         if getattr(cfg, key) % cfg.cores_per_replica:
             raise ConfigError(f"config key '{key}' ({getattr(cfg, key)}) must be divisible by "
                               f"cores_per_replica ({cfg.cores_per_replica})")
@@ -280,7 +291,8 @@ def fit_devices(cfg: Config, n_devices: int) -> Config:
 def model_parallel_widths(cfg: Config, n_devices: int) -> list[int]:
     """The model-parallel widths, smallest first, that divide the device count, n_heads and n_vocab (1 always does)."""
     return [width for width in range(1, n_devices + 1)
-            if n_devices % width == 0 and cfg.n_heads % width == 0 and cfg.n_vocab % width == 0]
+            if n_devices % width == 0 and cfg.n_heads % width == 0 and cfg.kv_heads % width == 0
+            and cfg.n_vocab % width == 0]
 
 
 DTYPE_FLAGS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # the tools' --dtype names

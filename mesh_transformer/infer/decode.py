@@ -57,7 +57,7 @@ SEQUENCE_AXES = ("batch", "length", "heads", "head_dim")  # [N, S, H, K], which 
 
 def block_shape(n_slots: int, length: int, cfg: Config, policy: Policy) -> tuple[int, ...]:
     """A cache block's shape: [N, S_j, H, K] in the policy's order (`cache_order`)."""
-    sizes = (n_slots, length, cfg.n_heads, cfg.head_dim)
+    sizes = (n_slots, length, cfg.kv_heads, cfg.head_dim)
     return tuple(sizes[i] for i in policy.cache_order)
 
 

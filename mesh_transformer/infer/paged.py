@@ -72,7 +72,7 @@ def _ordered(sizes: tuple, order: tuple) -> tuple:
 
 
 def page_shape(n_pages: int, page: int, cfg: Config, policy: Policy) -> tuple[int, int, int, int]:
-    return _ordered((n_pages, page, cfg.n_heads, cfg.head_dim), page_order(policy))
+    return _ordered((n_pages, page, cfg.kv_heads, cfg.head_dim), page_order(policy))
 
 
 def zero_cache(n_pages: int, page: int, cfg: Config, policy: Policy) -> PagedCache:
@@ -83,7 +83,7 @@ def zero_cache(n_pages: int, page: int, cfg: Config, policy: Policy) -> PagedCac
     def zeros(shape, dtype):
         return [jnp.zeros(shape, dtype) for _ in range(cfg.layers)]
 
-    scale_shape = _ordered((n_pages, page, cfg.n_heads), scale_order(policy))
+    scale_shape = _ordered((n_pages, page, cfg.kv_heads), scale_order(policy))
     scales = zeros(scale_shape, jnp.float32) if int8 else [None] * cfg.layers
     return PagedCache(zeros(page_shape(n_pages, page, cfg, policy), dtype), zeros(page_shape(
         n_pages, page, cfg, policy), dtype), scales, list(scales))

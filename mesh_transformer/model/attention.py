@@ -31,45 +31,49 @@ class Scaled(NamedTuple):
 
 
 def _per_score(scale_BxSxH: jax.Array) -> jax.Array:
-    """A scale per position and head as a factor of scores [B, H, 1, S]."""
-    return scale_BxSxH.transpose(0, 2, 1)[:, :, None, :]
+    """A scale per position and key head as a factor of grouped scores [B, H_kv, 1, 1, S]."""
+    return scale_BxSxH.transpose(0, 2, 1)[:, :, None, None, :]
 
 
 def attend(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array, mask_BxTxT: jax.Array,
            past: tuple | None = None) -> jax.Array:
-    """Softmax attention in f32 over the keys allowed by the mask; returns [B, T, H*K].
+    """Softmax attention in f32 over the keys allowed by the mask; returns [B, T, H*K]. Keys and values may have
+    fewer heads than the queries (grouped-query attention: query head h reads key head h // (H / H_kv)).
 
     With `past=(k_blocks, v_blocks, mask_BxTxS)` the queries also see S earlier keys (a KV cache) held in one or
     more blocks [B, S_j, H, K] (or `Scaled` int8 blocks) that together make S, read where they lie: their scores are
     joined to the new keys' before the softmax, so the cache is never copied to append the new keys or to join its
     blocks.
     """
-    def scores(k_BxSxHxK, mask_BxTxS):
-        scaled = isinstance(k_BxSxHxK, Scaled)
-        q = q_BxTxHxK.astype(v_BxTxHxK.dtype) if scaled else q_BxTxHxK
-        k = k_BxSxHxK.values.astype(v_BxTxHxK.dtype) if scaled else k_BxSxHxK
-        s_BxHxTxS = jnp.einsum("bthk,bshk->bhts", q, k, preferred_element_type=F32)
-        s_BxHxTxS = s_BxHxTxS / jnp.sqrt(F32(q_BxTxHxK.shape[-1]))
-        if scaled:
-            s_BxHxTxS = s_BxHxTxS * _per_score(k_BxSxHxK.scale_BxSxH)
-        return jnp.where(mask_BxTxS[:, None], s_BxHxTxS, jnp.finfo(F32).min)
+    b, t, heads, head_dim = q_BxTxHxK.shape
+    q_BxTxNxGxK = q_BxTxHxK.reshape(b, t, v_BxTxHxK.shape[2], -1, head_dim)  # N key heads, G queries each
 
-    def context(probs_BxHxTxS, v_BxSxHxK):
-        if isinstance(v_BxSxHxK, Scaled):
-            probs_BxHxTxS = probs_BxHxTxS * _per_score(v_BxSxHxK.scale_BxSxH)
-            v_BxSxHxK = v_BxSxHxK.values.astype(v_BxTxHxK.dtype)
-        return jnp.einsum("bhts,bshk->bthk", probs_BxHxTxS.astype(v_BxTxHxK.dtype), v_BxSxHxK)
+    def scores(k_BxSxNxK, mask_BxTxS):  # [B, N, G, T, S]
+        scaled = isinstance(k_BxSxNxK, Scaled)
+        q = q_BxTxNxGxK.astype(v_BxTxHxK.dtype) if scaled else q_BxTxNxGxK
+        k = k_BxSxNxK.values.astype(v_BxTxHxK.dtype) if scaled else k_BxSxNxK
+        s = jnp.einsum("btngk,bsnk->bngts", q, k, preferred_element_type=F32)
+        s = s / jnp.sqrt(F32(head_dim))
+        if scaled:
+            s = s * _per_score(k_BxSxNxK.scale_BxSxH)
+        return jnp.where(mask_BxTxS[:, None, None], s, jnp.finfo(F32).min)
+
+    def context(probs, v_BxSxNxK):
+        if isinstance(v_BxSxNxK, Scaled):
+            probs = probs * _per_score(v_BxSxNxK.scale_BxSxH)
+            v_BxSxNxK = v_BxSxNxK.values.astype(v_BxTxHxK.dtype)
+        return jnp.einsum("bngts,bsnk->btngk", probs.astype(v_BxTxHxK.dtype), v_BxSxNxK)
 
     k_blocks, v_blocks, past_mask = past if past is not None else ([], [], None)
     starts = [0]
     for k_block in k_blocks:
         starts.append(starts[-1] + (k_block.values if isinstance(k_block, Scaled) else k_block).shape[1])
     parts = [scores(k, past_mask[..., a:b]) for k, a, b in zip(k_blocks, starts, starts[1:])]
-    probs_BxHxTxS = jax.nn.softmax(jnp.concatenate([*parts, scores(k_BxTxHxK, mask_BxTxT)], -1), -1)
-    ctx_BxTxHxK = context(probs_BxHxTxS[..., starts[-1]:], v_BxTxHxK)
-    for v, a, b in zip(v_blocks, starts, starts[1:]):
-        ctx_BxTxHxK += context(probs_BxHxTxS[..., a:b], v)
-    return ctx_BxTxHxK.reshape(*ctx_BxTxHxK.shape[:2], -1)
+    probs = jax.nn.softmax(jnp.concatenate([*parts, scores(k_BxTxHxK, mask_BxTxT)], -1), -1)
+    ctx_BxTxNxGxK = context(probs[..., starts[-1]:], v_BxTxHxK)
+    for v, start, stop in zip(v_blocks, starts, starts[1:]):
+        ctx_BxTxNxGxK += context(probs[..., start:stop], v)
+    return ctx_BxTxNxGxK.reshape(b, t, heads * head_dim)
 
 
 def causal_mask(length: int) -> jax.Array:
@@ -101,6 +105,8 @@ def self_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Ar
     """
     if kernel not in KERNELS:
         raise ValueError(f"attention kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel in ("blocked", "splash"):  # fewer key and value heads (grouped-query): each read by its queries' group
+        k_BxTxHxK, v_BxTxHxK = (_repeat_heads(x, q_BxTxHxK.shape[2]) for x in (k_BxTxHxK, v_BxTxHxK))
     if kernel == "blocked":
         return blocked_attention(q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, length_B)
     if kernel == "splash":
@@ -177,6 +183,11 @@ def splash_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.
         kernel = _at_default_precision(kernel)
     ctx_BxHxTxK = kernel(*(x.transpose(0, 2, 1, 3) for x in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK)))
     return ctx_BxHxTxK.transpose(0, 2, 1, 3).reshape(batch, length, heads * head_dim)
+
+
+def _repeat_heads(x_BxTxNxK: jax.Array, heads: int) -> jax.Array:
+    """Key or value heads repeated to `heads` (head h reads head h // (heads / N), as HF's repeat_kv)."""
+    return x_BxTxNxK if x_BxTxNxK.shape[2] == heads else jnp.repeat(x_BxTxNxK, heads // x_BxTxNxK.shape[2], axis=2)
 
 
 def dot_product_attention(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array,

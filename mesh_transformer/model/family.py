@@ -30,11 +30,16 @@ class Param(NamedTuple):
 
 class Block(NamedTuple):
     """What a family's transformer block does, beyond the param table (which says whether it has a second
-    LayerNorm "ln_2" before the MLP, and biases on q, k, v and attn out)."""
+    LayerNorm "ln_2" before the MLP, biases on q, k, v and attn out, and whether its norms are LayerNorms, with a
+    bias, or RMSNorms, a scale alone)."""
     rotary: str  # "interleaved": rotate pairs (0, 1), (2, 3), ... (GPT-J); "half": dims i and i + P/2 (GPT-NeoX)
     gelu_tanh: bool  # the MLP's GELU: tanh's approximation (GPT-J's gelu_new) or exact (erf)
     parallel: bool = True  # attention and the MLP read the block's input side by side (the config's
-    # parallel_residual, filled in by `gptj.block_arch`), else the MLP reads attention's output
+    # parallel_residual where the family has that key, filled in by `gptj.block_arch`), else the MLP reads
+    # attention's output
+    mlp: str = "gelu"  # "gelu"; "swiglu": silu(x @ gate) * (x @ fc_in), then fc_out (Llama's)
+    heads: int = 0  # query heads and key/value heads (grouped-query attention where fewer), filled in by
+    kv_heads: int = 0  # `gptj.block_arch` from the config
 
 
 class Family(NamedTuple):
@@ -50,4 +55,5 @@ class Family(NamedTuple):
     # BPE, the config's default)
     hf_aliases: Mapping[str, tuple[str, ...]] = {}  # an HF name -> other names a checkpoint may hold it under
     # (what another transformers version writes); the table's name is the one written
+    hf_also_reads: tuple[str, ...] = ()  # other model_types whose HF directories have this family's layout
     eos_id: int = 50256  # its tokenizer's end of text: where a token-level API stops when not told (GPT-2's BPE's)

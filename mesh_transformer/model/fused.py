@@ -17,8 +17,9 @@ FUSED_AXES = {"ln_1": {"scale": ("embed",), "bias": ("embed",)},
 def fused_axes(layer_axes: dict) -> dict:
     """The logical axes of a joined layer, for a family whose param tree's layer has these axes."""
     axes = dict(FUSED_AXES)
-    if "ln_2" in layer_axes:
-        axes["ln_2"] = FUSED_AXES["ln_1"]
+    for norm in ("ln_1", "ln_2"):  # a LayerNorm's scale and bias, an RMSNorm's scale
+        if norm in layer_axes:
+            axes[norm] = {name: ("embed",) for name in layer_axes[norm]}
     if "out_bias" in layer_axes["attn"]:
         axes["fused"] = {**FUSED_AXES["fused"], "attn_bias": ("embed",)}
     return axes
@@ -53,12 +54,19 @@ def fuse_inputs(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None,
         return w.reshape(d, tp_size, -1).transpose(1, 2, 0)
 
     concatenate = concatenate or xp.concatenate
-    qkv_bias = ([attn[f"{name}_bias"].astype(fc_in["bias"].dtype).reshape(tp_size, -1) for name in "qkv"]
-                if "q_bias" in attn else [xp.zeros((tp_size, 3 * d // tp_size), fc_in["bias"].dtype)])
-    fused = {"in": concatenate([rows(attn["q"]), rows(attn["k"]), rows(attn["v"]), rows(fc_in["kernel"])], 1),
-             "in_bias": xp.concatenate([*qkv_bias, fc_in["bias"].reshape(tp_size, -1)], -1)}
+    mlp_in = [layer["mlp"]["gate"], fc_in] if "gate" in layer["mlp"] else [fc_in]  # a gated MLP's [gate | fc_in]
+    dtype = fc_in["bias"].dtype if "bias" in fc_in else _float(attn["q"].dtype, xp)
+
+    def bias(p, name, width):
+        return (p[name].astype(dtype) if name in p else xp.zeros(width, dtype)).reshape(tp_size, -1)
+
+    matrices = [attn["q"], attn["k"], attn["v"], *(m["kernel"] for m in mlp_in)]
+    fused = {"in": concatenate([rows(w) for w in matrices], 1),
+             "in_bias": xp.concatenate([bias(attn, f"{name}_bias", attn[name].shape[-1]) for name in "qkv"]
+                                       + [bias(m, "bias", m["kernel"].shape[-1]) for m in mlp_in], -1)}
     if scales is not None:
-        fused["in_scale"] = xp.concatenate([scales[g].reshape(tp_size, -1) for g in ("q", "k", "v", "fc_in")], -1)
+        groups = ("q", "k", "v", "gate", "fc_in") if "gate" in layer["mlp"] else ("q", "k", "v", "fc_in")
+        fused["in_scale"] = xp.concatenate([scales[g].reshape(tp_size, -1) for g in groups], -1)
     return fused
 
 
@@ -74,9 +82,14 @@ def fuse_outputs(layer: dict, tp_size: int, xp=jnp, scales: dict | None = None,
         return w.reshape(tp_size, -1, d).transpose(0, 2, 1)
 
     fused = {"out": (concatenate or xp.concatenate)([columns(attn_out), columns(fc_out["kernel"])], 2),
-             "out_bias": fc_out["bias"]}
+             "out_bias": fc_out["bias"] if "bias" in fc_out else xp.zeros(d, _float(attn_out.dtype, xp))}
     if "out_bias" in layer["attn"]:
         fused["attn_bias"] = layer["attn"]["out_bias"]
     if scales is not None:
         fused["out_scale"] = xp.broadcast_to(scales["out"], (tp_size, d))
     return fused
+
+
+def _float(dtype, xp):
+    """A bias's dtype beside matrices of this dtype (int8 ones: f32)."""
+    return xp.float32 if dtype == xp.int8 else dtype

@@ -134,7 +134,8 @@ def run(params: dict, ids_BxT: jax.Array, positions_BxT: jax.Array, cfg: Config,
     params = cast_for_compute(params, cfg)
     h_BxTxD = constrain(layers.embed(ids_BxT, params["embed"]["wte"], tp_axis), HIDDEN_AXES)
     arch = block_arch(cfg)
-    sincos = layers.rotary_sincos(positions_BxT, cfg.pe_rotary_dims, cfg.rotary_base, half=arch.rotary == "half")
+    sincos = layers.rotary_sincos(positions_BxT, cfg.pe_rotary_dims, cfg.rotary_base, half=arch.rotary == "half",
+                                  scaling=cfg.rope_scaling)
     dtype = precision(cfg).compute
 
     def step(h_BxTxD, layer_and_adapters, state):
@@ -161,7 +162,9 @@ def run(params: dict, ids_BxT: jax.Array, positions_BxT: jax.Array, cfg: Config,
 
 def block_arch(cfg: Config) -> family.Block:
     """What the config's family's block does (model/family.py), with the config's own choices filled in."""
-    return families.of(cfg).block._replace(parallel=cfg.parallel_residual)
+    family_ = families.of(cfg)
+    parallel = cfg.parallel_residual if "parallel_residual" in family_.config_keys else family_.block.parallel
+    return family_.block._replace(parallel=parallel, heads=cfg.n_heads, kv_heads=cfg.kv_heads)
 
 
 def logits(params: dict, h_BxTxD: jax.Array) -> jax.Array:

@@ -35,8 +35,12 @@ def lead(v: jax.Array, ndim: int) -> jax.Array:
 
 
 def layer_norm(x_BxTxD: jax.Array, p: dict) -> jax.Array:
-    """LayerNorm in f32, returned in the input's dtype."""
+    """LayerNorm in f32, returned in the input's dtype; a norm without a bias is an RMSNorm (Llama's: x / rms(x) x
+    scale, where HF rounds the normalized x to the input's dtype before the scale)."""
     x = x_BxTxD.astype(F32)
+    if "bias" not in p:
+        y = (x * lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + LN_EPS)).astype(x_BxTxD.dtype)
+        return (lead(p["scale"], x.ndim) * y).astype(x_BxTxD.dtype)
     mean = x.mean(-1, keepdims=True)
     var = jnp.square(x - mean).mean(-1, keepdims=True)
     scale, bias = (lead(p[k].astype(F32), x.ndim) for k in ("scale", "bias"))
@@ -45,14 +49,33 @@ def layer_norm(x_BxTxD: jax.Array, p: dict) -> jax.Array:
 
 
 def rotary_sincos(positions_BxT: jax.Array, rot_dims: int, base: float = 10000.0,
-                  half: bool = False) -> tuple[jax.Array, jax.Array]:
+                  half: bool = False, scaling: dict | None = None) -> tuple[jax.Array, jax.Array]:
     """The rotary sin and cos tables [B, T, P]: GPT-J's interleaved [t0, t0, t1, t1, ...] per position, or with
-    `half` (GPT-NeoX's) [t0, t1, ..., t0, t1, ...]."""
-    inv_freq_P2 = 1.0 / (base ** (jnp.arange(0, rot_dims, 2, dtype=F32) / rot_dims))
+    `half` (GPT-NeoX's) [t0, t1, ..., t0, t1, ...]; the frequencies scaled as HF's `rope_scaling` says."""
+    inv_freq_P2 = scaled_frequencies(1.0 / (base ** (jnp.arange(0, rot_dims, 2, dtype=F32) / rot_dims)), scaling)
     angle_BxTxP2 = positions_BxT.astype(F32)[..., None] * lead(inv_freq_P2, positions_BxT.ndim + 1)
     if half:
         return jnp.concatenate([jnp.sin(angle_BxTxP2)] * 2, -1), jnp.concatenate([jnp.cos(angle_BxTxP2)] * 2, -1)
     return jnp.repeat(jnp.sin(angle_BxTxP2), 2, -1), jnp.repeat(jnp.cos(angle_BxTxP2), 2, -1)
+
+
+def scaled_frequencies(inv_freq_P2: jax.Array, scaling: dict | None) -> jax.Array:
+    """Rotary frequencies under HF's rope scaling: "linear" divides them by `factor`; "llama3" (Llama 3.1 on)
+    divides the low ones (wavelengths over original_max_position_embeddings / low_freq_factor) by `factor`, keeps
+    the high ones (under ... / high_freq_factor) and blends between."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq_P2
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq_P2 / factor
+    original = float(scaling["original_max_position_embeddings"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    wavelength_P2 = 2 * jnp.pi / inv_freq_P2
+    scaled_P2 = jnp.where(wavelength_P2 > original / low, inv_freq_P2 / factor, inv_freq_P2)
+    smooth_P2 = (original / wavelength_P2 - low) / (high - low)
+    medium_P2 = (wavelength_P2 >= original / high) & (wavelength_P2 <= original / low)
+    return jnp.where(medium_P2, (1 - smooth_P2) * scaled_P2 / factor + smooth_P2 * scaled_P2, scaled_P2)
 
 
 def apply_rotary(x_BxTxHxK: jax.Array, sin_BxTxP: jax.Array, cos_BxTxP: jax.Array, half: bool = False) -> jax.Array:
@@ -151,7 +174,9 @@ def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, *, arch, mask_BxTx
     whose projections `fused.fuse_layer` joined (for inference); how its weights are applied is `projections`' choice,
     the rest is this one body. The policy names the kernels (attention, the dense backward).
     """
-    proj = projections(p, join, policy)
+    shards = 1 if tp_axis is None else lax.psum(1, tp_axis)
+    widths = (arch.heads * head_dim // shards, arch.kv_heads * head_dim // shards)  # this device's q and k (v)
+    proj = projections(p, join, policy, widths)
     n_BxTxD = layer_norm(h_BxTxD, p["ln_1"])
 
     def attention(q, k, v):  # q, k and v are what remat_policy "save_qkv" keeps
@@ -162,7 +187,11 @@ def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, *, arch, mask_BxTx
         return _attention(q, k, v, mask_BxTxT, past, attend_self), (k, v)
 
     def act(pre):  # its input is what remat_policy "save_mlp_hidden" keeps (`gptj.REMAT_POLICIES`)
-        return jax.nn.gelu(checkpoint_name(pre, "mlp_hidden"), approximate=arch.gelu_tanh)
+        pre = checkpoint_name(pre, "mlp_hidden")
+        if arch.mlp == "swiglu":  # [gate | fc_in] on this device's columns
+            gate, up = jnp.split(pre, 2, axis=-1)
+            return jax.nn.silu(gate) * up
+        return jax.nn.gelu(pre, approximate=arch.gelu_tanh)
 
     if not arch.parallel:
         attn, kv = attention(*proj.attn_inputs(n_BxTxD))
@@ -173,16 +202,17 @@ def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, *, arch, mask_BxTx
     q, k, v, pre_act = proj.inputs(n_BxTxD, n_mlp_BxTxD)
     attn, kv = attention(q, k, v)
     out_BxTxD = proj.output(attn, act(pre_act))
-    bias = proj.out_bias if proj.attn_bias is None else proj.out_bias + proj.attn_bias
+    bias = proj.out_bias if proj.attn_bias is None or proj.out_bias is None else proj.out_bias + proj.attn_bias
     return _residual(h_BxTxD, out_BxTxD, bias, tp_axis), kv
 
 
-def projections(p: dict, join: bool, policy: Policy) -> Projections:
+def projections(p: dict, join: bool, policy: Policy, widths: tuple[int, int]) -> Projections:
     """A layer's `Projections`: `fused.fuse_layer`'s joined matrices (inference, int8 ones with their scales), the param
     tree's matrices joined inside the computation (`join`, for a family with one LayerNorm), or the param tree's
-    products as they are."""
+    products as they are. `widths`: this device's width of q and of k (and v). A gated MLP's pre-activation is
+    [gate | fc_in]."""
     if "fused" in p:  # with served adapters' slots beside it, each row's own added (model/lora_slots.py)
-        proj = _fused(p["fused"], policy)
+        proj = _fused(p["fused"], policy, widths)
         return proj if p.get("lora_rows") is None else lora_slots.adapted(proj, p["lora"], p["lora_rows"])
     attn, mlp_p = p["attn"], p["mlp"]
     fc_in, fc_out = mlp_p["fc_in"], mlp_p["fc_out"]
@@ -194,7 +224,9 @@ def projections(p: dict, join: bool, policy: Policy) -> Projections:
 
     def mlp_input(n_BxTxD):
         pre = dense(n_BxTxD, fc_in["kernel"], policy)
-        return pre + lead(fc_in["bias"], pre.ndim)
+        if "gate" in mlp_p:
+            pre = jnp.concatenate([dense(n_BxTxD, mlp_p["gate"]["kernel"], policy), pre], -1)
+        return pre if "bias" not in fc_in else pre + lead(fc_in["bias"], pre.ndim)
 
     def attn_output(attn_BxTxW):
         return dense(attn_BxTxW, attn["out"], policy)
@@ -209,40 +241,42 @@ def projections(p: dict, join: bool, policy: Policy) -> Projections:
         return attn_output(attn_BxTxW) + mlp_output(act_BxTxF)
 
     sides = (attn_inputs, mlp_input, attn_output, mlp_output, attn.get("out_bias"))
-    if join and "ln_2" not in p and "q_bias" not in attn:
+    out_bias = fc_out.get("bias")
+    if join and "ln_2" not in p and "q_bias" not in attn and "gate" not in mlp_p:
         # q, k, v and fc_in (which all read LN(h)) in one product, out and fc_out (summed) in another
         in_DxN = jnp.concatenate([attn["q"], attn["k"], attn["v"], fc_in["kernel"]], -1)
         out_MxD = jnp.concatenate([attn["out"], fc_out["kernel"]], 0)
-        width = attn["q"].shape[-1]
-
         def inputs(n_BxTxD, n_mlp_BxTxD):
-            *qkv, pre = _split(dense(n_BxTxD, in_DxN, policy), width)
+            *qkv, pre = _split(dense(n_BxTxD, in_DxN, policy), widths)
             return *qkv, pre + lead(fc_in["bias"], pre.ndim)
 
         def output(attn_BxTxW, act_BxTxF):
             return dense(jnp.concatenate([attn_BxTxW, act_BxTxF], -1), out_MxD, policy)
-        return Projections(inputs, output, fc_out["bias"], policy.attention, *sides)
-    return Projections(separate_inputs, separate_output, fc_out["bias"], policy.attention, *sides)
+        return Projections(inputs, output, out_bias, policy.attention, *sides)
+    return Projections(separate_inputs, separate_output, out_bias, policy.attention, *sides)
 
 
-def _split(y, width: int) -> tuple[jax.Array, ...]:
-    """q, k, v and the MLP's part of a joined input product y [B, T, 3 * width + F]."""
-    return tuple(y[..., i * width:(i + 1) * width] for i in range(3)) + (y[..., 3 * width:],)
+def _split(y, widths: tuple[int, int]) -> tuple[jax.Array, ...]:
+    """q, k, v and the MLP's part of a joined input product y [B, T, W + 2 W_kv + F], `widths` (W, W_kv)."""
+    q, kv = widths
+    return y[..., :q], y[..., q:q + kv], y[..., q + kv:q + 2 * kv], y[..., q + 2 * kv:]
 
 
-def _residual(h_BxTxD: jax.Array, out_BxTxD: jax.Array, bias_D: jax.Array, tp_axis: str | None) -> jax.Array:
-    """h + the block's output, summed over tensor-parallel shards first, + fc_out's bias (added once)."""
+def _residual(h_BxTxD: jax.Array, out_BxTxD: jax.Array, bias_D: jax.Array | None,
+              tp_axis: str | None) -> jax.Array:
+    """h + the block's output, summed over tensor-parallel shards first, + fc_out's bias (added once; None: none)."""
     if tp_axis is not None:
         out_BxTxD = lax.psum(out_BxTxD, tp_axis)
-    return h_BxTxD + out_BxTxD + lead(bias_D, h_BxTxD.ndim)
+    return h_BxTxD + out_BxTxD if bias_D is None else h_BxTxD + out_BxTxD + lead(bias_D, h_BxTxD.ndim)
 
 
-def _fused(p: dict, policy: Policy) -> Projections:
+def _fused(p: dict, policy: Policy, widths: tuple[int, int]) -> Projections:
     """`Projections` of `fused.fuse_layer`'s matrices (this device's slice: the device axis is 1 here), int8 ones with
     their scales (model/quant.py), computed in pieces where the policy says (`order.in_pieces`). A side alone (or
-    inputs of two LayerNorms) reads its rows of "in" or columns of "out"."""
+    inputs of two LayerNorms) reads its rows of "in" or columns of "out". `widths`: this device's (W, W_kv): "in"
+    has W + 2 W_kv + F rows (2 F, gate and fc_in, for a gated MLP), "out" W + F columns."""
     d = p["in"].shape[-1]
-    width = (p["in"].shape[1] - p["out"].shape[-1]) // 2  # in: 3 * D/tp + F/tp rows, out: D/tp + F/tp columns
+    width, qkv = widths[0], widths[0] + 2 * widths[1]
     scales = [p[name].reshape(-1) if name in p else None for name in ("in_scale", "out_scale")]  # int8: quant.py
     dot_dtype = None if policy.int8_dot in ("compute", "kernel") else jnp.dtype(policy.int8_dot)
     in_NxK, in_bias = p["in"].reshape(-1, d), p["in_bias"].reshape(-1)
@@ -265,13 +299,13 @@ def _fused(p: dict, policy: Policy) -> Projections:
         if n_mlp_BxTxD is not n_BxTxD:
             return *attn_inputs(n_BxTxD), mlp_input(n_mlp_BxTxD)
         y = product(n_BxTxD, in_NxK, scales[0])
-        return _split(y + lead(in_bias, y.ndim), width)
+        return _split(y + lead(in_bias, y.ndim), widths)
 
     def attn_inputs(n_BxTxD):
-        return _split(side_input(n_BxTxD, 0, 3 * width), width)[:3]
+        return _split(side_input(n_BxTxD, 0, qkv), widths)[:3]
 
     def mlp_input(n_BxTxD):
-        return side_input(n_BxTxD, 3 * width, None)
+        return side_input(n_BxTxD, qkv, None)
 
     def output(attn_BxTxW, act_BxTxF):
         return product(jnp.concatenate([attn_BxTxW, act_BxTxF], -1), out_DxM, scales[1])

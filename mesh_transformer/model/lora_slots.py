@@ -87,13 +87,18 @@ def adapted(proj, slots: dict, rows: Rows):
     adapted row runs none of them (one `lax.cond` a side)."""
     some = jnp.any(rows.adapter >= 0)
 
+    def delta(x, target):  # "mlp": the MLP's input side, a gated MLP's [gate | fc_in]
+        if target == "mlp" and "gate" in slots:
+            return jnp.concatenate([_delta(x, slots[t], rows.adapter) for t in ("gate", "fc_in")], -1)
+        return _delta(x, slots["fc_in" if target == "mlp" else target], rows.adapter)
+
     def plus(ys: tuple, xs: tuple, targets: tuple) -> tuple:
         def deltas():
-            return tuple(_delta(x, slots[t], rows.adapter).astype(y.dtype) for y, x, t in zip(ys, xs, targets))
+            return tuple(delta(x, t).astype(y.dtype) for y, x, t in zip(ys, xs, targets))
         return tuple(y + d for y, d in zip(ys, lax.cond(some, deltas, lambda: tuple(map(jnp.zeros_like, ys)))))
 
     def inputs(n_attn, n_mlp):
-        return plus(proj.inputs(n_attn, n_mlp), (n_attn, n_attn, n_attn, n_mlp), ("q", "k", "v", "fc_in"))
+        return plus(proj.inputs(n_attn, n_mlp), (n_attn, n_attn, n_attn, n_mlp), ("q", "k", "v", "mlp"))
 
     def output(attn, act):
         y = proj.output(attn, act)
@@ -105,6 +110,6 @@ def adapted(proj, slots: dict, rows: Rows):
 
     return proj._replace(
         inputs=inputs, attn_inputs=lambda n: plus(proj.attn_inputs(n), (n, n, n), ("q", "k", "v")),
-        mlp_input=lambda n: plus((proj.mlp_input(n),), (n,), ("fc_in",))[0], output=output,
+        mlp_input=lambda n: plus((proj.mlp_input(n),), (n,), ("mlp",))[0], output=output,
         attn_output=lambda attn: plus((proj.attn_output(attn),), (attn,), ("out",))[0],
         mlp_output=lambda act: plus((proj.mlp_output(act),), (act,), ("fc_out",))[0])

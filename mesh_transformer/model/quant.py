@@ -27,7 +27,7 @@ SCALE_AXES = {"in_scale": ("shards", "joined"), "out_scale": ("shards", "embed")
 HEAD_SCALE_AXES = {"scale": ("vocab",)}  # the LM head's, with quantize_head
 # A layer's matrices (paths in a layer of the param tree) by scale group: the members of a group share one scale
 # per output channel.
-GROUPS = {"q": (("attn", "q"),), "k": (("attn", "k"),), "v": (("attn", "v"),),
+GROUPS = {"q": (("attn", "q"),), "k": (("attn", "k"),), "v": (("attn", "v"),), "gate": (("mlp", "gate", "kernel"),),
           "fc_in": (("mlp", "fc_in", "kernel"),), "out": (("attn", "out"), ("mlp", "fc_out", "kernel"))}
 MATRICES = {path: group for group, paths in GROUPS.items() for path in paths}
 
@@ -123,15 +123,22 @@ def _holds(layer: dict, path: tuple) -> bool:
     return not path or (path[0] in layer and _holds(layer[path[0]], path[1:]))
 
 
-def stacked_scales(read, n_layers: int) -> dict[str, np.ndarray]:
-    """The scales [L, N] of each scale group of n_layers layers, `read(path in a layer, i)` giving a matrix."""
+def matrices(layer_paths) -> dict[tuple, str]:
+    """`MATRICES` of the paths a family's layer has (a family without a gated MLP has no "gate")."""
+    have = set(layer_paths)
+    return {path: group for path, group in MATRICES.items() if path in have}
+
+
+def stacked_scales(read, n_layers: int, layer_paths=tuple(MATRICES)) -> dict[str, np.ndarray]:
+    """The scales [L, N] of each scale group of n_layers layers, `read(path in a layer, i)` giving a matrix, of the
+    matrices among `layer_paths` (a family's)."""
     per_layer = []
     for i in range(n_layers):
         layer: dict = {}
-        for path in MATRICES:
+        for path in matrices(layer_paths):
             set_path(layer, path, read(path, i))
         per_layer.append(group_scales(layer))
-    return {group: np.stack([scales[group] for scales in per_layer]) for group in GROUPS}
+    return {group: np.stack([scales[group] for scales in per_layer]) for group in per_layer[0]}
 
 
 def quantize_layer(layer: dict, xp=np, scales: dict | None = None,

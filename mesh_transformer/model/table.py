@@ -65,7 +65,8 @@ def lora_targets(cfg: Config) -> dict[str, Path]:
 
 def axis_sizes(cfg: Config) -> dict[str, int]:
     """The size of each logical axis of the params and the LoRA adapters."""
-    return {"layers": cfg.layers, "embed": cfg.d_model, "heads": cfg.n_heads * cfg.head_dim, "mlp": cfg.d_ff,
+    return {"layers": cfg.layers, "embed": cfg.d_model, "heads": cfg.n_heads * cfg.head_dim,
+            "kv_heads": cfg.kv_heads * cfg.head_dim, "mlp": cfg.d_ff,
             "vocab": cfg.n_vocab, "lora": cfg.lora_rank}
 
 

@@ -53,11 +53,11 @@ class Mappings(NamedTuple):
 
 SHARD_MAP = "shard_map"
 # "shards": the device axis of inference's joined layers (`fused.FUSED_AXES`), one slice per 'mp' device.
-MEGATRON_RULES: Rules = [("batch", DP), ("vocab", MP), ("heads", MP), ("mlp", MP), ("shards", MP)]
+MEGATRON_RULES: Rules = [("batch", DP), ("vocab", MP), ("heads", MP), ("kv_heads", MP), ("mlp", MP), ("shards", MP)]
 MEGATRON = Mappings(params=MEGATRON_RULES, compute=MEGATRON_RULES)
 BATCH_RULES: Rules = [("batch", (DATA, FSDP))]  # fsdp is data parallel for compute, so the batch splits over it too
 ZERO3_RULES: Rules = [("embed", FSDP)]  # params only: ZeRO-3
-TENSOR_RULES: Rules = [("vocab", TENSOR), ("heads", TENSOR), ("mlp", TENSOR)]
+TENSOR_RULES: Rules = [("vocab", TENSOR), ("heads", TENSOR), ("kv_heads", TENSOR), ("mlp", TENSOR)]
 GSPMD: dict[str, Mappings] = {
     "dp": Mappings(params=BATCH_RULES, compute=BATCH_RULES),
     "fsdp": Mappings(params=ZERO3_RULES, compute=BATCH_RULES),
@@ -398,7 +398,7 @@ def _check_gspmd(cfg: Config, mesh: Mesh, mappings: Mappings) -> None:
             raise ConfigError(f"parallelism {cfg.parallelism!r} does not use mesh axis '{axis}' of size "
                               f"{mesh.shape[axis]}; choose a mode that does ({', '.join(MODES)}) or size it 1")
     sizes = {"embed": ("d_model", cfg.d_model), "heads": ("n_heads", cfg.n_heads),
-             "mlp": ("d_ff = 4 d_model", cfg.d_ff), "vocab": ("n_vocab", cfg.n_vocab)}
+             "kv_heads": ("n_kv_heads", cfg.kv_heads), "mlp": ("d_ff", cfg.d_ff), "vocab": ("n_vocab", cfg.n_vocab)}
     for name, entry in rules:
         if name in sizes:
             key, size = sizes[name]

@@ -279,8 +279,9 @@ def _write_leaves(reader: Any, writer: StreamingWriter, cfg: Config, extra: list
     specs = param_specs(MEGATRON, cfg)
     params = param_paths(cfg)
     shapes = {path: like.shape for path, like in params}
+    layer_paths = [path[1:] for path, _ in params if path[0] == "layers"]
     scales = quant.stacked_scales(lambda path, i: reader.read(("layers", *path), i).astype(dtype, copy=False),
-                                  cfg.layers) if int8 else {}
+                                  cfg.layers, layer_paths) if int8 else {}
 
     def read(path: Path, layer: int | None = None) -> np.ndarray:
         group = quant.MATRICES.get(path[1:]) if int8 and path[0] == "layers" else None
@@ -293,7 +294,7 @@ def _write_leaves(reader: Any, writer: StreamingWriter, cfg: Config, extra: list
             _copy_leaf(writer, "params/" + "/".join(path), read, path, like.shape, path[0] == "layers",
                        get_path(specs, path))
             bar.update()
-        for path, group in quant.MATRICES.items() if int8 else ():
+        for path, group in quant.matrices(layer_paths).items() if int8 else ():
             writer.add(SCALES + "/".join(("layers", *path)), scales[group])
         for leaf in extra:
             shape = reader.leaf_shape(leaf)

@@ -126,6 +126,7 @@ def config_from_hf(hf: Mapping, **overrides) -> Config:
     fam = families.for_hf(hf)
     raw = {"family": fam.name, **fam.config_from_hf(hf)}
     # HF keeps no model-parallel width: the widest of the original's that splits the heads and the vocab
-    raw["cores_per_replica"] = max(w for w in (8, 4, 2, 1) if raw["n_heads"] % w == 0 and raw["n_vocab"] % w == 0)
+    raw["cores_per_replica"] = max(w for w in (8, 4, 2, 1) if raw["n_heads"] % w == 0 and raw["n_vocab"] % w == 0
+                                   and (raw.get("n_kv_heads") or raw["n_heads"]) % w == 0)
     raw.update(overrides)
     return from_dict(raw)

@@ -219,7 +219,8 @@ def test_the_one_forward_on_unstacked_layers_and_chosen_columns_equals_the_stack
 @pytest.mark.parametrize("name", families.names())
 def test_each_familys_param_table_names_every_lora_target_and_hf_weight_once(name):
     cfg = dataclasses.replace(CFG, family=name)
-    assert set(table.lora_targets(cfg)) == set(config.LORA_TARGETS)
+    targets = set(table.lora_targets(cfg))  # every family's six, a gated MLP's "gate" too
+    assert set(config.LORA_TARGETS) - {"gate"} <= targets <= set(config.LORA_TARGETS)
     rows = table.params_table(cfg)
     names = [(row.hf, row.hf_part) for row in rows.values()]
     assert len(names) == len(set(names))

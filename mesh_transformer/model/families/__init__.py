@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mesh_transformer.model.families import gptj, gptneox
+from mesh_transformer.model.families import gptj, gptneox, llama
 from mesh_transformer.model.family import Family, Path
 
-_MODULES = (gptj, gptneox)
+_MODULES = (gptj, gptneox, llama)
 
 
 def _lora_paths(family: Family) -> dict[str, Path]:
@@ -48,7 +48,7 @@ def for_hf(hf_config: Mapping) -> Family:
     """The family of an HF config.json, by its model_type."""
     kind = hf_config.get("model_type")
     for family in FAMILIES.values():
-        if family.hf_model_type == kind:
+        if kind == family.hf_model_type or kind in family.hf_also_reads:
             return family
     types = ", ".join(repr(f.hf_model_type) for f in FAMILIES.values())
     raise ValueError(f"HF config has model_type {kind!r}; the model families read {types}")
