@@ -212,6 +212,13 @@ def _check_lora(cfg: Config) -> None:
     if unknown or (cfg.lora_rank and not targets) or len(set(map(repr, targets))) < len(targets):
         raise ConfigError(f"config key 'lora_targets' must list distinct names from {', '.join(LORA_TARGETS)}, "
                           f"got {cfg.lora_targets!r}")
+    if targets != list(LORA_TARGETS):  # named, not the default (every family's targets)
+        from mesh_transformer.model import families
+
+        own = [row.lora for row in families.of(cfg).params.values() if row.lora]
+        if missing := [t for t in targets if t not in own]:
+            raise ConfigError(f"config key 'lora_targets': {', '.join(map(repr, missing))} is not a LoRA target of "
+                              f"the {cfg.family} family; its targets are {', '.join(own)}")
     if not cfg.remat and cfg.remat_policy != "full":
         raise ConfigError(f"config key 'remat_policy' ({cfg.remat_policy!r}) says what remat keeps: use it with remat "
                           "true, or leave it \"full\"")

@@ -374,6 +374,19 @@ def left_pad(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return ids, mask
 
 
+def hf_greedy(hf_model, prompts: list[list[int]], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """HF's greedy tokens [R, n] and the log-probabilities of those tokens [R, n] (prompts left-padded)."""
+    import torch
+
+    ids, mask = left_pad(prompts)
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=n,
+                                do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[:, ids.shape[1]:].numpy()
+    logprobs = torch.log_softmax(torch.stack(out.logits, 1), -1).numpy()
+    return tokens, np.take_along_axis(logprobs, tokens[..., None], -1)[..., 0]
+
+
 # ---- LoRA adapters served side by side (model/lora_slots.py) ----
 
 def served_greedy(layout: Layout, params: dict, prompts: list, row_slots: np.ndarray, steps: int, page: int = 4):

@@ -75,7 +75,7 @@ def _divisor(n: int, most: int) -> int:
 
 
 def form_for(heads: int, dtype) -> str:
-    """"mxu" where a chunk's heads fill whole tiles of sublanes (8 of f32, 16 of bf16) and are a power of two (the
+    """"mxu" where a chunk's (key) heads fill whole tiles of sublanes (8 of f32, 16 of bf16) and are a power of two (the
     head of a column is its low bits), else "vpu"."""
     packing = 4 // jnp.dtype(dtype).itemsize
     return "mxu" if heads % (8 * packing) == 0 and heads & (heads - 1) == 0 else "vpu"
@@ -90,22 +90,26 @@ def _online(s, real, m_prev, axis: int):
     return m_next, p, jnp.exp(m_prev - m_next)
 
 
-def _row_vpu(q_HxK, k_PxHxK, v_PxHxK, first_position, length, scale, m_Hx1, l_Hx1, acc_HxK):
-    s_PxHx1 = jnp.sum(k_PxHxK.astype(F32) * q_HxK.astype(F32)[None], axis=-1, keepdims=True) * scale
+def _row_vpu(q_HxK, k_PxNxK, v_PxNxK, first_position, length, scale, m_Hx1, l_Hx1, acc_HxK):
+    positions, kv_heads, head_dim = k_PxNxK.shape  # N key heads, each read by G = H / N query heads
+    q_1xNxGxK = q_HxK.astype(F32).reshape(1, kv_heads, -1, head_dim)
+    s_PxHx1 = (jnp.sum(k_PxNxK.astype(F32)[:, :, None] * q_1xNxGxK, axis=-1) * scale).reshape(positions, -1, 1)
     real = first_position + lax.broadcasted_iota(jnp.int32, s_PxHx1.shape, 0) < length
     m_next, p_PxHx1, alpha = _online(s_PxHx1, real, m_Hx1, axis=0)
-    acc_HxK = alpha * acc_HxK + jnp.sum(v_PxHxK.astype(F32) * p_PxHx1, axis=0)
+    p_PxNxGx1 = p_PxHx1.reshape(positions, kv_heads, -1, 1)
+    acc_HxK = alpha * acc_HxK + jnp.sum(v_PxNxK.astype(F32)[:, :, None] * p_PxNxGx1, axis=0).reshape(-1, head_dim)
     return m_next, alpha * l_Hx1 + jnp.sum(p_PxHx1, axis=0), acc_HxK
 
 
-def _row_mxu(q_HxK, k_PxHxK, v_PxHxK, first_position, length, scale, m_Hx1, l_Hx1, acc_HxK):
-    positions, heads, head_dim = k_PxHxK.shape
-    k, v = (x.reshape(positions * heads, head_dim) for x in (k_PxHxK, v_PxHxK))
+def _row_mxu(q_HxK, k_PxNxK, v_PxNxK, first_position, length, scale, m_Hx1, l_Hx1, acc_HxK):
+    positions, kv_heads, head_dim = k_PxNxK.shape
+    group = q_HxK.shape[0] // kv_heads  # query heads per key head: query head h reads key head h // group
+    k, v = (x.reshape(positions * kv_heads, head_dim) for x in (k_PxNxK, v_PxNxK))
     s_HxC = lax.dot_general(q_HxK.astype(k.dtype), k, (((1,), (1,)), ((), ())), precision=bf16_exact(k.dtype),
                             preferred_element_type=F32) * scale
     column = lax.broadcasted_iota(jnp.int32, s_HxC.shape, 1)
-    own = (column & (heads - 1)) == lax.broadcasted_iota(jnp.int32, s_HxC.shape, 0)
-    real = own & (first_position + (column >> (heads.bit_length() - 1)) < length)
+    own = (column & (kv_heads - 1)) == lax.broadcasted_iota(jnp.int32, s_HxC.shape, 0) // group
+    real = own & (first_position + (column >> (kv_heads.bit_length() - 1)) < length)
     m_next, p_HxC, alpha = _online(s_HxC, real, m_Hx1, axis=1)
     acc_HxK = alpha * acc_HxK + jnp.dot(p_HxC.astype(v.dtype), v, precision=bf16_exact(v.dtype),
                                         preferred_element_type=F32)
@@ -142,13 +146,13 @@ def _kernel(length_ref, needed_ref, q_ref, *refs, blocks: tuple, rows: int, form
 def cached_partial(q_RxHxK: jax.Array, k_blocks: list, v_blocks: list, length_R: jax.Array, *, most_rows: int = ROWS,
                    most_positions: int = POSITIONS, form: str | None = None) -> Partial:
     """The first R slots' attention over the cache's blocks: queries [R, H, K] against the keys and values of
-    blocks [N, S_j, H, K] (N >= R; consecutive positions from 0; any float dtype), of which row r sees the positions
-    before length_R[r]. A grid step copies at most `most_rows` rows and `most_positions` positions of a block;
+    blocks [N, S_j, H_kv, K] (N >= R; consecutive positions from 0; any float dtype; H_kv key heads, each read by
+    H / H_kv query heads), of which row r sees the positions before length_R[r]. A grid step copies at most `most_rows` rows and `most_positions` positions of a block;
     `form` (None: `form_for`) is how a row's chunk is computed."""
     n_rows, heads, head_dim = q_RxHxK.shape
-    dtype = k_blocks[0].dtype
-    form = form or form_for(heads, dtype)
-    per_position = len(k_blocks) * heads * head_dim * dtype.itemsize  # of a row, every block's, keys or values
+    kv_heads, dtype = k_blocks[0].shape[2], k_blocks[0].dtype
+    form = form or form_for(kv_heads, dtype)
+    per_position = len(k_blocks) * kv_heads * head_dim * dtype.itemsize  # of a row, every block's, keys or values
     most_positions = max(1, min(most_positions, BUFFERS_BYTES // (2 * 2 * per_position)))
     layout, start, first = [], 0, 0
     for k_block in k_blocks:
@@ -174,7 +178,7 @@ def cached_partial(q_RxHxK: jax.Array, k_blocks: list, v_blocks: list, length_R:
             before = at < 0
             return (jnp.where(before & (g > 0), g - 1, g), jnp.where(before & (g > 0), block.chunks - 1,
                                                                        jnp.clip(at, 0, block.chunks - 1)), 0, 0)
-        return pl.BlockSpec((rows, block.chunk, heads, head_dim), index)
+        return pl.BlockSpec((rows, block.chunk, kv_heads, head_dim), index)
 
     kv_specs = [chunk_of(b) for b in layout]
     out = pl.BlockSpec((rows, heads, head_dim), rows_of)
@@ -199,6 +203,8 @@ def attend(q_RxHxK: jax.Array, k_blocks: list, v_blocks: list, length_R: jax.Arr
     blocks (consecutive positions from 0, each [N, S_j, H, K]), and its own new key and value: the attention's
     output [R, H, K] in f32. `grid`: `cached_partial`'s most_rows, most_positions and form."""
     past = cached_partial(q_RxHxK, k_blocks, v_blocks, length_R, **grid)
+    group = q_RxHxK.shape[1] // k_new_RxHxK.shape[1]  # fewer key heads: each read by its group of query heads
+    k_new_RxHxK, v_new_RxHxK = (jnp.repeat(x, group, axis=1) for x in (k_new_RxHxK, v_new_RxHxK))
     s_new_RxH = jnp.sum(q_RxHxK.astype(F32) * k_new_RxHxK.astype(F32), axis=-1) / math.sqrt(q_RxHxK.shape[-1])
     m_RxH = jnp.maximum(past.m, s_new_RxH)
     new_RxH, alpha_RxH = jnp.exp(s_new_RxH - m_RxH), jnp.exp(past.m - m_RxH)

@@ -16,8 +16,9 @@ the matrix unit), scaled by the keys' scales (as rows: the block's [positions, H
 matrix unit too), softmax runs online over the blocks (flash decoding), and the probabilities, scaled by the values'
 scales, times the values give the head's output.
 
-Layouts: pages [P, H, page, K] (a page's heads together: one copy a page), scales [P, page, H] (a page's tokens by
-heads: one small copy a page).
+Layouts: pages [P, H_kv, page, K] (a page's heads together: one copy a page), scales [P, page, H_kv] (a page's
+tokens by heads: one small copy a page). With fewer key heads than query heads (grouped-query attention) each key
+head's block is multiplied by its group of query heads at once, [G, K] x [K, positions].
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def _kernel(length_ref, table_ref, q_ref, k_hbm, v_hbm, *rest, n_rows: int, widt
             acc_ref = rest
     else:
         out_ref, k_buf, v_buf, sems, slot_ref, m_ref, l_ref, acc_ref = rest
-    heads, page, head_dim = k_buf.shape[2:]
+    kv_heads, page, head_dim = k_buf.shape[2:]
+    group = q_ref.shape[0] // kv_heads  # query heads per key head (grouped-query attention)
     span = per_block * page
     row = pl.program_id(0)
 
@@ -105,12 +107,12 @@ def _kernel(length_ref, table_ref, q_ref, k_hbm, v_hbm, *rest, n_rows: int, widt
         for copy in copies(row, i, slot):
             copy.wait()
         real = i * span + lax.broadcasted_iota(jnp.int32, (1, span), 1) < length
-        if scaled:  # [H, span]: each head's scales as a row, by the matrix unit (exact at HIGHEST)
-            k_scales, v_scales = (_rows(buf[slot].reshape(span, heads)) for buf in (k_scale_buf, v_scale_buf))
-        for h in range(heads):
-            at = pl.ds(h, 1)
-            q = q_ref[at, :]  # [1, K]
-            s = _dot_t(q, _head(k_buf, slot, h, span, q.dtype), precision=bf16_exact(q.dtype))  # [1, span]
+        if scaled:  # [H_kv, span]: each head's scales as a row, by the matrix unit (exact at HIGHEST)
+            k_scales, v_scales = (_rows(buf[slot].reshape(span, kv_heads)) for buf in (k_scale_buf, v_scale_buf))
+        for h in range(kv_heads):  # a key head against its group of query heads
+            at = pl.ds(h * group, group)
+            q = q_ref[at, :]  # [G, K]
+            s = _dot_t(q, _head(k_buf, slot, h, span, q.dtype), precision=bf16_exact(q.dtype))  # [G, span]
             if scaled:
                 s = s * k_scales[h:h + 1]
             s = jnp.where(real, s, MASKED)
@@ -137,17 +139,18 @@ def paged_decode_attention(q_RxHxK: jax.Array, k_pages: jax.Array, v_pages: jax.
                            v_scales: jax.Array | None, length_R: jax.Array, table_RxM: jax.Array, *,
                            pages_per_block: int) -> jax.Array:
     """Each row's query [R, H, K] (scaled by 1/sqrt(K) already) against the first length_r positions of its pages
-    (table_RxM, page ids in range; length_r >= 1); returns the attention's output [R, H, K] in f32. Pages [P, H,
-    page, K] of any dtype; with int8 pages their scales [P, page, H] (f32: a value is int8 x scale), else None."""
+    (table_RxM, page ids in range; length_r >= 1); returns the attention's output [R, H, K] in f32. Pages [P, H_kv,
+    page, K] of any dtype (H_kv key heads, each read by H / H_kv query heads); with int8 pages their scales [P, page,
+    H_kv] (f32: a value is int8 x scale), else None."""
     n_rows, heads, head_dim = q_RxHxK.shape
-    page = k_pages.shape[2]
+    kv_heads, page = k_pages.shape[1:3]
     width = table_RxM.shape[1]
     scaled = k_scales is not None
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     row_spec = pl.BlockSpec((None, heads, head_dim), lambda r, *_: (r, 0, 0))
-    buffers = [pltpu.VMEM((2, pages_per_block, heads, page, head_dim), k_pages.dtype)] * 2
+    buffers = [pltpu.VMEM((2, pages_per_block, kv_heads, page, head_dim), k_pages.dtype)] * 2
     if scaled:
-        buffers += [pltpu.VMEM((2, pages_per_block, page, heads), jnp.float32)] * 2
+        buffers += [pltpu.VMEM((2, pages_per_block, page, kv_heads), jnp.float32)] * 2
     scratch = [*buffers, pltpu.SemaphoreType.DMA((2, 2)), pltpu.SMEM((1,), jnp.int32),
                pltpu.VMEM((heads, 1), jnp.float32), pltpu.VMEM((heads, 1), jnp.float32),
                pltpu.VMEM((heads, head_dim), jnp.float32)]

@@ -45,8 +45,9 @@ def scale(cfg: Config) -> float:
 def lora_axes(cfg: Config) -> dict:
     """The adapters' logical axes, {target: {"a": (layers, in, lora), "b": (layers, lora, out)}}."""
     rows, paths = table.params_table(cfg), table.lora_targets(cfg)
-    axes = {t: rows[paths[t]].axes[1:] for t in cfg.lora_targets}  # the weight's (in, out)
-    return {t: {"a": ("layers", axes[t][0], "lora"), "b": ("layers", "lora", axes[t][1])} for t in cfg.lora_targets}
+    # the weight's (in, out), of the targets the family has (the default names every family's: "gate" is a gated MLP's)
+    axes = {t: rows[paths[t]].axes[1:] for t in cfg.lora_targets if t in paths}
+    return {t: {"a": ("layers", ins, "lora"), "b": ("layers", "lora", outs)} for t, (ins, outs) in axes.items()}
 
 
 def lora_shapes(cfg: Config, dtype=jnp.float32) -> dict:

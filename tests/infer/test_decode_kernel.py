@@ -26,6 +26,8 @@ def reference(q, k_blocks, v_blocks, length, k_new, v_new) -> np.ndarray:
         return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
     keys, values = (np.concatenate([f64(b) for b in blocks], 1) for blocks in (k_blocks, v_blocks))
     q, k_new, v_new = f64(q), f64(k_new), f64(v_new)
+    group = q.shape[1] // k_new.shape[1]  # query heads per key head
+    keys, values, k_new, v_new = (np.repeat(x, group, axis=-2) for x in (keys, values, k_new, v_new))
     out = np.zeros(q.shape)
     for r in range(q.shape[0]):
         k = np.concatenate([keys[r, :length[r]], k_new[r, None]])
@@ -38,13 +40,15 @@ def reference(q, k_blocks, v_blocks, length, k_new, v_new) -> np.ndarray:
 
 @pytest.mark.parametrize("grid", [{"most_rows": 4, "most_positions": 8}, {"most_rows": 2, "most_positions": 64}, {}],
                          ids=["chunks_of_8", "whole_blocks", "defaults"])
-@pytest.mark.parametrize("form, heads, dtype", [("vpu", 4, jnp.float32), ("vpu", 16, jnp.bfloat16),
-                                                ("mxu", 8, jnp.float32), ("mxu", 16, jnp.bfloat16)])
-def test_the_kernel_attends_over_each_rows_cached_positions_up_to_its_length(form, heads, dtype, grid):
+@pytest.mark.parametrize("form, heads, dtype, group", [("vpu", 4, jnp.float32, 1), ("vpu", 16, jnp.bfloat16, 1),
+                                                       ("mxu", 8, jnp.float32, 1), ("mxu", 16, jnp.bfloat16, 1),
+                                                       ("vpu", 4, jnp.float32, 4), ("mxu", 8, jnp.float32, 2)])
+def test_the_kernel_attends_over_each_rows_cached_positions_up_to_its_length(form, heads, dtype, group, grid):
     """Rows with no cached position, one, a block's less one, a whole block, most of the cache, all of it; blocks of
     24, 24 and 16 positions; groups of rows whose longest row ends early (its later chunks skipped). The slots past
     the rows read hold NaN: the kernel never reads them. The "mxu" form's probabilities enter its second product as
-    the values' dtype (bf16: XLA's attention rounds them so too)."""
+    the values' dtype (bf16: XLA's attention rounds them so too). `group`: query heads per key head (`heads` of
+    them: grouped-query attention)."""
     rng = np.random.default_rng(0)
     rows, slots, head_dim, sizes = 6, 8, 128, (24, 24, 16)
 
@@ -54,7 +58,7 @@ def test_the_kernel_attends_over_each_rows_cached_positions_up_to_its_length(for
     def cache_block(size):
         return normal(slots, size, heads, head_dim).at[rows:].set(jnp.nan)
 
-    q, k_new, v_new = normal(rows, heads, head_dim), normal(rows, heads, head_dim), normal(rows, heads, head_dim)
+    q, k_new, v_new = normal(rows, heads * group, head_dim), normal(rows, heads, head_dim), normal(rows, heads, head_dim)
     k_blocks, v_blocks = [cache_block(s) for s in sizes], [cache_block(s) for s in sizes]
     length = np.array([0, 1, 23, 24, 50, 64], np.int32)
     with pltpu.force_tpu_interpret_mode():

@@ -258,25 +258,27 @@ def kernel_reference(q_RxHxK, k_pages, v_pages, k_scales, v_scales, length_R, ta
             x = np.concatenate([x[p].transpose(1, 0, 2) for p in pages]).astype(np.float64)  # [M * page, H, K]
             return x if scales is None else x * np.concatenate([scales[p] for p in pages])[..., None]
         k, v = joined(k_pages, k_scales)[:length], joined(v_pages, v_scales)[:length]
+        group = q_RxHxK.shape[1] // k.shape[1]  # query heads per key head
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
         s = np.einsum("hk,thk->ht", q_RxHxK[r], k)
         p = np.exp(s - s.max(1, keepdims=True))
         out[r] = np.einsum("ht,thk->hk", p / p.sum(1, keepdims=True), v)
     return out
 
 
-@pytest.mark.parametrize("per_block", [1, 2, 6])
+@pytest.mark.parametrize("per_block, group", [(1, 1), (2, 1), (6, 1), (2, 2), (6, 4)])
 @pytest.mark.parametrize("int8", [True, False], ids=["int8", "bf16"])
-def test_the_paged_kernel_attends_over_each_rows_pages_up_to_its_length(int8, per_block):
+def test_the_paged_kernel_attends_over_each_rows_pages_up_to_its_length(int8, per_block, group):
     """The TPU kernel (Pallas' TPU interpreter on the CPU) against numpy: rows of one position, of a page and a bit,
     of a whole table; blocks of one page, of two, of the whole table (its last block past the table's width); int8
-    pages with per-token scales and bf16 pages."""
+    pages with per-token scales and bf16 pages; `group` query heads per key head (grouped-query attention)."""
     from jax.experimental.pallas import tpu as pltpu
 
     from mesh_transformer.infer.paged_kernel import paged_decode_attention
 
     rng = np.random.default_rng(per_block)
     rows, heads, head_dim, n_pages, page, width = 4, 4, 128, 30, 8, 5
-    q = (rng.standard_normal((rows, heads, head_dim)) / np.sqrt(head_dim)).astype(np.float32)
+    q = (rng.standard_normal((rows, heads * group, head_dim)) / np.sqrt(head_dim)).astype(np.float32)
     table = rng.permutation(n_pages)[:rows * width].reshape(rows, width).astype(np.int32)
     length = np.array([1, 11, 40, 23], np.int32)
     if int8:

@@ -19,7 +19,7 @@ from mesh_transformer.model import gptj as model
 from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.store import convert, hf, hf_export
-from tests.helpers import CPU_POLICY, layout_of, left_pad, random_params, state_dict_numpy
+from tests.helpers import CPU_POLICY, hf_greedy, layout_of, random_params, state_dict_numpy
 
 # HF's shape of the tiny models: head dim 16, so rotary_pct 0.25 rotates 4 dims of each head and 1.0 all 16.
 HF_SHAPE = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -217,17 +217,6 @@ def test_sharded_loss_grads_and_logits_equal_the_unsharded_model(reference, spec
 
 
 # ---- 4. inference: the fused decode form against HF's generate, f32 and int8 ----
-
-def hf_greedy(hf_model, prompts, n):
-    """HF's greedy tokens [R, n] and the log-probabilities of those tokens [R, n]."""
-    ids, mask = left_pad(prompts)
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=n,
-                                do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    tokens = out.sequences[:, ids.shape[1]:].numpy()
-    logprobs = torch.log_softmax(torch.stack(out.logits, 1), -1).numpy()
-    return tokens, np.take_along_axis(logprobs, tokens[..., None], -1)[..., 0]
-
 
 @pytest.mark.parametrize("parallel, dp, mp, placed", [(False, 1, 1, "place"), (False, 2, 4, "read"),
                                                       (True, 1, 2, "read")],

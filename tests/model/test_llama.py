@@ -2,6 +2,7 @@
 transformers' LlamaForCausalLM and MistralForCausalLM, HF state dicts and directories convert both ways (a tied
 embedding read as the head), the sharded loss and gradients equal the unsharded ones on shard_map and GSPMD meshes,
 greedy sampling through the fused decode form equals HF's generate, and config mistakes are named."""
+import dataclasses
 from functools import partial
 
 import jax
@@ -17,7 +18,7 @@ from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.model import gptj as model
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.store import hf
-from tests.helpers import CPU_POLICY, layout_of, left_pad, random_params, state_dict_numpy
+from tests.helpers import CPU_POLICY, hf_greedy, layout_of, random_params, state_dict_numpy
 
 # head dim 16; 8 query heads over 8 (Llama 2's MHA), 4 or 2 key/value heads (grouped-query)
 SHAPE = {"vocab_size": 128, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8,
@@ -128,16 +129,6 @@ def test_sharded_loss_grads_and_logits_equal_the_unsharded_model(reference, spec
 
 # ---- inference: the fused decode form against HF's generate ----
 
-def hf_greedy(hf_model, prompts, n):
-    ids, mask = left_pad(prompts)
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=n,
-                                do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    tokens = out.sequences[:, ids.shape[1]:].numpy()
-    logprobs = torch.log_softmax(torch.stack(out.logits, 1), -1).numpy()
-    return tokens, np.take_along_axis(logprobs, tokens[..., None], -1)[..., 0]
-
-
 @pytest.mark.parametrize("kind, dp, mp, placed", [("llama3", 1, 1, "place"), ("mistral", 2, 4, "read"),
                                                   ("llama2", 1, 2, "read")])
 def test_greedy_sampling_equals_hf_generate(hf_models, tmp_path, kind, dp, mp, placed):
@@ -170,3 +161,33 @@ def test_what_the_family_cannot_run_is_named(hf_models):
         config.from_dict({"family": "llama", "n_heads": 8, "d_model": 128, "n_kv_heads": 2, "cores_per_replica": 4})
     with pytest.raises(ConfigError, match="'n_kv_heads' belongs to the llama family"):
         config.from_dict({"n_kv_heads": 2, "n_heads": 8, "d_model": 128, "cores_per_replica": 1})
+
+
+@pytest.mark.parametrize("kv_dtype", ["compute", "int8"])
+def test_grouped_heads_through_both_tpu_kernels_on_dp2_mp4_give_one_devices_tokens(hf_models, kv_dtype):
+    """The paged and the slot cache's TPU decode kernels (Pallas' TPU interpreter on the CPU) with 8 query heads over
+    4 key heads split over mp 4 (a device: 2 query heads reading 1 key head) make the tokens the pure-JAX paths make
+    on one device; with the compute dtype's cache, HF's greedy tokens."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    from tests.infer.test_paged import greedy_programs
+
+    hf_model = hf_models["mistral"]
+    cfg, params = ours_of(hf_model, kv_cache_dtype=kv_dtype)
+    prompts = PROMPTS + [[7]]
+    runs = {}
+    for name, mesh in (("xla", make_dp_mp(1, 1)), ("kernel", make_dp_mp(2, 4))):
+        layout = make_inference_layout(cfg, mesh=mesh)
+        kernels = {"paged_attention": "gather", "decode_attention": "xla"} if name == "xla" else {
+            "paged_attention": "kernel", "decode_attention": "kernel"}
+        layout = dataclasses.replace(layout, policy=dataclasses.replace(layout.policy, cache_bits=False, **kernels))
+        with pltpu.force_tpu_interpret_mode():
+            paged_tokens = greedy_programs(layout, infer_params.place_params(params, layout), prompts, 4, 2)
+            slot = sampling.Sampler(layout, params).generate(prompts, 5, temperature=0.0, stop_token_ids=[])
+        runs[name] = paged_tokens, np.array([r.tokens for r in slot])
+    np.testing.assert_array_equal(runs["kernel"][0], runs["xla"][0])
+    np.testing.assert_array_equal(runs["kernel"][1], runs["xla"][1])
+    if kv_dtype == "compute":
+        want, _ = hf_greedy(hf_model, prompts, 5)
+        np.testing.assert_array_equal(runs["xla"][0], want)
+        np.testing.assert_array_equal(runs["xla"][1], want)
