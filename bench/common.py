@@ -143,9 +143,10 @@ def copy_bandwidth_bytes_per_s(n_bytes: int, device: jax.Device | None = None, r
 
 def train_flops_per_token(cfg: Config) -> float:
     """Forward + backward FLOPs per token: 6 x matmul params + attention scores/values (PaLM's convention)."""
+    from mesh_transformer.estimate import layer_matrix_params
+
     D, L, V, T = cfg.d_model, cfg.layers, cfg.n_vocab, cfg.seq
-    matmul_params = L * (4 * D * D + 2 * D * cfg.d_ff) + D * V
-    return 6 * matmul_params + 12 * L * D * T
+    return 6 * (layer_matrix_params(cfg) + D * V) + 12 * L * D * T
 
 
 def datasheet(device: jax.Device) -> tuple[float | None, float | None]:

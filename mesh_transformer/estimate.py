@@ -374,8 +374,17 @@ def loop_flops(hlo_text: str) -> tuple[float, float]:
     return _Module(hlo_text).weighted()
 
 
-def _layer_params(cfg) -> int:
-    return cfg.layers * (4 * cfg.d_model * cfg.d_model + 2 * cfg.d_model * cfg.d_ff)
+def layer_matrix_params(cfg) -> int:
+    """The layers' matrix params: q and out D x D each, k and v D x (key heads x K) each, the MLP's two matrices of
+    D x F (three where it is gated)."""
+    d, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
+    return cfg.layers * (2 * d * d + 2 * d * kv + _mlp_matrices(cfg) * d * cfg.d_ff)
+
+
+def _mlp_matrices(cfg) -> int:
+    from mesh_transformer.model import families
+
+    return 3 if families.of(cfg).block.mlp == "swiglu" else 2
 
 
 def model_flops_per_token(cfg, lora: bool = False) -> float:
@@ -383,7 +392,7 @@ def model_flops_per_token(cfg, lora: bool = False) -> float:
     causal attention's 6 * 2 * L * T * D (scores and weighted sum), without remat's recompute. A LoRA step forms no
     gradient of the frozen weights: 4 per parameter (the adapters' few are left out)."""
     per_param = 4.0 if lora else 6.0
-    return (per_param * (_layer_params(cfg) + cfg.d_model * cfg.n_vocab)
+    return (per_param * (layer_matrix_params(cfg) + cfg.d_model * cfg.n_vocab)
             + per_param * 2 * cfg.layers * cfg.seq * cfg.d_model)
 
 
@@ -394,7 +403,9 @@ def executed_flops_per_token(cfg, remat: bool) -> float:
     recompute; remat_policy "save_qkv" keeps q, k and v's, "save_mlp_hidden" fc_in's)."""
     d, layers = cfg.d_model, cfg.layers
     kept = cfg.remat_policy  # a kept product's output is not recomputed
-    products = (0 if kept == "save_qkv" else 3 * d * d) + (0 if kept == "save_mlp_hidden" else d * cfg.d_ff)
+    qkv = d * d + 2 * d * cfg.kv_heads * cfg.head_dim
+    products = (0 if kept == "save_qkv" else qkv) + (0 if kept == "save_mlp_hidden" else
+                                                     (_mlp_matrices(cfg) - 1) * d * cfg.d_ff)
     recompute = 2.0 * layers * products + 4.0 * layers * cfg.seq * d if remat else 0.0
     return model_flops_per_token(cfg) + recompute
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import json
 import os
 from typing import Any
 
@@ -57,6 +58,13 @@ def load_tokenizer(name: str | None = None) -> PreTrainedTokenizerBase:
 
 def eos_ids(tokenizer: Any) -> tuple[int, ...]:
     """The token ids that end a completion by default: the tokenizer's end-of-text token (GPT-2's 50256, Pythia's 0),
-    or none for a tokenizer without one."""
+    and those the `generation_config.json` beside a directory's tokenizer lists (Llama 3 Instruct's end of turn,
+    <|eot_id|>, say); none for a tokenizer without either."""
     eos = getattr(tokenizer, "eos_token_id", None)
-    return () if eos is None else (int(eos),)
+    ids = [] if eos is None else [int(eos)]
+    path = os.path.join(getattr(tokenizer, "name_or_path", "") or "", "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            listed = json.load(f).get("eos_token_id")
+        ids += [int(i) for i in (listed if isinstance(listed, list) else [] if listed is None else [listed])]
+    return tuple(dict.fromkeys(ids))

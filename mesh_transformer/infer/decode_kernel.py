@@ -147,8 +147,9 @@ def cached_partial(q_RxHxK: jax.Array, k_blocks: list, v_blocks: list, length_R:
                    most_positions: int = POSITIONS, form: str | None = None) -> Partial:
     """The first R slots' attention over the cache's blocks: queries [R, H, K] against the keys and values of
     blocks [N, S_j, H_kv, K] (N >= R; consecutive positions from 0; any float dtype; H_kv key heads, each read by
-    H / H_kv query heads), of which row r sees the positions before length_R[r]. A grid step copies at most `most_rows` rows and `most_positions` positions of a block;
-    `form` (None: `form_for`) is how a row's chunk is computed."""
+    H / H_kv query heads), of which row r sees the positions before length_R[r]. A grid step copies at most
+    `most_rows` rows and `most_positions` positions of a block; `form` (None: `form_for`) is how a row's chunk is
+    computed."""
     n_rows, heads, head_dim = q_RxHxK.shape
     kv_heads, dtype = k_blocks[0].shape[2], k_blocks[0].dtype
     form = form or form_for(kv_heads, dtype)

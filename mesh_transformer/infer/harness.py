@@ -95,11 +95,25 @@ class MeshTransformerLM(TemplateLM):
         return next(iter(eos_ids(self.tokenizer)), EOS_ID)
 
     @property
+    def prefix_token_id(self) -> int:
+        """What a rolling log-likelihood's first window starts from: the tokenizer's BOS (Llama's <s>), else its end
+        of text (GPT-2's and Pythia's are the same token), as lm-eval's `hf` model has it."""
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        return self.eot_token_id if bos is None else int(bos)
+
+    @property
     def max_length(self) -> int:
         return self.cfg.seq
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
-        return self.tokenizer.encode(string)
+        """The text's tokens as lm-eval's `hf` model encodes them: with the tokenizer's own special tokens (a Llama
+        tokenizer's BOS) unless told, or where the text starts with the BOS already."""
+        bos_text = self.tokenizer.decode([self.prefix_token_id])
+        if add_special_tokens is None and bos_text and string.startswith(bos_text):
+            add_special_tokens = False
+        if add_special_tokens is None:
+            return self.tokenizer.encode(string)
+        return self.tokenizer.encode(string, add_special_tokens=add_special_tokens)
 
     def tok_decode(self, tokens: Sequence[int], **kwargs: Any) -> str:
         return self.tokenizer.decode(list(tokens))

@@ -175,7 +175,8 @@ def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, *, arch, mask_BxTx
     the rest is this one body. The policy names the kernels (attention, the dense backward).
     """
     shards = 1 if tp_axis is None else lax.psum(1, tp_axis)
-    widths = (arch.heads * head_dim // shards, arch.kv_heads * head_dim // shards)  # this device's q and k (v)
+    # this device's width of q and of k (v), where the arch says its heads (`gptj.block_arch`)
+    widths = (arch.heads * head_dim // shards, arch.kv_heads * head_dim // shards) if arch.heads else None
     proj = projections(p, join, policy, widths)
     n_BxTxD = layer_norm(h_BxTxD, p["ln_1"])
 
@@ -206,10 +207,11 @@ def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, *, arch, mask_BxTx
     return _residual(h_BxTxD, out_BxTxD, bias, tp_axis), kv
 
 
-def projections(p: dict, join: bool, policy: Policy, widths: tuple[int, int]) -> Projections:
+def projections(p: dict, join: bool, policy: Policy, widths: tuple[int, int] | None = None) -> Projections:
     """A layer's `Projections`: `fused.fuse_layer`'s joined matrices (inference, int8 ones with their scales), the param
     tree's matrices joined inside the computation (`join`, for a family with one LayerNorm), or the param tree's
-    products as they are. `widths`: this device's width of q and of k (and v). A gated MLP's pre-activation is
+    products as they are. `widths`: this device's width of q and of k (and v), which joined matrices need where k
+    and v are narrower than q or the MLP is gated (None: as wide as q, not gated). A gated MLP's pre-activation is
     [gate | fc_in]."""
     if "fused" in p:  # with served adapters' slots beside it, each row's own added (model/lora_slots.py)
         proj = _fused(p["fused"], policy, widths)
@@ -247,7 +249,7 @@ def projections(p: dict, join: bool, policy: Policy, widths: tuple[int, int]) ->
         in_DxN = jnp.concatenate([attn["q"], attn["k"], attn["v"], fc_in["kernel"]], -1)
         out_MxD = jnp.concatenate([attn["out"], fc_out["kernel"]], 0)
         def inputs(n_BxTxD, n_mlp_BxTxD):
-            *qkv, pre = _split(dense(n_BxTxD, in_DxN, policy), widths)
+            *qkv, pre = _split(dense(n_BxTxD, in_DxN, policy), (attn["q"].shape[-1], attn["k"].shape[-1]))
             return *qkv, pre + lead(fc_in["bias"], pre.ndim)
 
         def output(attn_BxTxW, act_BxTxF):
@@ -270,12 +272,15 @@ def _residual(h_BxTxD: jax.Array, out_BxTxD: jax.Array, bias_D: jax.Array | None
     return h_BxTxD + out_BxTxD if bias_D is None else h_BxTxD + out_BxTxD + lead(bias_D, h_BxTxD.ndim)
 
 
-def _fused(p: dict, policy: Policy, widths: tuple[int, int]) -> Projections:
+def _fused(p: dict, policy: Policy, widths: tuple[int, int] | None) -> Projections:
     """`Projections` of `fused.fuse_layer`'s matrices (this device's slice: the device axis is 1 here), int8 ones with
     their scales (model/quant.py), computed in pieces where the policy says (`order.in_pieces`). A side alone (or
     inputs of two LayerNorms) reads its rows of "in" or columns of "out". `widths`: this device's (W, W_kv): "in"
-    has W + 2 W_kv + F rows (2 F, gate and fc_in, for a gated MLP), "out" W + F columns."""
+    has W + 2 W_kv + F rows (2 F, gate and fc_in, for a gated MLP), "out" W + F columns (None: W_kv = W, no gate:
+    W is half of in's rows less out's columns)."""
     d = p["in"].shape[-1]
+    if widths is None:
+        widths = ((p["in"].shape[1] - p["out"].shape[-1]) // 2,) * 2
     width, qkv = widths[0], widths[0] + 2 * widths[1]
     scales = [p[name].reshape(-1) if name in p else None for name in ("in_scale", "out_scale")]  # int8: quant.py
     dot_dtype = None if policy.int8_dot in ("compute", "kernel") else jnp.dtype(policy.int8_dot)

@@ -112,7 +112,7 @@ def test_lora_fine_tune_from_an_original_checkpoint_on_the_chip_exports_merged(t
     assert_on_the_accelerator(result)
     leaves, metadata = checkpoint_format.read_index(cfg.model_dir, 3)
     assert {leaf for leaf in leaves if leaf.startswith("params/")} == {
-        f"params/{target}/{w}" for target in config.LORA_TARGETS for w in "ab"}  # the adapters, no base
+        f"params/{target}/{w}" for target in table.lora_targets(cfg) for w in "ab"}  # the adapters, no base
     assert metadata["lora_base"]["path"] == os.path.abspath(base)
 
     out = str(tmp_path / "hf")

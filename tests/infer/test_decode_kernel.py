@@ -58,7 +58,8 @@ def test_the_kernel_attends_over_each_rows_cached_positions_up_to_its_length(for
     def cache_block(size):
         return normal(slots, size, heads, head_dim).at[rows:].set(jnp.nan)
 
-    q, k_new, v_new = normal(rows, heads * group, head_dim), normal(rows, heads, head_dim), normal(rows, heads, head_dim)
+    q = normal(rows, heads * group, head_dim)
+    k_new, v_new = normal(rows, heads, head_dim), normal(rows, heads, head_dim)
     k_blocks, v_blocks = [cache_block(s) for s in sizes], [cache_block(s) for s in sizes]
     length = np.array([0, 1, 23, 24, 50, 64], np.int32)
     with pltpu.force_tpu_interpret_mode():

@@ -191,3 +191,94 @@ def test_grouped_heads_through_both_tpu_kernels_on_dp2_mp4_give_one_devices_toke
         want, _ = hf_greedy(hf_model, prompts, 5)
         np.testing.assert_array_equal(runs["xla"][0], want)
         np.testing.assert_array_equal(runs["xla"][1], want)
+
+
+def test_int8_weights_with_a_gated_mlp_agree_with_f32_and_split_as_on_one_device(hf_models):
+    """int8 weights (the gate its own scale group, joined between v and fc_in): the prefill's logits close to f32's
+    and most top-1 choices the same; on dp 2 x mp 2 the tokens of one device."""
+    from mesh_transformer.infer import decode
+
+    cfg, params = ours_of(hf_models["llama3"])
+    int8 = dataclasses.replace(cfg, weight_dtype="int8", compute_dtype="float32")
+    ids = np.random.default_rng(4).integers(0, cfg.n_vocab, (32, 12)).astype(np.int32)
+
+    def prefill(c):
+        layout = make_inference_layout(c, mesh=make_dp_mp(1, 1))
+        placed = infer_params.place_params(params, layout)
+        shape, dtype = decode.block_shape(len(ids), c.seq, c, layout.policy), decode.cache_dtype(c, layout.policy)
+        block = jax.numpy.zeros(shape, dtype)
+        cache = decode.KVCache(*([[block] for _ in range(c.layers)] for _ in range(2)))
+        run = jax.jit(lambda p, k: decode.prefill_logits(p, k, ids, np.full(len(ids), 12, np.int32),
+                                                         np.arange(len(ids), dtype=np.int32), c, policy=layout.policy))
+        return placed, np.asarray(run(placed, cache)[0])
+
+    _, ref = prefill(cfg)
+    placed, ours = prefill(int8)
+    assert placed["layers"][0]["fused"]["in"].dtype == np.int8
+    np.testing.assert_allclose(ref, hf_logits(hf_models["llama3"], ids)[:, -1], atol=1e-4)
+    assert 0 < np.sqrt(np.mean((ours - ref) ** 2)) / ref.std() < 0.05
+    assert np.mean(ours.argmax(-1) == ref.argmax(-1)) >= 0.9
+    one = sampling.Sampler(make_inference_layout(int8, mesh=make_dp_mp(1, 1)), params)
+    split = sampling.Sampler(make_inference_layout(int8, mesh=make_dp_mp(2, 2)), params)
+    for a, b in zip(split.generate(PROMPTS, 6, temperature=0.0), one.generate(PROMPTS, 6, temperature=0.0)):
+        assert a.tokens == b.tokens
+
+
+# ---- LoRA: PEFT adapters on all seven projections ----
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def test_peft_adapters_on_every_projection_read_merged_served_and_written_as_peft(hf_models, tmp_path):
+    """PEFT's own adapters on q, k, v, o, gate, up and down of a grouped-query Llama: merged at load they give PEFT's
+    logits; two of them (ranks 4 and 8) served from adapter slots beside the base give each PEFT model's greedy tokens
+    and log-probs in one batch; and our adapters written as a PEFT directory load in PEFT with our logits."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from mesh_transformer.infer import adapter_slots
+    from mesh_transformer.model import lora
+    from mesh_transformer.store import adapters, convert, peft
+    from mesh_transformer.model import table
+    from tests.helpers import served_greedy
+
+    base_dir = str(tmp_path / "base")
+    hf_models["mistral"].save_pretrained(base_dir, safe_serialization=True)
+    cfg, base = ours_of(hf_models["mistral"])
+    peft_models = []
+    for slot, rank in enumerate((4, 8)):
+        torch.manual_seed(slot)
+        peft_model = get_peft_model(MistralForCausalLM.from_pretrained(base_dir), LoraConfig(
+            r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False, lora_dropout=0.0)).eval()
+        peft_model.save_pretrained(str(tmp_path / f"a{slot}"))
+        peft_models.append(peft_model)
+    ids = np.random.default_rng(5).integers(0, cfg.n_vocab, (2, 16))
+    with convert.open_params(base_dir, cfg, lora=str(tmp_path / "a0")) as reader:
+        merged = {}
+        for path, like in table.param_paths(cfg):
+            table.set_path(merged, path, convert.read_array(reader, path, like.shape))
+    np.testing.assert_allclose(our_logits(merged, ids, cfg), hf_logits(peft_models[0], ids), atol=1e-4)
+
+    served_cfg = dataclasses.replace(cfg, max_loras=2, max_lora_rank=8)
+    layout = make_inference_layout(served_cfg, jax.devices()[:1], mp=1)
+    params = adapter_slots.with_slots(infer_params.place_params(base, layout), layout)
+    writer = adapter_slots.SlotWriter(layout)
+    for slot in range(2):
+        params = writer.write(params, slot, *adapters.read_adapters(str(tmp_path / f"a{slot}"), served_cfg))
+    prompts = [[5, 17, 42, 9], [100, 3, 7], [1, 2, 3, 4, 5]]
+    tokens, logprobs = served_greedy(layout, params, prompts, np.array([-1, 0, 1]), steps=4)
+    for prompt, row_tokens, row_logprobs, hf_model in zip(prompts, tokens, logprobs, [hf_models["mistral"],
+                                                                                        *peft_models]):
+        logp = torch.log_softmax(torch.tensor(hf_logits(hf_model, np.array([prompt + list(row_tokens)]))[0]),
+                                 -1).numpy()
+        positions = range(len(prompt) - 1, len(prompt) - 1 + len(row_tokens))
+        assert list(row_tokens) == [int(logp[p].argmax()) for p in positions]
+        np.testing.assert_allclose(row_logprobs, [logp[p, t] for p, t in zip(positions, row_tokens)], atol=1e-4)
+
+    ranked = dataclasses.replace(cfg, lora_rank=4, lora_alpha=8.0)
+    rng = np.random.default_rng(6)
+    ours = jax.tree.map(lambda s: (rng.normal(size=s.shape) * 0.1).astype(np.float32), lora.lora_shapes(ranked))
+    assert set(ours) == {"q", "k", "v", "out", "gate", "fc_in", "fc_out"}
+    peft.write_peft(str(tmp_path / "ours"), ours, ranked, 4, 8.0)
+    loaded = PeftModel.from_pretrained(MistralForCausalLM.from_pretrained(base_dir), str(tmp_path / "ours")).eval()
+    forward = jax.jit(lambda p, x, a: model.forward(p, x, ranked, policy=CPU_POLICY, adapters=a))
+    np.testing.assert_allclose(np.asarray(forward(base, ids, ours)), hf_logits(loaded, ids), atol=1e-4)

@@ -23,6 +23,11 @@ HEAD8 = dataclasses.replace(INT8, quantize_head=True)
 PROMPTS = [[5, 17, 42], [100, 3, 7, 9, 250, 11, 2], list(range(20, 32)), [1]]
 
 
+def gptj_matrices() -> dict:
+    """The int8 matrices of GPT-J's layers and their scale groups (no gate: a gated MLP's)."""
+    return quant.matrices(path[1:] for path, _ in table.param_paths(CFG) if path[0] == "layers")
+
+
 @pytest.fixture(scope="module")
 def params():
     return jax.tree.map(np.asarray, table.init_unsharded(CFG, jax.random.PRNGKey(3)))
@@ -45,7 +50,7 @@ def test_attn_out_and_fc_out_share_their_scales_and_the_rest_have_their_own(para
     out, fc_out = layer["attn"]["out"], layer["mlp"]["fc_out"]["kernel"]
     np.testing.assert_array_equal(scales["out"], np.maximum(np.abs(out).max(0), np.abs(fc_out).max(0)) / 127)
     np.testing.assert_array_equal(scales["q"], np.abs(layer["attn"]["q"]).max(0) / 127)
-    for path, group in quant.MATRICES.items():
+    for path, group in gptj_matrices().items():
         q = table.get_path(held, path)
         assert q.dtype == np.int8
         error = np.abs(quant.dequantize(q, scales[group]) - table.get_path(layer, path))
@@ -171,7 +176,7 @@ def int8_checkpoint(params, tmp_path_factory) -> tuple[str, str]:
 def test_an_int8_checkpoint_holds_int8_matrices_with_scales_and_says_so(int8_checkpoint):
     _, int8 = int8_checkpoint
     index = json.loads(storage.read_bytes(os.path.join(checkpoint.step_dir(int8, 5), "index_p0.json")))["leaves"]
-    matrices = {"/".join(("params", "layers", *path)) for path in quant.MATRICES}
+    matrices = {"/".join(("params", "layers", *path)) for path in gptj_matrices()}
     assert {leaf for leaf, entry in index.items() if entry.get("dtype") == "int8"} == matrices
     assert {leaf for leaf in index if leaf.startswith(convert.SCALES)} == {
         convert.SCALES + leaf.removeprefix("params/") for leaf in matrices}
@@ -195,7 +200,7 @@ def test_an_int8_checkpoint_reads_dequantized_in_a_float_dtype(params, int8_chec
     loaded = jax.tree.map(np.asarray, convert.load_params(layout, int8, "fp32"))
     layer = jax.tree.map(lambda x: x[0], params["layers"])
     scales = quant.group_scales(jax.tree.map(lambda x: x.astype(jnp.bfloat16), layer))
-    for path, group in quant.MATRICES.items():
+    for path, group in gptj_matrices().items():
         got, want = table.get_path(loaded["layers"], path)[0], table.get_path(layer, path)
         assert (np.abs(got - want) <= scales[group] * 0.51 + np.abs(want) / 128).all()  # half a step, bf16's rounding
     np.testing.assert_allclose(loaded["embed"]["wte"], params["embed"]["wte"], rtol=1 / 128)
