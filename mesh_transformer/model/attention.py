@@ -46,23 +46,27 @@ def attend(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array, mas
     blocks.
     """
     b, t, heads, head_dim = q_BxTxHxK.shape
-    q_BxTxNxGxK = q_BxTxHxK.reshape(b, t, v_BxTxHxK.shape[2], -1, head_dim)  # N key heads, G queries each
+    n = v_BxTxHxK.shape[2]  # key heads, each read by g = H / n query heads (query head h reads key head h // g)
+    g = heads // n
+    # the queries as [B, n, T*g, K]: one product per key head, its batch and free axes as in multi-head attention
+    q_BxNxMxK = q_BxTxHxK.reshape(b, t, n, g, head_dim).transpose(0, 2, 1, 3, 4).reshape(b, n, t * g, head_dim)
 
-    def scores(k_BxSxNxK, mask_BxTxS):  # [B, N, G, T, S]
+    def scores(k_BxSxNxK, mask_BxTxS):  # [B, n, T, g, S]
         scaled = isinstance(k_BxSxNxK, Scaled)
-        q = q_BxTxNxGxK.astype(v_BxTxHxK.dtype) if scaled else q_BxTxNxGxK
+        q = q_BxNxMxK.astype(v_BxTxHxK.dtype) if scaled else q_BxNxMxK
         k = k_BxSxNxK.values.astype(v_BxTxHxK.dtype) if scaled else k_BxSxNxK
-        s = jnp.einsum("btngk,bsnk->bngts", q, k, preferred_element_type=F32)
-        s = s / jnp.sqrt(F32(head_dim))
+        s = jnp.einsum("bnmk,bsnk->bnms", q, k, preferred_element_type=F32)
+        s = s.reshape(b, n, t, g, -1) / jnp.sqrt(F32(head_dim))
         if scaled:
             s = s * _per_score(k_BxSxNxK.scale_BxSxH)
-        return jnp.where(mask_BxTxS[:, None, None], s, jnp.finfo(F32).min)
+        return jnp.where(mask_BxTxS[:, None, :, None], s, jnp.finfo(F32).min)
 
-    def context(probs, v_BxSxNxK):
+    def context(probs, v_BxSxNxK):  # [B, n, T*g, K]
         if isinstance(v_BxSxNxK, Scaled):
             probs = probs * _per_score(v_BxSxNxK.scale_BxSxH)
             v_BxSxNxK = v_BxSxNxK.values.astype(v_BxTxHxK.dtype)
-        return jnp.einsum("bngts,bsnk->btngk", probs.astype(v_BxTxHxK.dtype), v_BxSxNxK)
+        probs = probs.reshape(b, n, t * g, -1).astype(v_BxTxHxK.dtype)
+        return jnp.einsum("bnms,bsnk->bnmk", probs, v_BxSxNxK)
 
     k_blocks, v_blocks, past_mask = past if past is not None else ([], [], None)
     starts = [0]
@@ -70,10 +74,10 @@ def attend(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array, mas
         starts.append(starts[-1] + (k_block.values if isinstance(k_block, Scaled) else k_block).shape[1])
     parts = [scores(k, past_mask[..., a:b]) for k, a, b in zip(k_blocks, starts, starts[1:])]
     probs = jax.nn.softmax(jnp.concatenate([*parts, scores(k_BxTxHxK, mask_BxTxT)], -1), -1)
-    ctx_BxTxNxGxK = context(probs[..., starts[-1]:], v_BxTxHxK)
+    ctx_BxNxMxK = context(probs[..., starts[-1]:], v_BxTxHxK)
     for v, start, stop in zip(v_blocks, starts, starts[1:]):
-        ctx_BxTxNxGxK += context(probs[..., start:stop], v)
-    return ctx_BxTxNxGxK.reshape(b, t, heads * head_dim)
+        ctx_BxNxMxK += context(probs[..., start:stop], v)
+    return ctx_BxNxMxK.reshape(b, n, t, g, head_dim).transpose(0, 2, 1, 3, 4).reshape(b, t, heads * head_dim)
 
 
 def causal_mask(length: int) -> jax.Array:
