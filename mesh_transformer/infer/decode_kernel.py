@@ -108,7 +108,8 @@ def _row_mxu(q_HxK, k_PxNxK, v_PxNxK, first_position, length, scale, m_Hx1, l_Hx
     s_HxC = lax.dot_general(q_HxK.astype(k.dtype), k, (((1,), (1,)), ((), ())), precision=bf16_exact(k.dtype),
                             preferred_element_type=F32) * scale
     column = lax.broadcasted_iota(jnp.int32, s_HxC.shape, 1)
-    own = (column & (kv_heads - 1)) == lax.broadcasted_iota(jnp.int32, s_HxC.shape, 0) // group
+    row = lax.broadcasted_iota(jnp.int32, s_HxC.shape, 0)
+    own = (column & (kv_heads - 1)) == (row if group == 1 else lax.div(row, group))  # (// lowers through sign)
     real = own & (first_position + (column >> (kv_heads.bit_length() - 1)) < length)
     m_next, p_HxC, alpha = _online(s_HxC, real, m_Hx1, axis=1)
     acc_HxK = alpha * acc_HxK + jnp.dot(p_HxC.astype(v.dtype), v, precision=bf16_exact(v.dtype),

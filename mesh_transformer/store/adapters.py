@@ -37,8 +37,9 @@ def read_run(path: str) -> tuple[dict, float, dict]:
     leaves = LeafReader(root, step)
     run_cfg = leaves.metadata["config"]
     rank, alpha = _rank_alpha(run_cfg)
+    family_targets = {row.lora for row in families.named(run_cfg.get("family", "gptj")).params.values()}
     adapters = {t: {w: np.asarray(leaves.read(f"params/{t}/{w}"), np.float32) for w in "ab"}
-                for t in run_cfg["lora_targets"]}
+                for t in run_cfg["lora_targets"] if t in family_targets}  # the default names every family's
     return adapters, alpha / rank, leaves.metadata
 
 

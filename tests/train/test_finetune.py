@@ -9,6 +9,7 @@ import torch
 from transformers import GPTJConfig, GPTJForCausalLM
 
 from mesh_transformer import config
+from mesh_transformer.model import table
 from mesh_transformer.config import ConfigError
 from mesh_transformer.store import checkpoint, checkpoint_format, hf, tfrecord
 from mesh_transformer.train.trainer import Trainer
@@ -89,7 +90,7 @@ def test_lora_run_trains_the_adapters_only_and_lowers_the_loss(tmp_path):
     leaves, metadata = checkpoint_format.read_index(cfg.model_dir, 12)
     assert metadata["lora_base"]["path"] == os.path.abspath(path)
     params = {leaf for leaf in leaves if leaf.startswith("params/")}
-    assert params == {f"params/{t}/{w}" for t in config.LORA_TARGETS for w in "ab"}  # the adapters, no base
+    assert params == {f"params/{t}/{w}" for t in table.lora_targets(cfg) for w in "ab"}  # the adapters, no base
 
 
 def test_lora_resume_needs_no_path_and_refuses_another_base(tmp_path):

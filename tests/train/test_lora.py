@@ -76,7 +76,7 @@ def test_only_adapters_have_gradients_and_optimizer_state(setup):
     abstract = state_lib.abstract_train_state(layout_of(cfg, ("shard_map", 1, 1)), optim.make_optimizer(cfg))
     n_adapter = sum(x.size for x in jax.tree.leaves(abstract["params"]))
     n_opt = sum(x.size for x in jax.tree.leaves(abstract["opt_state"]))
-    assert set(abstract["params"]) == set(config.LORA_TARGETS)
+    assert set(abstract["params"]) == set(config.LORA_TARGETS) - {"gate"}  # GPT-J's: every target but a gated MLP's
     assert n_opt <= 2 * n_adapter + 8  # two Adam moments of the adapters and counters, nothing of the base
     assert all(np.abs(ab["a"]).max() > 0 for ab in ref_state["params"].values())
 
@@ -93,14 +93,16 @@ def test_remat_lora_step_equals_the_plain_one(setup):
     ({"lora_rank": -1}, "'lora_rank' must be at least 0"),
     ({"lora_rank": "8"}, "'lora_rank' must be an integer"),
     ({"lora_rank": 1.5}, "'lora_rank' must be an integer"),
-    ({"lora_rank": 4, "lora_targets": ["q", "gate"]}, "'lora_targets' must list distinct names"),
+    ({"lora_rank": 4, "lora_targets": ["q", "wte"]}, "'lora_targets' must list distinct names"),
+    ({"lora_rank": 4, "lora_targets": ["q", "gate"]}, "'gate' is not a LoRA target of the gptj family"),
     ({"lora_rank": 4, "lora_alpha": 0}, "'lora_alpha' must be greater than 0"),
     ({"lora_rank": 4, "lora_alpha": -2.0}, "'lora_alpha' must be greater than 0"),
     ({"base_dtype": "float16"}, "'base_dtype' must be one of float32, bfloat16"),
 ])
 def test_bad_lora_config_is_a_one_line_error(overrides, message):
     with pytest.raises(ConfigError, match=message) as e:
-        config.from_dict({"layers": 2, "d_model": 32, "n_heads": 4, "n_vocab": 64, "cores_per_replica": 1, **overrides})
+        config.from_dict({"layers": 2, "d_model": 32, "n_heads": 4, "n_vocab": 64, "cores_per_replica": 1,
+                          "pe_rotary_dims": 4, **overrides})
     assert "\n" not in str(e.value)
 
 
