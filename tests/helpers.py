@@ -374,6 +374,25 @@ def left_pad(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return ids, mask
 
 
+def ours_of(hf_model, **overrides) -> tuple[config.Config, dict]:
+    """(our config from an HF model's config, one device, no remat; our params from its state dict)."""
+    cfg = hf.config_from_hf(hf_model.config.to_dict(), cores_per_replica=1, remat=False, **overrides)
+    return cfg, hf.hf_to_params(state_dict_numpy(hf_model), cfg)
+
+
+def hf_logits(hf_model, ids) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return hf_model(torch.tensor(ids)).logits.numpy()
+
+
+def our_logits(params, ids, cfg) -> np.ndarray:
+    from mesh_transformer.model import gptj
+
+    return np.asarray(jax.jit(lambda p, x: gptj.forward(p, x, cfg, policy=CPU_POLICY))(params, ids))
+
+
 def hf_greedy(hf_model, prompts: list[list[int]], n: int) -> tuple[np.ndarray, np.ndarray]:
     """HF's greedy tokens [R, n] and the log-probabilities of those tokens [R, n] (prompts left-padded)."""
     import torch

@@ -19,7 +19,8 @@ from mesh_transformer.model import gptj as model
 from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.store import convert, hf, hf_export
-from tests.helpers import CPU_POLICY, hf_greedy, layout_of, random_params, state_dict_numpy
+from tests.helpers import (CPU_POLICY, hf_greedy, hf_logits, layout_of, our_logits, ours_of, random_params,
+                           state_dict_numpy)
 
 # HF's shape of the tiny models: head dim 16, so rotary_pct 0.25 rotates 4 dims of each head and 1.0 all 16.
 HF_SHAPE = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -42,21 +43,6 @@ def random_neox(parallel: bool, pct: float, seed: int = 0) -> GPTNeoXForCausalLM
         for p in hf_model.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
     return hf_model
-
-
-def ours_of(hf_model, **overrides) -> tuple[config.Config, dict]:
-    """(our config from the HF model's config, our params from its state dict)."""
-    cfg = hf.config_from_hf(hf_model.config.to_dict(), cores_per_replica=1, remat=False, **overrides)
-    return cfg, hf.hf_to_params(state_dict_numpy(hf_model), cfg)
-
-
-def hf_logits(hf_model, ids) -> np.ndarray:
-    with torch.no_grad():
-        return hf_model(torch.tensor(ids)).logits.numpy()
-
-
-def our_logits(params, ids, cfg) -> np.ndarray:
-    return np.asarray(jax.jit(lambda p, x: model.forward(p, x, cfg, policy=CPU_POLICY))(params, ids))
 
 
 @pytest.fixture(scope="module")

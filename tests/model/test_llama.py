@@ -18,7 +18,8 @@ from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.model import gptj as model
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.store import hf
-from tests.helpers import CPU_POLICY, hf_greedy, layout_of, random_params, state_dict_numpy
+from tests.helpers import (CPU_POLICY, hf_greedy, hf_logits, layout_of, our_logits, ours_of, random_params,
+                           state_dict_numpy)
 
 # head dim 16; 8 query heads over 8 (Llama 2's MHA), 4 or 2 key/value heads (grouped-query)
 SHAPE = {"vocab_size": 128, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8,
@@ -53,20 +54,6 @@ def random_hf(kind: str, seed: int = 0):
 @pytest.fixture(scope="module")
 def hf_models():
     return {kind: random_hf(kind, seed) for seed, kind in enumerate(KINDS)}
-
-
-def ours_of(hf_model, **overrides):
-    cfg = hf.config_from_hf(hf_model.config.to_dict(), cores_per_replica=1, remat=False, **overrides)
-    return cfg, hf.hf_to_params(state_dict_numpy(hf_model), cfg)
-
-
-def hf_logits(hf_model, ids) -> np.ndarray:
-    with torch.no_grad():
-        return hf_model(torch.tensor(ids)).logits.numpy()
-
-
-def our_logits(params, ids, cfg) -> np.ndarray:
-    return np.asarray(jax.jit(lambda p, x: model.forward(p, x, cfg, policy=CPU_POLICY))(params, ids))
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
