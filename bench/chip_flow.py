@@ -13,6 +13,10 @@ chip's machine may allow no sockets: the server's stage ends once it is ready (i
 
     python bench/chip_flow.py --work /tmp/g6b [--only write,lora,sample_bf16,sample_int8,serve] [--lora-steps 4]
         [--lora-set remat_policy=save_qkv]
+
+With `--model llama2_7b` or `llama3_8b` (bench/suite_parts.py's shapes), the random model is an HF directory
+instead (safetensors in bf16, config.json and a word-level tokenizer of the model's vocabulary, written here), which
+the sampling and serving stages read with `--hf`; its LoRA step is device_suite.py's `train_lora --model`.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ sys.path.insert(0, ROOT)
 
 from bench.bench_6b_flow import PROMPT, WRITE_ORIGINAL  # noqa: E402
 from bench.common import emit  # noqa: E402
+from bench.suite_parts import MODELS  # noqa: E402
 
 # device_sample.py with its load time and generation time logged (the tool itself logs only the mesh it chose).
 SAMPLE_LOGGED = """
@@ -118,6 +123,47 @@ def write_original(step_dir: str, config: str) -> None:
     emit(bench="chip_flow", stage="write_original", rc=max(rcs), wall_s=round(time.perf_counter() - start, 1))
 
 
+def write_random_hf(path: str, model: str, seq: int) -> None:
+    """A random HF directory of one of MODELS' shapes at context `seq`: bf16 safetensors (matrices spread 0.02, norms
+    ones), its family's config.json, and a word-level tokenizer of the whole vocabulary ("w3 w4 ..."; <s> 1, </s> 2,
+    prepended BOS), config.json last."""
+    import ml_dtypes
+    import numpy as np
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    from mesh_transformer import config
+    from mesh_transformer.store import hf, safetensors_io
+
+    start = time.perf_counter()
+    cfg = config.from_dict({**MODELS[model], "seq": seq, "cores_per_replica": 1})
+    os.makedirs(path, exist_ok=True)
+    # Matrices are windows of one pool of random values (drawing 7 billion would take minutes).
+    pool = (np.random.default_rng(0).standard_normal(1 << 26, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+    entries = [(entry.name, entry.shape, np.dtype(ml_dtypes.bfloat16)) for entry in hf.hf_layout(cfg)]
+
+    def arrays():
+        for i, (name, shape, dtype) in enumerate(entries):
+            if len(shape) == 1:
+                yield name, np.ones(shape, dtype)
+            else:
+                yield name, np.resize(np.roll(pool, 7919 * i), shape)
+
+    safetensors_io.write_dir(path, entries, arrays(), 5 * 10 ** 9)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, cfg.n_vocab)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer.save(f"{path}/tokenizer.json")
+    with open(f"{path}/tokenizer_config.json", "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                   "unk_token": "<unk>"}, f)
+    with open(f"{path}/config.json", "w") as f:
+        json.dump({**hf.hf_config(cfg), "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}, f)
+    gb = sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path)) / 1e9
+    emit(bench="chip_flow", stage=f"write_hf_{model}", rc=0, gb=round(gb, 2),
+         wall_s=round(time.perf_counter() - start, 1))
+
+
 def lora_metrics(model_dir: str) -> dict:
     """The LoRA run's logged tokens/s (median over the steps after the first two) and losses."""
     path = os.path.join(model_dir, "metrics.jsonl")
@@ -140,8 +186,16 @@ def main() -> None:
                         help="a config key of the LoRA run, for an A/B (remat_policy=save_qkv, ...; repeatable)")
     parser.add_argument("--seq", type=int, default=2048, help="the training data's sequence length")
     parser.add_argument("--logs", default=None, help="where each stage's output goes (default: --work)")
+    parser.add_argument("--model", choices=tuple(MODELS), default="gptj_6b",
+                        help="gptj_6b (default): the original checkpoint; another: a random HF directory")
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="the sampling stages' prompt in tokens (an HF model's words; default: a sentence)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="the sampling stages' new tokens (default 64)")
     args = parser.parse_args()
     stages = args.only.split(",")
+    if args.model != "gptj_6b" and {"lora", "data"} & set(stages):
+        parser.error("an HF model's flow has the stages write, sample_bf16, sample_int8 and serve (its LoRA step: "
+                     "bench/device_suite.py --only train_lora --model ...)")
     work = os.path.abspath(args.work)
     logs = os.path.abspath(args.logs or work)
     os.makedirs(work, exist_ok=True)
@@ -149,8 +203,12 @@ def main() -> None:
     original, data = f"{work}/original/step_1", f"{work}/data"
     emit(**meta())
     py = sys.executable
+    hf_dir = None if args.model == "gptj_6b" else f"{work}/{args.model}"
     if "write" in stages:
-        write_original(original, args.config)
+        if hf_dir:
+            write_random_hf(hf_dir, args.model, args.seq)
+        else:
+            write_original(original, args.config)
     if "data" in stages:
         stage("demo_corpus", [py, "demo_corpus.py", f"{work}/corpus", "--train-bytes", "2000000"], f"{logs}/corpus.log")
         stage("tfrecords", [py, "create_finetune_tfrecords.py", f"{work}/corpus/train", "train", "--output-dir", data,
@@ -176,14 +234,17 @@ def main() -> None:
                 "--compilation-cache", cache], f"{logs}/lora_{run}.log")
         emit(bench="chip_flow", stage="lora_metrics", config=args.lora_config, lora_set=args.lora_set,
              **lora_metrics(model_dir))
-    sample = [py, "-c", SAMPLE_LOGGED, "--ckpt", original, "--config", args.config, "--prompt", PROMPT,
-              "--max-new-tokens", "64", "--temperature", "0"]
+    source = ["--hf", hf_dir] if hf_dir else ["--ckpt", original, "--config", args.config]
+    origin = f"hf_{args.model}" if hf_dir else "original"
+    prompt = " ".join(f"w{3 + i}" for i in range(args.prompt_tokens - 1)) if args.prompt_tokens else PROMPT
+    sample = [py, "-c", SAMPLE_LOGGED, *source, "--prompt", prompt, "--max-new-tokens", str(args.new_tokens),
+              "--temperature", "0"]
     if "sample_bf16" in stages:
-        stage("sample_bf16_from_original", [*sample, "--dtype", "bf16"], f"{logs}/sample_bf16.log")
+        stage(f"sample_bf16_from_{origin}", [*sample, "--dtype", "bf16"], f"{logs}/sample_bf16.log")
     if "sample_int8" in stages:
-        cold_and_warm("sample_int8_from_original", [*sample, "--dtype", "int8"])
+        cold_and_warm(f"sample_int8_from_{origin}", [*sample, "--dtype", "int8"])
     if "serve" in stages:  # the 6B config's context, pages by default, every program compiled before it listens
-        serve = [py, "device_serve.py", "--ckpt", original, "--config", args.config, "--dtype", "int8",
+        serve = [py, "device_serve.py", *source, "--dtype", "int8",
                  "--kv-cache-dtype", "int8", "--max-batch", "64", "--warm-up", "--port", "0"]
         cold_and_warm("serve_int8", serve, until=MARKERS["ready_s"])
         stage("serve_refused", [*serve, "--kv-pages", "100000"], f"{logs}/serve_refused.log")

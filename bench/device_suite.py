@@ -60,10 +60,11 @@ import numpy as np
 from bench.common import (copy_bandwidth_bytes_per_s, datasheet, emit, figure, matmul_peak_flop_per_s,
                           train_flops_per_token)
 from bench.suite_adapters import serving_adapters_records
-from bench.suite_parts import (PAGE, SIZES, CompileLog, Peaks, Sizes, decode_records, device_sizes, error_text,
+from bench.suite_parts import (MODELS, PAGE, SIZES, CompileLog, Peaks, Sizes, decode_records, device_sizes, error_text,
                                model_config, one_device_layout, param_count, random_arrays, serving_paged_records,
                                serving_records, train_bytes)
 from mesh_transformer import config
+from mesh_transformer.estimate import layer_matrix_params
 from mesh_transformer.model import gptj
 from mesh_transformer.model import attention as attention_kernels
 from mesh_transformer.parallel.layout import make_layout
@@ -86,16 +87,28 @@ def memory_stats(device: jax.Device) -> dict:
         return {}
 
 
-def sizes_for(device: jax.Device, tiny: bool, train_seq: int | None = None) -> Sizes:
-    """The sizes the sections run at: fixed on the CPU and with --tiny, else fitted to the device's memory; with
-    `train_seq`, the train sections' rows that long."""
+def sizes_for(device: jax.Device, tiny: bool, train_seq: int | None = None, model: str = "gptj_6b",
+              serving: tuple[int, int] | None = None, paged_levels: tuple[int, ...] | None = None) -> Sizes:
+    """The sizes the sections run at: fixed on the CPU and with --tiny, else fitted to the device's memory for
+    `model` (of MODELS); with `train_seq`, the train sections' rows that long; with `serving`, the serving sections'
+    (prompt, new tokens); with `paged_levels`, the concurrent requests serving_paged times. On the CPU and with
+    --tiny, another model than GPT-J-6B takes the small models' shapes with its family's keys."""
     if tiny or device.platform == "cpu":
         sizes = SIZES["tiny" if tiny else "cpu"]
+        family = {k: v for k, v in MODELS[model].items() if k in ("family", "rotary_base")}
+        if family:
+            n_heads = sizes.decode_model["n_heads"]
+            shaped = {**family, "n_kv_heads": n_heads // 2, "pe_rotary_dims": sizes.decode_model["d_model"] // n_heads}
+            sizes = dataclasses.replace(sizes, **{key: {**getattr(sizes, key), **shaped} for key in (
+                "lora_model", "decode_model", "serving_model")})
         if train_seq:
             sizes = dataclasses.replace(sizes, train_model={**sizes.train_model, "seq": train_seq},
                                         lora_model={**sizes.lora_model, "seq": train_seq})
-        return sizes
-    return device_sizes(device, memory_stats(device).get("bytes_limit", DEFAULT_BYTES_LIMIT), train_seq=train_seq)
+        if serving:
+            sizes = dataclasses.replace(sizes, serving_prompt_len=serving[0], serving_new_tokens=serving[1])
+        return dataclasses.replace(sizes, paged_levels=paged_levels) if paged_levels else sizes
+    return device_sizes(device, memory_stats(device).get("bytes_limit", DEFAULT_BYTES_LIMIT), train_seq=train_seq,
+                        model=MODELS[model], serving=serving or (256, 128), paged_levels=paged_levels)
 
 
 def git_commit() -> tuple[str, bool | None]:
@@ -211,13 +224,16 @@ def train_record(name: str, cfg, repeats: int, peaks: Peaks, device: jax.Device,
 
 def train_lora_record(sizes: Sizes, peaks: Peaks, device: jax.Device, attention: str | None = None,
                       train_set: dict | None = None) -> dict:
-    """The GPT-J-6B LoRA step (rank 16, all targets, base bf16, remat; `train_set` replaces config keys). Its FLOPs:
-    the full step's less the base's weight gradients (a third of the matmul work), adapters' own work ignored."""
+    """The LoRA step of the sizes' model (GPT-J-6B unless --model: rank 16, all targets, base bf16, remat;
+    `train_set` replaces config keys). Its FLOPs: the full step's less the base's weight gradients (a third of the
+    matmul work), adapters' own work ignored."""
     cfg = model_config(sizes.lora_model, **{"remat": True, "lora_rank": 16, "base_dtype": "bfloat16",
                                             "per_replica_batch": 1, **(train_set or {})})
     full = train_flops_per_token(cfg)
-    matmul_params = cfg.layers * (4 * cfg.d_model ** 2 + 2 * cfg.d_model * cfg.d_ff) + cfg.d_model * cfg.n_vocab
-    return train_record("train_lora_6b", cfg, sizes.repeats, peaks, device, full - 2 * matmul_params, attention)
+    matmul_params = layer_matrix_params(cfg) + cfg.d_model * cfg.n_vocab
+    record = train_record("train_lora_6b" if cfg.family == "gptj" else f"train_lora_{cfg.family}", cfg,
+                          sizes.repeats, peaks, device, full - 2 * matmul_params, attention)
+    return {**record, "family": cfg.family, "kv_heads": cfg.kv_heads, "d_ff": cfg.d_ff, "n_vocab": cfg.n_vocab}
 
 
 class Choices(NamedTuple):
@@ -316,6 +332,15 @@ def main() -> None:
                         help="the train sections' sequence length (default 2048; the train model's layers refitted)")
     parser.add_argument("--train-layers", type=int, default=None,
                         help="the train model's layers, for an A/B at one size (default: as many as fit)")
+    parser.add_argument("--model", choices=tuple(MODELS), default="gptj_6b",
+                        help="the model shape of train_lora, decode, decode_int8 and the serving sections (default "
+                             "gptj_6b; the CPU and --tiny take their small shapes with its family)")
+    parser.add_argument("--serving-shape", default=None, metavar="PROMPT,NEW",
+                        help="the serving sections' prompt tokens and new tokens a request (default 256,128; "
+                             "JetStream's benchmark: 1024,1024)")
+    parser.add_argument("--concurrent", default=None, metavar="N,...",
+                        help="the concurrent requests serving_paged times (default 64,1,8,32,128; those up to twice "
+                             "its 64 slots)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="the decode sections also trace this many steps a batch and say what the device did in "
                              "them (a decode_profile record: its ops' time a step, by op and by kind)")
@@ -343,6 +368,19 @@ def main() -> None:
         config.from_dict(train_set)  # known keys, valid values
     except config.ConfigError as e:
         parser.error(f"--train-set: {e}")
+    def counts(flag: str, text: str | None, n: int | None) -> tuple[int, ...] | None:
+        if text is None:
+            return None
+        try:
+            values = tuple(int(v) for v in text.split(","))
+        except ValueError:
+            values = ()
+        if not values or (n and len(values) != n) or min(values) < 1:
+            parser.error(f"{flag} must be {n or 'some'} positive integer(s) separated by commas, got {text!r}")
+        return values
+
+    serving_shape = counts("--serving-shape", args.serving_shape, 2)
+    paged_levels = counts("--concurrent", args.concurrent, None)
     choices = Choices(args.paged_attention, args.attention, args.decode_attention, args.int8_dot, cache_order,
                       args.page_size, train_set, args.profile_steps)
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -360,7 +398,7 @@ def main() -> None:
             out.flush()
 
     device = jax.devices()[0]
-    sizes = sizes_for(device, args.tiny, args.train_seq)
+    sizes = sizes_for(device, args.tiny, args.train_seq, args.model, serving_shape, paged_levels)
     if args.train_layers:
         sizes = dataclasses.replace(sizes, train_model={**sizes.train_model, "layers": args.train_layers})
     write(meta_record(device, sizes, sections))

@@ -42,6 +42,11 @@ REQUEST_TIMEOUT_S = 600
 GPTJ_6B = {"layers": 28, "d_model": 4096, "n_heads": 16, "n_vocab": 50400, "pe_rotary_dims": 64}
 GPTJ_TRAIN = {"d_model": 2048, "n_heads": 16, "n_vocab": 50400, "pe_rotary_dims": 64, "seq": 2048}  # layers: fitted
 BENCH_MODEL = {"layers": 6, "d_model": 512, "n_heads": 8, "n_vocab": 50400, "pe_rotary_dims": 32, "seq": 256}
+# The Llama shapes JetStream and MaxText publish figures on (random weights: no rope scaling, untied heads).
+LLAMA2_7B = {"family": "llama", "layers": 32, "d_model": 4096, "n_heads": 32, "n_kv_heads": 32,
+             "intermediate_size": 11008, "n_vocab": 32000, "pe_rotary_dims": 128, "rotary_base": 10000.0}
+LLAMA3_8B = {**LLAMA2_7B, "n_kv_heads": 8, "intermediate_size": 14336, "n_vocab": 128256, "rotary_base": 500000.0}
+MODELS = {"gptj_6b": GPTJ_6B, "llama2_7b": LLAMA2_7B, "llama3_8b": LLAMA3_8B}  # device_suite.py --model
 TINY_MODEL = {"layers": 2, "d_model": 64, "n_heads": 4, "n_vocab": 256, "pe_rotary_dims": 8, "seq": 64}
 INT8 = {"weight_dtype": "int8"}
 
@@ -76,6 +81,8 @@ class Sizes:
     serving_prompt_len: int
     serving_new_tokens: int
     repeats: int  # timed train steps, and decode steps per batch x 4
+    paged_levels: tuple[int, ...] = (64, 1, 8, 32, 128)  # concurrent requests serving_paged times (those up to twice
+    # its slots), the goal's 64 first
 
 
 SIZES = {
@@ -97,19 +104,21 @@ def one_device_layout(cfg: config.Config, device: jax.Device) -> Layout:
 
 # ------------------------------------------------------------------------------------------------------ sizes
 def device_sizes(device: jax.Device, bytes_limit: int, compute_dtype: str = "auto",
-                 train_seq: int | None = None) -> Sizes:
-    """An accelerator's sizes, fitted to `bytes_limit` bytes of device memory (HEADROOM of it): GPT-J-6B decode at
-    the batches whose KV cache fits beside its weights (bf16, then int8), as many int8 serving slots of SERVING_SEQ
-    positions as fit, and the GPT-J-style train model (`GPTJ_TRAIN`) with as many layers as fit. `compute_dtype`
-    stands in for "auto" (to plan for another device from this one, bf16 from a CPU); `train_seq` the train
-    models' sequence length (default GPTJ_TRAIN's 2048)."""
+                 train_seq: int | None = None, model: dict = GPTJ_6B, serving: tuple[int, int] = (256, 128),
+                 paged_levels: tuple[int, ...] | None = None) -> Sizes:
+    """An accelerator's sizes, fitted to `bytes_limit` bytes of device memory (HEADROOM of it): `model` (GPT-J-6B,
+    or another of MODELS) decoding at the batches whose KV cache fits beside its weights (bf16, then int8), as many
+    int8 serving slots of SERVING_SEQ positions as fit, the requests' (prompt, new tokens) `serving`, and the
+    GPT-J-style train model (`GPTJ_TRAIN`) with as many layers as fit. `compute_dtype` stands in for "auto" (to plan
+    for another device from this one, bf16 from a CPU); `train_seq` the train models' sequence length (default
+    GPTJ_TRAIN's 2048); `paged_levels` the concurrent requests serving_paged times."""
     plan = HEADROOM * bytes_limit
     train_model = {**GPTJ_TRAIN, "seq": train_seq or GPTJ_TRAIN["seq"]}
 
     def fit(model: dict) -> int:
         return slots_that_fit(one_device_layout(model_config(model, compute_dtype=compute_dtype), device), plan)
 
-    decode_model, serving_model = {**GPTJ_6B, "seq": 256}, {**GPTJ_6B, "seq": SERVING_SEQ, **INT8}
+    decode_model, serving_model = {**model, "seq": 256}, {**model, "seq": SERVING_SEQ, **INT8}
     clients, slots = 64, fit(serving_model)
     slots = max(1, min(clients, slots if slots < 8 else slots // 8 * 8))
     train_batch = 1  # a micro-batch of one 2048-token row: the more layers fit
@@ -120,11 +129,12 @@ def device_sizes(device: jax.Device, bytes_limit: int, compute_dtype: str = "aut
     layers = train_layers_that_fit(model_config({**train_model, "layers": 1}, compute_dtype=dtype), train_batch, plan)
     return Sizes(matmul_n=8192, copy_bytes=2 ** 30, train_model={**train_model, "layers": max(1, layers)},
                  train_batch=train_batch, train_micro_batches=micro_batches,
-                 lora_model={**GPTJ_6B, "seq": train_model["seq"]},
+                 lora_model={**model, "seq": train_model["seq"]},
                  decode_model=decode_model, decode_batches=_batches(fit(decode_model)),
                  decode_int8_batches=_batches(fit({**decode_model, **INT8})), decode_context=128,
                  serving_model=serving_model, serving_slots=slots, serving_clients=clients, serving_one_at_a_time=4,
-                 serving_prompt_len=256, serving_new_tokens=128, repeats=3)
+                 serving_prompt_len=serving[0], serving_new_tokens=serving[1], repeats=3,
+                 **({"paged_levels": paged_levels} if paged_levels else {}))
 
 
 def _batches(rows_that_fit: int) -> tuple[int, ...]:
@@ -309,9 +319,10 @@ def decode_records(layout: Layout, batches: tuple[int, ...], sizes: Sizes, peaks
     # Every weight is read once a step, but of the embedding only a row per token; each row reads its keys and
     # values of the span in every layer.
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) - params["embed"]["wte"].nbytes
-    kv_bytes_per_row = cfg.layers * 2 * span * cfg.n_heads * cfg.head_dim * precision.compute.itemsize
+    kv_bytes_per_row = cfg.layers * 2 * span * cfg.kv_heads * cfg.head_dim * precision.compute.itemsize
     sheet_bytes_per_s = peaks.datasheet_bytes_per_s or peaks.bytes_per_s
-    base = {"bench": "decode", "layers": cfg.layers, "d_model": cfg.d_model, "dtype": precision.compute.name,
+    base = {"bench": "decode", "family": cfg.family, "layers": cfg.layers, "d_model": cfg.d_model,
+            "kv_heads": cfg.kv_heads, "dtype": precision.compute.name,
             "weight_dtype": precision.weights.name, "int8_dot": layout.policy.int8_dot, "cache_slots": n_slots,
             "cache_order": ",".join(map(str, layout.policy.cache_order)),
             "cached_positions_read": span}
@@ -466,8 +477,6 @@ def serving_records(layout: Layout, sizes: Sizes) -> list[dict]:
 
 
 PAGE = 16  # tokens per page of the paged serving section
-PAGED_LEVELS = (64, 1, 8, 32, 128)  # concurrent requests the paged section times (those up to twice its slots), the
-# goal's 64 first
 PAGED_GOAL_RATIO = 6  # requests that fit at once over the slot cache's slots of a whole context, in the same memory
 FULL_CONTEXT = 2048  # GPT-J's context: what a slot of the slot cache holds whatever a request uses
 
@@ -495,7 +504,7 @@ def serving_paged_records(layout: Layout, sizes: Sizes, page: int = PAGE,
     """The engine over a paged cache (the layout's kv_cache_dtype) with serving_clients slots and the pages
     device_serve.py would take (serve/sizing.py: what fits the device, a context per slot where it reports no
     memory), no prefix cache: requests submitted
-    together at each of PAGED_LEVELS (those beyond the slots wait for one), a warm pass first at each; and how many
+    together at each of sizes.paged_levels (those beyond the slots wait for one), a warm pass first at each; and how many
     requests fit the device against the slot cache's slots (`paged_capacity`)."""
     cfg, programs = layout.cfg, Programs(layout)
     # The pages device_serve.py takes by default (--kv-pages auto, --memory-fraction's default), with its programs.
@@ -506,11 +515,11 @@ def serving_paged_records(layout: Layout, sizes: Sizes, page: int = PAGE,
                     page_size=page, programs=programs)
     precision = gptj.precision(cfg)
     described = dict(slots=engine.n_slots, pages=n_pages, page_size=page, prompt_len=sizes.serving_prompt_len,
-                     seq=cfg.seq, layers=cfg.layers, d_model=cfg.d_model, dtype=precision.compute.name,
+                     seq=cfg.seq, family=cfg.family, kv_heads=cfg.kv_heads, layers=cfg.layers, d_model=cfg.d_model, dtype=precision.compute.name,
                      weight_dtype=precision.weights.name, kv_cache_dtype=cfg.kv_cache_dtype,
                      paged_attention=layout.policy.paged_attention, int8_dot=layout.policy.int8_dot)
     rng = np.random.default_rng(0)
-    levels = [n for n in PAGED_LEVELS if n <= 2 * sizes.serving_clients]
+    levels = [n for n in sizes.paged_levels if n <= 2 * sizes.serving_clients]
     prompts = rng.integers(0, cfg.n_vocab, (max(levels), sizes.serving_prompt_len)).tolist()
     new_tokens, records = sizes.serving_new_tokens, []
     try:
