@@ -503,9 +503,8 @@ def serving_paged_records(layout: Layout, sizes: Sizes, page: int = PAGE,
                           bytes_limit: int = 16 * 2 ** 30) -> list[dict]:
     """The engine over a paged cache (the layout's kv_cache_dtype) with serving_clients slots and the pages
     device_serve.py would take (serve/sizing.py: what fits the device, a context per slot where it reports no
-    memory), no prefix cache: requests submitted
-    together at each of sizes.paged_levels (those beyond the slots wait for one), a warm pass first at each; and how many
-    requests fit the device against the slot cache's slots (`paged_capacity`)."""
+    memory), no prefix cache: requests submitted together at each of sizes.paged_levels (those beyond the slots or the
+    pages wait for them), a warm pass first at each; and how many requests fit the device against the slot cache's slots (`paged_capacity`)."""
     cfg, programs = layout.cfg, Programs(layout)
     # The pages device_serve.py takes by default (--kv-pages auto, --memory-fraction's default), with its programs.
     n_pages = sizing.for_server(programs, max_batch=sizes.serving_clients, n_pages=AUTO, page_size=page,
@@ -515,7 +514,8 @@ def serving_paged_records(layout: Layout, sizes: Sizes, page: int = PAGE,
                     page_size=page, programs=programs)
     precision = gptj.precision(cfg)
     described = dict(slots=engine.n_slots, pages=n_pages, page_size=page, prompt_len=sizes.serving_prompt_len,
-                     seq=cfg.seq, family=cfg.family, kv_heads=cfg.kv_heads, layers=cfg.layers, d_model=cfg.d_model, dtype=precision.compute.name,
+                     seq=cfg.seq, family=cfg.family, kv_heads=cfg.kv_heads, layers=cfg.layers, d_model=cfg.d_model,
+                     dtype=precision.compute.name,
                      weight_dtype=precision.weights.name, kv_cache_dtype=cfg.kv_cache_dtype,
                      paged_attention=layout.policy.paged_attention, int8_dot=layout.policy.int8_dot)
     rng = np.random.default_rng(0)
