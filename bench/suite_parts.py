@@ -504,7 +504,8 @@ def serving_paged_records(layout: Layout, sizes: Sizes, page: int = PAGE,
     """The engine over a paged cache (the layout's kv_cache_dtype) with serving_clients slots and the pages
     device_serve.py would take (serve/sizing.py: what fits the device, a context per slot where it reports no
     memory), no prefix cache: requests submitted together at each of sizes.paged_levels (those beyond the slots or the
-    pages wait for them), a warm pass first at each; and how many requests fit the device against the slot cache's slots (`paged_capacity`)."""
+    pages wait for them), a warm pass first at each; and how many requests fit the device against the slot cache's
+    slots (`paged_capacity`)."""
     cfg, programs = layout.cfg, Programs(layout)
     # The pages device_serve.py takes by default (--kv-pages auto, --memory-fraction's default), with its programs.
     n_pages = sizing.for_server(programs, max_batch=sizes.serving_clients, n_pages=AUTO, page_size=page,
