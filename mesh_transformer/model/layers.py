@@ -287,18 +287,17 @@ def _fused(p: dict, policy: Policy, widths: tuple[int, int] | None) -> Projectio
     in_NxK, in_bias = p["in"].reshape(-1, d), p["in_bias"].reshape(-1)
     out_DxM = p["out"].reshape(d, -1)
 
-    def product(x, w_NxK, scale_N):
-        if scale_N is not None and policy.int8_dot == "kernel" and quant_kernel.applies(x, w_NxK):
-            return quant_kernel.by_rows(x, w_NxK, scale_N)
-        return order.in_pieces(lambda w, s: quant.by_rows(x, w, s, dot_dtype), w_NxK, scale_N, 0, policy, x)
-
-    def rows(start, stop):  # an input side's rows: its matrix, scales and biases
-        return in_NxK[start:stop], None if scales[0] is None else scales[0][start:stop], in_bias[start:stop]
+    def product(x, w_NxK, scale_N, rows=None, cols=None):
+        """x @ w[rows, cols].T (ranges (start, stop); None: all), the int8 kernel reading its ranges in place."""
+        if scale_N is not None and policy.int8_dot == "kernel" and quant_kernel.applies(x, w_NxK, rows, cols):
+            return quant_kernel.by_rows(x, w_NxK, scale_N, rows, cols)
+        r, c = slice(*rows) if rows else slice(None), slice(*cols) if cols else slice(None)
+        scale = None if scale_N is None else scale_N[r]
+        return order.in_pieces(lambda w, s: quant.by_rows(x, w, s, dot_dtype), w_NxK[r, c], scale, 0, policy, x)
 
     def side_input(x, start, stop):
-        w, scale, bias = rows(start, stop)
-        y = product(x, w, scale)
-        return y + lead(bias, y.ndim)
+        y = product(x, in_NxK, scales[0], (start, stop))
+        return y + lead(in_bias[start:stop], y.ndim)
 
     def inputs(n_BxTxD, n_mlp_BxTxD):
         if n_mlp_BxTxD is not n_BxTxD:
@@ -310,16 +309,16 @@ def _fused(p: dict, policy: Policy, widths: tuple[int, int] | None) -> Projectio
         return _split(side_input(n_BxTxD, 0, qkv), widths)[:3]
 
     def mlp_input(n_BxTxD):
-        return side_input(n_BxTxD, qkv, None)
+        return side_input(n_BxTxD, qkv, in_NxK.shape[0])
 
     def output(attn_BxTxW, act_BxTxF):
         return product(jnp.concatenate([attn_BxTxW, act_BxTxF], -1), out_DxM, scales[1])
 
     def attn_output(attn_BxTxW):
-        return product(attn_BxTxW, out_DxM[:, :width], scales[1])
+        return product(attn_BxTxW, out_DxM, scales[1], cols=(0, width))
 
     def mlp_output(act_BxTxF):
-        return product(act_BxTxF, out_DxM[:, width:], scales[1])
+        return product(act_BxTxF, out_DxM, scales[1], cols=(width, out_DxM.shape[1]))
     # Inference only, so forward only: on CPU prefill keeps XLA's attention, whose programs compile faster: the
     # blocked one adds 1.2-2.2 s to each GPT-J-6B prefill program (the serving warm-up compiles 17 of them).
     return Projections(inputs, output, p["out_bias"], "xla" if policy.attention == "blocked" else policy.attention,

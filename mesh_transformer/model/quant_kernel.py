@@ -6,8 +6,15 @@ XLA:TPU converts an int8 weight inside its matrix-vector fusions, relaying it ou
 (103 and 2,077 tokens/s against 90 and 1,827), 1.03x at 64 rows, while the paged engine's step of 64 slots ran 0.95x
 XLA's: so it takes products of up to `MAX_ROWS` rows, both dims multiples of the TPU's 128 lanes (the TPU policy's
 `int8_dot: "kernel"`, `model/layers.py`), and XLA's product the rest.
+
+A product may read a range of w's rows and columns in place (`rows`, `cols`): a layer whose attention and MLP read
+different inputs (two norms: Llama, GPT-NeoX sequential) multiplies each side by its rows of the joined "in" and its
+columns of "out". A custom call's operand is a whole array, so w[a:b] given to it is first copied out by XLA: on a
+v5e, Llama-2-7B's int8 decode step at batch 1 spent 15 of its 25 ms copying those slices.
 """
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -22,10 +29,12 @@ VMEM_LIMIT = 64 << 20  # of a v5e core's 128 MiB: two int8 blocks, the converted
 INTERPRET = False  # run in Pallas' interpreter (the CPU's tests)
 
 
-def applies(x: jax.Array, w_NxK: jax.Array) -> bool:
-    """Whether the kernel takes this product: few rows, both dims whole lanes."""
-    rows = x.size // x.shape[-1]
-    return rows <= MAX_ROWS and w_NxK.shape[0] % LANES == 0 and w_NxK.shape[1] % LANES == 0
+def applies(x: jax.Array, w_NxK: jax.Array, rows: tuple[int, int] | None = None,
+            cols: tuple[int, int] | None = None) -> bool:
+    """Whether the kernel takes this product (of w's `rows` and `cols` ranges, default all): few rows of x, the
+    ranges' starts and sizes whole lanes."""
+    (r0, r1), (c0, c1) = rows or (0, w_NxK.shape[0]), cols or (0, w_NxK.shape[1])
+    return x.size // x.shape[-1] <= MAX_ROWS and all(v % LANES == 0 for v in (r0, r1 - r0, c0, c1 - c0))
 
 
 def _block_rows(n: int, k: int) -> int:
@@ -49,19 +58,27 @@ def _kernel(x_ref, w_ref, s_ref, o_ref):
     o_ref[...] = (acc * s_ref[...]).astype(o_ref.dtype)
 
 
-def by_rows(x: jax.Array, w_NxK: jax.Array, scale_N: jax.Array) -> jax.Array:
-    """x @ w.T for an int8 w, scaled per output and returned in x's dtype, as `quant.by_rows` computes it (products
-    of x's dtype accumulated in f32, then scaled): the grid walks blocks of w's rows, x whole in VMEM."""
-    k, n = x.shape[-1], w_NxK.shape[0]
+def by_rows(x: jax.Array, w_NxK: jax.Array, scale_N: jax.Array, rows: tuple[int, int] | None = None,
+            cols: tuple[int, int] | None = None) -> jax.Array:
+    """x @ w[r0:r1, c0:c1].T * scale[r0:r1] for an int8 w (`rows` (r0, r1) and `cols` (c0, c1), default all, read
+    in place), returned in x's dtype, as `quant.by_rows` computes it (products of x's dtype accumulated in f32, then
+    scaled): the grid walks blocks of the rows, x whole in VMEM."""
+    (r0, r1), (c0, c1) = rows or (0, w_NxK.shape[0]), cols or (0, w_NxK.shape[1])
+    k, n = c1 - c0, r1 - r0
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} columns, the product reads {k} of w's")
     x_RxK = x.reshape(-1, k)
-    rows = x_RxK.shape[0]
-    block = _block_rows(n, k)
+    n_x = x_RxK.shape[0]
+    block = _block_rows(math.gcd(n, r0), k)  # whole blocks from r0: block r0 // block is the range's first
+    first = r0 // block
+    # columns from c0: in blocks of k where c0 is one's start, else at an element offset
+    w_spec = (pl.BlockSpec((block, k), lambda j: (first + j, c0 // k)) if c0 % k == 0
+              else pl.BlockSpec((block, pl.Element(k)), lambda j: (first + j, c0)))
     out = pl.pallas_call(
         _kernel, grid=(n // block,),
-        in_specs=[pl.BlockSpec((rows, k), lambda j: (0, 0)), pl.BlockSpec((block, k), lambda j: (j, 0)),
-                  pl.BlockSpec((1, block), lambda j: (0, j))],
-        out_specs=pl.BlockSpec((rows, block), lambda j: (0, j)),
-        out_shape=jax.ShapeDtypeStruct((rows, n), x.dtype),
+        in_specs=[pl.BlockSpec((n_x, k), lambda j: (0, 0)), w_spec, pl.BlockSpec((1, block), lambda j: (0, first + j))],
+        out_specs=pl.BlockSpec((n_x, block), lambda j: (0, j)),
+        out_shape=jax.ShapeDtypeStruct((n_x, n), x.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=VMEM_LIMIT),
-        interpret=INTERPRET)(x_RxK, w_NxK, scale_N.reshape(1, n).astype(jnp.float32))
+        interpret=INTERPRET)(x_RxK, w_NxK, scale_N.reshape(1, -1).astype(jnp.float32))
     return out.reshape(*x.shape[:-1], n)

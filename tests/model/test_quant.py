@@ -122,12 +122,36 @@ def test_the_int8_kernel_equals_xlas_dequantizing_product(monkeypatch, dtype):
     assert not quant_kernel.applies(too_many_rows, w) and not quant_kernel.applies(x[..., :192], w[:, :192])
 
 
-def test_int8_kernel_programs_on_dp2_mp4_give_one_devices_greedy_tokens(monkeypatch):
+@pytest.mark.parametrize("rows,cols", [((0, 128), (0, 256)), ((128, 384), (256, 512)), ((128, 384), (128, 384))],
+                         ids=["first-rows", "whole-column-blocks", "column-offset"])
+def test_the_int8_kernel_reads_a_range_of_rows_and_columns_in_place(monkeypatch, rows, cols):
+    """A product of w's rows r0:r1 and columns c0:c1 (a side of a joined matrix) equals XLA's product of the slices,
+    the column offset in whole blocks of the range or at an element offset."""
+    monkeypatch.setattr(quant_kernel, "INTERPRET", True)
+    monkeypatch.setattr(quant_kernel, "BLOCK_BYTES", 128 * 256)
+    rng = np.random.default_rng(5)
+    w = quant.quantize(rng.standard_normal((512, 384)).astype(np.float32), np.full(384, 0.02, np.float32)).T
+    scale = jnp.asarray(rng.uniform(0.01, 0.03, 384), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, cols[1] - cols[0])), jnp.float32)
+    assert quant_kernel.applies(x, w, rows, cols)
+    got = jax.jit(quant_kernel.by_rows, static_argnums=(3, 4))(x, w, scale, rows, cols)
+    want = quant.by_rows(x, w[rows[0]:rows[1], cols[0]:cols[1]], scale[rows[0]:rows[1]])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert not quant_kernel.applies(x[:, :64], w, rows, (cols[0], cols[0] + 64))
+
+
+LLAMA_KERNEL = {"family": "llama", "n_heads": 8, "n_kv_heads": 4, "intermediate_size": 1024, "pe_rotary_dims": 64}
+
+
+@pytest.mark.parametrize("family", [{}, LLAMA_KERNEL], ids=["gptj", "llama"])
+def test_int8_kernel_programs_on_dp2_mp4_give_one_devices_greedy_tokens(monkeypatch, family):
     """The policy's int8_dot "kernel" (the interpreter) in every decode program, each device's slice of the joined
-    int8 matrices whole lanes (d_model 512, mp 4), against XLA's products on one device."""
+    int8 matrices whole lanes (d_model 512, mp 4), against XLA's products on one device. Llama's attention and MLP
+    read their own norms: each side's rows of "in" and columns of "out" (at an element offset) read in place
+    (8 heads, 4 key heads: a device's q 128 wide, its k and v 64 each)."""
     monkeypatch.setattr(quant_kernel, "INTERPRET", True)
     cfg = config.from_dict({"layers": 2, "d_model": 512, "n_heads": 4, "n_vocab": 256, "pe_rotary_dims": 16,
-                            "seq": 32, "cores_per_replica": 1, "weight_dtype": "int8"})
+                            "seq": 32, "cores_per_replica": 1, "weight_dtype": "int8", **family})
     weights = jax.tree.map(np.asarray, table.init_unsharded(cfg, jax.random.PRNGKey(5)))
     one = sampling.Sampler(make_inference_layout(cfg, mesh=make_dp_mp(1, 1)), weights)
     layout = make_inference_layout(dataclasses.replace(cfg, cores_per_replica=4), mesh=make_dp_mp(2, 4))
@@ -135,12 +159,15 @@ def test_int8_kernel_programs_on_dp2_mp4_give_one_devices_greedy_tokens(monkeypa
     kernel = sampling.Sampler(layout, weights)
     calls = []
     traced = quant_kernel.by_rows
-    monkeypatch.setattr(quant_kernel, "by_rows", lambda *args: calls.append(1) or traced(*args))
+    monkeypatch.setattr(quant_kernel, "by_rows", lambda *args: calls.append(args[3:]) or traced(*args))
     expected = one.generate(PROMPTS, 8, temperature=0.0, return_logprobs=True)
     for ours, ref in zip(kernel.generate(PROMPTS, 8, temperature=0.0, return_logprobs=True), expected):
         assert ours.tokens == ref.tokens
         np.testing.assert_allclose(ours.logprobs, ref.logprobs, atol=1e-4)
     assert calls  # the programs traced the kernel
+    if family:  # each side's range, none copied out: qkv's rows (128 + 2 x 64), the MLP's (2 x 256), out's columns
+        assert {(0, 256), None} <= {c[0] for c in calls} and {(256, 768)} <= {c[0] for c in calls}
+        assert {(0, 128), (128, 384)} <= {c[1] for c in calls if len(c) > 1}
 
 
 @pytest.mark.parametrize("cfg", [INT8, HEAD8], ids=["layers", "with_head"])
