@@ -71,9 +71,10 @@ def by_rows(x: jax.Array, w_NxK: jax.Array, scale_N: jax.Array, rows: tuple[int,
     n_x = x_RxK.shape[0]
     block = _block_rows(math.gcd(n, r0), k)  # whole blocks from r0: block r0 // block is the range's first
     first = r0 // block
-    # columns from c0: in blocks of k where c0 is one's start, else at an element offset
+    # columns from c0: in blocks of k where c0 is one's start, else at an element offset (Mosaic takes element
+    # offsets in every dim of a block or in none)
     w_spec = (pl.BlockSpec((block, k), lambda j: (first + j, c0 // k)) if c0 % k == 0
-              else pl.BlockSpec((block, pl.Element(k)), lambda j: (first + j, c0)))
+              else pl.BlockSpec((pl.Element(block), pl.Element(k)), lambda j: ((first + j) * block, c0)))
     out = pl.pallas_call(
         _kernel, grid=(n // block,),
         in_specs=[pl.BlockSpec((n_x, k), lambda j: (0, 0)), w_spec, pl.BlockSpec((1, block), lambda j: (0, first + j))],
