@@ -27,7 +27,7 @@ from mesh_transformer.infer.choose import fill_sampling
 from mesh_transformer.infer.decode import Steps, block_sizes, default_block
 from mesh_transformer.infer.params import abstract_params, make_inference_layout
 from mesh_transformer.infer.programs import Programs
-from mesh_transformer.model import gptj, quant, quant_kernel, table
+from mesh_transformer.model import gptj, lora, quant, quant_kernel, table
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.platforms import for_devices
@@ -202,11 +202,12 @@ def random_arrays(abstract: Any, seed: int = 0) -> Any:
 
 
 def _leaf_kind(path: tuple, dtype: Any) -> str:
-    """"int8", "scale" (an int8 weight's scale: model/quant.py's SCALE_AXES, the head's HEAD_SCALE_AXES) or
-    "float"."""
+    """"int8", "scale" (an int8 weight's scale: model/quant.py's SCALE_AXES, the head's HEAD_SCALE_AXES, an int8
+    LoRA base's `lora.SCALES`) or "float"."""
     if np.dtype(dtype) == np.int8:
         return "int8"
-    return "scale" if quant.is_scale(path) else "float"
+    names = [getattr(key, "key", None) for key in path]
+    return "scale" if quant.is_scale(path) or lora.SCALES in names else "float"
 
 
 def _hashed_bits(seed: jax.Array, shape: tuple) -> jax.Array:

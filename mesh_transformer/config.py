@@ -118,7 +118,7 @@ _CHOICES = {
     "pe": ("rotary",),
     "compute_dtype": ("auto", "float32", "bfloat16"),
     "parallelism": ("shard_map", "dp", "fsdp", "tp", "fsdp_tp"),
-    "base_dtype": ("float32", "bfloat16"),
+    "base_dtype": ("float32", "bfloat16", "int8"),
     "weight_dtype": ("compute", "int8"),
     "kv_cache_dtype": ("compute", "int8"),
     "remat_policy": ("full", "save_qkv", "save_mlp_hidden"),
@@ -225,6 +225,10 @@ def _check_lora(cfg: Config) -> None:
     if cfg.lora_rank and cfg.join_projections:
         raise ConfigError("config key 'join_projections' joins the base weights, which LoRA adapts one by one: "
                           "set it false with lora_rank > 0")
+    if cfg.base_dtype == "int8" and cfg.eval_harness_tasks:
+        raise ConfigError("config key 'base_dtype' int8 holds the LoRA base quantized for training; the lm-eval tasks "
+                          "of 'eval_harness_tasks' run on a float base: set base_dtype bfloat16, or score the run "
+                          "after it (device_eval.py --lora)")
 
 
 def from_dict(raw: dict) -> Config:

@@ -57,7 +57,9 @@ def precision(cfg: Config, policy: Policy | None = None) -> Precision:
         name = policy.compute_dtype if policy is not None else "float32"
     compute = np.dtype(DTYPES[name])
     weights = np.dtype(quant.INT8) if cfg.weight_dtype == "int8" else compute
-    return Precision(np.dtype(np.float32), np.dtype(DTYPES[cfg.base_dtype]), compute, weights, cfg.quantize_head,
+    # an int8 LoRA base holds its layers' matrices in int8 (model/lora.py), the rest of it in bf16
+    frozen = np.dtype(DTYPES["bfloat16" if cfg.base_dtype == quant.INT8 else cfg.base_dtype])
+    return Precision(np.dtype(np.float32), frozen, compute, weights, cfg.quantize_head,
                      np.dtype(np.float32))
 
 
@@ -143,7 +145,9 @@ def run(params: dict, ids_BxT: jax.Array, positions_BxT: jax.Array, cfg: Config,
         if isinstance(layer_adapters, lora_slots.Rows):  # served adapters: each row's slot (model/lora_slots.py)
             layer = {**quant.cast(layer, dtype), "lora_rows": layer_adapters}
         else:
-            layer = lora.adapt_layer(*quant.cast(layer_and_adapters, dtype), lora.scale(cfg))
+            # an int8 base's matrices multiply as int8 x scale (model/lora.py)
+            layer = lora.adapt_layer(*quant.cast((lora.dequantized(layer), layer_adapters), dtype),
+                                     lora.scale(cfg))
         past = None if kv is None else kv.read(state, h_BxTxD)
         h_BxTxD, (k, v) = layers.block(h_BxTxD, layer, cfg.head_dim, sincos, arch=arch, mask_BxTxT=mask_BxTxS,
                                        tp_axis=tp_axis, past=past, join=cfg.join_projections, policy=policy)

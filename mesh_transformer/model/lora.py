@@ -16,9 +16,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mesh_transformer.config import Config
-from mesh_transformer.model import families, table
+from mesh_transformer.model import families, quant, table
 
 
 class Adapted(NamedTuple):
@@ -29,7 +30,20 @@ class Adapted(NamedTuple):
     scale: float
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return x @ self.w + ((x @ self.a) @ self.b) * jnp.asarray(self.scale, x.dtype)
+        base = self.w(x) if callable(self.w) else x @ self.w
+        return base + ((x @ self.a) @ self.b) * jnp.asarray(self.scale, x.dtype)
+
+
+class Dequantized(NamedTuple):
+    """An int8 base's matrix [K, N] and its scales [N], as a layer sees it: calling it on x gives x @ (w * scale),
+    computed as (x @ w) * scale, the int8 values converted to x's dtype inside the product (no float copy of the
+    matrix is written, nor a scaled one)."""
+    w: jax.Array
+    scale: jax.Array
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x @ self.w.astype(x.dtype)
+        return y * self.scale.astype(x.dtype).reshape((1,) * (y.ndim - 1) + self.scale.shape)
 
 
 def alpha(rank: int, alpha_: float | None) -> float:
@@ -65,6 +79,61 @@ def init_lora(cfg: Config, key: jax.Array) -> dict:
         adapters[target] = {"a": jax.random.normal(k, s["a"].shape, s["a"].dtype) / math.sqrt(fan_in),
                             "b": jnp.zeros(s["b"].shape, s["b"].dtype)}
     return adapters
+
+
+# ------------------------------------------------------------------------------------------------ an int8 base
+SCALES = "int8_scales"  # an int8 base's layer: {target: [L, out]}, one f32 scale per output column of each matrix
+
+
+def base_axes(cfg: Config) -> dict:
+    """The frozen base's logical axes: the params', and with base_dtype int8 each layer matrix's scales (those of
+    its output axis) under layers[SCALES]."""
+    axes = table.param_axes(cfg)
+    if cfg.base_dtype != "int8":
+        return axes
+    rows = table.params_table(cfg)
+    scales = {t: ("layers", rows[("layers", *path)].axes[-1]) for t, path in base_matrices(cfg).items()}
+    return {**axes, "layers": {**axes["layers"], SCALES: scales}}
+
+
+def base_matrices(cfg: Config) -> dict[str, tuple[str, ...]]:
+    """target -> its matrix's path in a layer, for every matrix the family's layers have."""
+    return {t: path[1:] for t, path in table.lora_targets(cfg).items()}
+
+
+def base_dtypes(cfg: Config, abstract: Any) -> Any:
+    """The frozen base's abstract tree (of base_axes, in precision.frozen) with an int8 base's matrices int8 and
+    their scales f32."""
+    if cfg.base_dtype != "int8":
+        return abstract
+    int8 = {("layers", *path) for path in base_matrices(cfg).values()}
+
+    def leaf(path, s):
+        names = tuple(getattr(k, "key", None) for k in path)
+        dtype = jnp.int8 if names in int8 else jnp.float32 if SCALES in names else s.dtype
+        return jax.ShapeDtypeStruct(s.shape, dtype, sharding=s.sharding)
+
+    return jax.tree_util.tree_map_with_path(leaf, abstract)
+
+
+def quantize_matrix(w_KxN: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 [K, N], f32 scales [N]) of one layer's matrix: per output column its largest magnitude over 127
+    (model/quant.py's numbers)."""
+    scale = quant.scale_of(quant.amax(w_KxN))
+    return quant.quantize(w_KxN, scale), scale
+
+
+def dequantized(layer: dict) -> dict:
+    """One layer of an int8 base (its matrices int8, layer[SCALES] their scales) with each matrix a `Dequantized`;
+    a layer of a float base as it is."""
+    if SCALES not in layer:
+        return layer
+    scales = layer[SCALES]
+    layer = {k: v for k, v in layer.items() if k != SCALES}
+    for target, scale_N in scales.items():
+        path = families.lora_paths()[target]
+        layer = _replaced(layer, path, Dequantized(table.get_path(layer, path), scale_N))
+    return layer
 
 
 def _replaced(tree: dict, path: tuple[str, ...], value: Any) -> dict:

@@ -36,7 +36,7 @@ class Split:
 FULL = Split("full", trainable_axes=table.param_axes, frozen_axes=lambda cfg: {},
              init=table.init_params, model=lambda trainable, frozen: (trainable, None),
              trained_layers=lambda trainable: trainable["layers"], trained_in_layer=0)
-LORA = Split("lora", trainable_axes=lora.lora_axes, frozen_axes=table.param_axes,
+LORA = Split("lora", trainable_axes=lora.lora_axes, frozen_axes=lora.base_axes,
              init=lora.init_lora, model=lambda trainable, frozen: (frozen, trainable),
              trained_layers=lambda trainable: trainable, trained_in_layer=1)
 

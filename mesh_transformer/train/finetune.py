@@ -69,7 +69,8 @@ def load_base(layout: Layout, path: str) -> tuple[dict, dict]:
     """The frozen base of a LoRA run, placed as the Layout places params, in cfg.base_dtype; and its identity."""
     if adapters.run_metadata(path) is not None:
         raise ConfigError(f"the LoRA base {path} is itself a LoRA run: export it merged (to_hf_weights.py) first")
-    params = convert.load_params(layout, path, gptj.precision(layout.cfg).frozen)
+    params = convert.load_params(layout, path, gptj.precision(layout.cfg).frozen,
+                                 int8_matrices=layout.cfg.base_dtype == "int8")
     fmt = convert.detect_format(path)
     step = checkpoint.find_step(path)[1] if fmt == convert.CHECKPOINT else None
     if not storage.is_gcs(path):

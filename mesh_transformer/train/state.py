@@ -16,7 +16,7 @@ import optax
 from jax.experimental.layout import Format
 from jax.experimental.layout import Layout as MemoryLayout
 
-from mesh_transformer.model import gptj
+from mesh_transformer.model import gptj, lora
 from mesh_transformer.model.split import Split, split_of
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.train import accumulate
@@ -66,7 +66,7 @@ def abstract_step_args(layout: Layout, optimizer: optax.GradientTransformation, 
     cfg = layout.cfg
     tokens = jax.ShapeDtypeStruct((cfg.gradient_accumulation_steps, layout.global_batch, cfg.seq + 1), jnp.int32,
                                   sharding=layout.batch_sharding())
-    frozen = layout.abstract(split.frozen_axes(cfg), gptj.precision(cfg).frozen)
+    frozen = lora.base_dtypes(cfg, layout.abstract(split.frozen_axes(cfg), gptj.precision(cfg).frozen))
     return abstract_train_state(layout, optimizer, split), tokens, frozen
 
 

@@ -9,7 +9,7 @@ import torch
 from transformers import GPTJConfig, GPTJForCausalLM
 
 from mesh_transformer import config
-from mesh_transformer.model import table
+from mesh_transformer.model import lora, table
 from mesh_transformer.config import ConfigError
 from mesh_transformer.store import checkpoint, checkpoint_format, hf, tfrecord
 from mesh_transformer.train.trainer import Trainer
@@ -77,14 +77,23 @@ def lora_config(tmp_path, **overrides):
     return run_config(tmp_path, TINY_SHAPE, lora_rank=4, lora_alpha=8, **overrides)
 
 
-def test_lora_run_trains_the_adapters_only_and_lowers_the_loss(tmp_path):
-    cfg = lora_config(tmp_path, total_steps=12, ckpt_every=12, base_dtype="bfloat16", lr=5e-2, end_lr=5e-2)
-    path, _ = random_hf_dir(tmp_path, cfg)
+@pytest.mark.parametrize("base_dtype", ["bfloat16", "int8"])
+def test_lora_run_trains_the_adapters_only_and_lowers_the_loss(tmp_path, base_dtype):
+    """An int8 base (QLoRA's memory) is read quantized layer by layer: its matrices int8 with a scale per output
+    column, the rest bf16."""
+    cfg = lora_config(tmp_path, total_steps=12, ckpt_every=12, base_dtype=base_dtype, lr=5e-2, end_lr=5e-2)
+    path, model = random_hf_dir(tmp_path, cfg)
     trainer = Trainer(cfg, tune_model_path=path)
     before = jax.device_get(trainer.frozen)
     trainer.run()
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(trainer.frozen), before)
-    assert trainer.frozen["layers"]["attn"]["q"].dtype == "bfloat16"
+    assert trainer.frozen["layers"]["attn"]["q"].dtype == base_dtype
+    if base_dtype == "int8":
+        assert trainer.frozen["layers"]["ln_1"]["scale"].dtype == "bfloat16"
+        q_w = model.transformer.h[1].attn.q_proj.weight.detach().numpy().T  # [D, D] of layer 1
+        want_q, want_scale = lora.quantize_matrix(q_w)
+        np.testing.assert_array_equal(before["layers"]["attn"]["q"][1], want_q)
+        np.testing.assert_array_equal(before["layers"][lora.SCALES]["q"][1], want_scale)
     losses = train_losses(cfg.model_dir)
     assert losses[12] < losses[1] - 0.1, losses
     leaves, metadata = checkpoint_format.read_index(cfg.model_dir, 12)

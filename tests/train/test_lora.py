@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mesh_transformer.model import table
+from mesh_transformer.model import lora, table
 from mesh_transformer import config
 from mesh_transformer.config import ConfigError
 from mesh_transformer.parallel.layout import make_layout
@@ -39,7 +39,7 @@ def one_step(layout, base, tokens):
     train_state["params"] = jax.device_put(_nonzero_b(train_state["params"]),
                                            state_lib.shardings_of(state_lib.abstract_train_state(
                                                layout, optimizer)["params"]))
-    base = jax.device_put(base, layout.param_shardings())
+    base = jax.device_put(base, state_lib.frozen_shardings(layout))
     tokens = jax.device_put(tokens, layout.batch_sharding())
     start = state_lib.make_eval_step(layout)(train_state["params"], tokens[0], base)
     step = state_lib.make_train_step(layout, optimizer, optim.lr_schedule(layout.cfg))
@@ -89,6 +89,37 @@ def test_remat_lora_step_equals_the_plain_one(setup):
     assert_same_step(next_state, ref_state)
 
 
+def int8_base(cfg, base) -> tuple[dict, dict]:
+    """(an int8 base: each layer matrix quantized per layer as the loader does, its scales beside; the float base it
+    stands for, each matrix int8 x scale)."""
+    int8, floats = jax.tree.map(np.asarray, base), jax.tree.map(np.asarray, base)
+    int8["layers"] = {**int8["layers"], lora.SCALES: {}}
+    for target, path in lora.base_matrices(cfg).items():
+        w = table.get_path(base["layers"], path)
+        q, scales = zip(*(lora.quantize_matrix(np.asarray(w[i], np.float32)) for i in range(cfg.layers)))
+        table.set_path(int8["layers"], path, np.stack(q))
+        int8["layers"][lora.SCALES][target] = np.stack(scales)
+        table.set_path(floats["layers"], path, np.stack(q).astype(np.float32) * np.stack(scales)[:, None, :])
+    return int8, floats
+
+
+@pytest.mark.parametrize("spec", [("shard_map", 1, 1), ("shard_map", 2, 4), ("fsdp", 1, 8, 1), ("fsdp_tp", 1, 4, 2)],
+                         ids=["one", "shard_map-2-4", "fsdp-8", "fsdp_tp-4-2"])
+def test_an_int8_base_steps_as_the_float_base_it_stands_for(setup, spec):
+    """base_dtype int8 (QLoRA's memory: the layers' matrices int8 with a scale per output column, made the compute
+    dtype one layer at a time in the step) gives the loss, gradients and update of the float base int8 x scale, on
+    one device and sharded."""
+    cfg, base, tokens, _ = setup
+    int8, floats = int8_base(cfg, base)
+    assert {x.dtype for x in jax.tree.leaves(int8["layers"]["attn"])} == {np.dtype(np.int8)}
+    ref_start, ref_state, ref_metrics = one_step(layout_of(cfg, ("shard_map", 1, 1)), floats, tokens)
+    start, next_state, metrics = one_step(layout_of(dataclasses.replace(cfg, base_dtype="int8"), spec), int8, tokens)
+    np.testing.assert_allclose(start, ref_start, rtol=1e-6)
+    np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-6)
+    np.testing.assert_allclose(metrics["grad_norm"], ref_metrics["grad_norm"], rtol=1e-5)
+    assert_same_step(next_state, ref_state)
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"lora_rank": -1}, "'lora_rank' must be at least 0"),
     ({"lora_rank": "8"}, "'lora_rank' must be an integer"),
@@ -97,7 +128,8 @@ def test_remat_lora_step_equals_the_plain_one(setup):
     ({"lora_rank": 4, "lora_targets": ["q", "gate"]}, "'gate' is not a LoRA target of the gptj family"),
     ({"lora_rank": 4, "lora_alpha": 0}, "'lora_alpha' must be greater than 0"),
     ({"lora_rank": 4, "lora_alpha": -2.0}, "'lora_alpha' must be greater than 0"),
-    ({"base_dtype": "float16"}, "'base_dtype' must be one of float32, bfloat16"),
+    ({"base_dtype": "float16"}, "'base_dtype' must be one of float32, bfloat16, int8"),
+    ({"lora_rank": 4, "base_dtype": "int8", "eval_harness_tasks": ["lambada"]}, "'base_dtype' int8 holds the LoRA"),
 ])
 def test_bad_lora_config_is_a_one_line_error(overrides, message):
     with pytest.raises(ConfigError, match=message) as e:
