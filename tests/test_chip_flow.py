@@ -34,3 +34,29 @@ def test_a_failed_stage_keeps_its_last_lines(tmp_path, capsys):
                                              "raise SystemExit(2)"], str(tmp_path / "refused.log"))
     record = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert rc == 2 and record["error"] == ["error: the server does not fit"]
+
+
+def test_a_random_hf_directory_of_a_models_shape_samples_through_device_sample(tmp_path, monkeypatch, capsys):
+    """`--model`'s write stage: a random HF directory of a MODELS shape (here a tiny Llama with 2 query heads a key
+    head), its tokenizer of the whole vocabulary, read back by device_sample.py --hf."""
+    import subprocess
+
+    from mesh_transformer import config
+    from mesh_transformer.store import hf
+
+    tiny = {**chip_flow.MODELS["llama3_8b"], "layers": 2, "d_model": 256, "n_heads": 4, "n_kv_heads": 2,
+            "intermediate_size": 512, "n_vocab": 1000, "pe_rotary_dims": 64}
+    monkeypatch.setitem(chip_flow.MODELS, "tiny_llama", tiny)
+    path = str(tmp_path / "tiny_llama")
+    chip_flow.write_random_hf(path, "tiny_llama", 64)
+    record = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert record["stage"] == "write_hf_tiny_llama" and record["rc"] == 0
+    cfg = hf.config_from_hf(json.load(open(f"{path}/config.json")))
+    assert (cfg.family, cfg.kv_heads, cfg.d_ff, cfg.n_vocab, cfg.seq) == ("llama", 2, 512, 1000, 64)
+    assert config.from_dict({**tiny, "seq": 64, "cores_per_replica": 1}).n_vocab == cfg.n_vocab
+    sample = subprocess.run([sys.executable, "device_sample.py", "--hf", path, "--prompt", "w3 w4 w5",
+                             "--max-new-tokens", "4", "--temperature", "0"], capture_output=True, text=True,
+                            cwd=chip_flow.ROOT, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert sample.returncode == 0, sample.stderr[-2000:]
+    words = sample.stdout.split()
+    assert len(words) == 4 and all(w.startswith("w") for w in words)

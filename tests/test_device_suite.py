@@ -99,6 +99,21 @@ def test_the_ab_flags_set_attention_layout_sequence_and_int8_products():
     assert bad.returncode == 2 and "--cache-order must be a permutation of 0,1,2,3 starting with 0" in bad.stderr
 
 
+def test_model_serving_shape_and_concurrency_flags_reach_the_records():
+    """`--model llama3_8b` (the tiny sizes take its family and grouped key heads), `--serving-shape` and
+    `--concurrent`; a bad count is a one-line error."""
+    result = run_script("bench/device_suite.py", "--tiny", "--model", "llama3_8b", "--only", "decode,serving_paged",
+                        "--serving-shape", "6,5", "--concurrent", "3")
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    decodes = [r for r in records if r["bench"] == "decode"]
+    assert decodes and all((r["family"], r["kv_heads"]) == ("llama", 2) for r in decodes)
+    paged = [r for r in records if r["bench"] == "serving_paged"]
+    assert [(r["concurrent"], r["prompt_len"], r["new_tokens"], r["tokens"]) for r in paged] == [(3, 6, 5, 15)]
+    bad = run_script("bench/device_suite.py", "--tiny", "--only", "decode", "--serving-shape", "1024")
+    assert bad.returncode == 2 and "--serving-shape must be 2 positive integer(s)" in bad.stderr
+
+
 def test_a_trace_sums_the_hosts_events_and_a_cpu_trace_has_no_device_ops(tmp_path):
     import jax.numpy as jnp
 
