@@ -185,11 +185,15 @@ def _check_values(cfg: Config) -> None:
     if cfg.n_kv_heads < 0 or cfg.n_heads % cfg.kv_heads or cfg.intermediate_size < 0:
         raise ConfigError(f"config key 'n_kv_heads' ({cfg.n_kv_heads}) must divide n_heads ({cfg.n_heads}), and "
                           f"'intermediate_size' must be at least 0 (0: 4 x d_model)")
-    split = ("n_heads", "n_kv_heads", "n_vocab") if cfg.parallelism == "shard_map" else ()  # GSPMD: parallel.layout
+    split = ("n_heads", "n_vocab") if cfg.parallelism == "shard_map" else ()  # GSPMD: parallel.layout
     for key in split:
         if getattr(cfg, key) % cfg.cores_per_replica:
             raise ConfigError(f"config key '{key}' ({getattr(cfg, key)}) must be divisible by "
                               f"cores_per_replica ({cfg.cores_per_replica})")
+    if split and cfg.kv_heads % cfg.cores_per_replica and cfg.cores_per_replica % cfg.kv_heads:
+        raise ConfigError(f"config key 'n_kv_heads' ({cfg.kv_heads}) must divide cores_per_replica "
+                          f"({cfg.cores_per_replica}) or be divisible by it: fewer key heads are held whole on every "
+                          f"device, more are split")
     _check_lora(cfg)
     if cfg.quantize_head and cfg.weight_dtype != "int8":
         raise ConfigError("config key 'quantize_head' (--quantize-head) needs int8 weights: weight_dtype \"int8\" "
@@ -293,17 +297,20 @@ def fit_devices(cfg: Config, n_devices: int) -> Config:
     """The config with its model-parallel width fitted to the devices present, as inference fits it: the config's
     cores_per_replica where it divides the device count, n_heads and n_vocab, else the widest width that does (the
     demo's 4 on one chip: 1). The GSPMD kinds' mesh_fsdp x mesh_tensor must divide the device count as given."""
-    if cfg.parallelism != "shard_map" or cfg.cores_per_replica in model_parallel_widths(cfg, n_devices):
+    widths = model_parallel_widths(cfg, n_devices, kv_whole=True)
+    if cfg.parallelism != "shard_map" or cfg.cores_per_replica in widths:
         check_devices(cfg, n_devices)
         return cfg
-    return dataclasses.replace(cfg, cores_per_replica=model_parallel_widths(cfg, n_devices)[-1])
+    return dataclasses.replace(cfg, cores_per_replica=widths[-1])
 
 
-def model_parallel_widths(cfg: Config, n_devices: int) -> list[int]:
-    """The model-parallel widths, smallest first, that divide the device count, n_heads and n_vocab (1 always does)."""
+def model_parallel_widths(cfg: Config, n_devices: int, kv_whole: bool = False) -> list[int]:
+    """The model-parallel widths, smallest first, that divide the device count, n_heads, n_kv_heads and n_vocab (1
+    always does); with `kv_whole` (training: the key heads held whole on every device where fewer) also those that
+    n_kv_heads divides."""
     return [width for width in range(1, n_devices + 1)
-            if n_devices % width == 0 and cfg.n_heads % width == 0 and cfg.kv_heads % width == 0
-            and cfg.n_vocab % width == 0]
+            if n_devices % width == 0 and cfg.n_heads % width == 0 and cfg.n_vocab % width == 0
+            and (cfg.kv_heads % width == 0 or (kv_whole and width % cfg.kv_heads == 0))]
 
 
 DTYPE_FLAGS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # the tools' --dtype names

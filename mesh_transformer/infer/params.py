@@ -56,6 +56,9 @@ def make_inference_layout(cfg: Config, devices: Sequence[jax.Device] | None = No
         mesh = make_mesh({DP: len(devices) // width, MP: width}, devices)
         log.info("inference mesh: dp %d x mp %d over %d %s devices", len(devices) // width, width, len(devices),
                  devices[0].platform)
+    if cfg.kv_heads % mesh.shape[MP]:  # the caches and kernels hold a device's own key heads
+        raise ConfigError(f"inference splits the key heads over the model-parallel width: n_kv_heads "
+                          f"({cfg.kv_heads}) must be divisible by mp ({mesh.shape[MP]})")
     return make_layout(cfg, mesh=mesh)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from jax import lax
 
 from mesh_transformer.config import Config
-from mesh_transformer.model import families, family, layers, lora, lora_slots, order, quant
+from mesh_transformer.model import families, family, layers, lora, lora_slots, order, quant, rotary
 from mesh_transformer.model.table import DTYPES
 from mesh_transformer.platforms import Policy
 
@@ -136,7 +136,7 @@ def run(params: dict, ids_BxT: jax.Array, positions_BxT: jax.Array, cfg: Config,
     params = cast_for_compute(params, cfg)
     h_BxTxD = constrain(layers.embed(ids_BxT, params["embed"]["wte"], tp_axis), HIDDEN_AXES)
     arch = block_arch(cfg)
-    sincos = layers.rotary_sincos(positions_BxT, cfg.pe_rotary_dims, cfg.rotary_base, half=arch.rotary == "half",
+    sincos = rotary.rotary_sincos(positions_BxT, cfg.pe_rotary_dims, cfg.rotary_base, half=arch.rotary == "half",
                                   scaling=cfg.rope_scaling)
     dtype = precision(cfg).compute
 

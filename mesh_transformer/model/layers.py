@@ -22,6 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from mesh_transformer.model import lora_slots, order, quant, quant_kernel
 from mesh_transformer.model.attention import attend, causal_mask, self_attention
+from mesh_transformer.model.rotary import apply_rotary
 from mesh_transformer.platforms import Policy
 
 LN_EPS = 1e-5
@@ -46,52 +47,6 @@ def layer_norm(x_BxTxD: jax.Array, p: dict) -> jax.Array:
     scale, bias = (lead(p[k].astype(F32), x.ndim) for k in ("scale", "bias"))
     y = (x - mean) * lax.rsqrt(var + LN_EPS) * scale + bias
     return y.astype(x_BxTxD.dtype)
-
-
-def rotary_sincos(positions_BxT: jax.Array, rot_dims: int, base: float = 10000.0,
-                  half: bool = False, scaling: dict | None = None) -> tuple[jax.Array, jax.Array]:
-    """The rotary sin and cos tables [B, T, P]: GPT-J's interleaved [t0, t0, t1, t1, ...] per position, or with
-    `half` (GPT-NeoX's) [t0, t1, ..., t0, t1, ...]; the frequencies scaled as HF's `rope_scaling` says."""
-    inv_freq_P2 = scaled_frequencies(1.0 / (base ** (jnp.arange(0, rot_dims, 2, dtype=F32) / rot_dims)), scaling)
-    angle_BxTxP2 = positions_BxT.astype(F32)[..., None] * lead(inv_freq_P2, positions_BxT.ndim + 1)
-    if half:
-        return jnp.concatenate([jnp.sin(angle_BxTxP2)] * 2, -1), jnp.concatenate([jnp.cos(angle_BxTxP2)] * 2, -1)
-    return jnp.repeat(jnp.sin(angle_BxTxP2), 2, -1), jnp.repeat(jnp.cos(angle_BxTxP2), 2, -1)
-
-
-def scaled_frequencies(inv_freq_P2: jax.Array, scaling: dict | None) -> jax.Array:
-    """Rotary frequencies under HF's rope scaling: "linear" divides them by `factor`; "llama3" (Llama 3.1 on)
-    divides the low ones (wavelengths over original_max_position_embeddings / low_freq_factor) by `factor`, keeps
-    the high ones (under ... / high_freq_factor) and blends between."""
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind == "default":
-        return inv_freq_P2
-    factor = float(scaling["factor"])
-    if kind == "linear":
-        return inv_freq_P2 / factor
-    original = float(scaling["original_max_position_embeddings"])
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    wavelength_P2 = 2 * jnp.pi / inv_freq_P2
-    scaled_P2 = jnp.where(wavelength_P2 > original / low, inv_freq_P2 / factor, inv_freq_P2)
-    smooth_P2 = (original / wavelength_P2 - low) / (high - low)
-    medium_P2 = (wavelength_P2 >= original / high) & (wavelength_P2 <= original / low)
-    return jnp.where(medium_P2, (1 - smooth_P2) * scaled_P2 / factor + smooth_P2 * scaled_P2, scaled_P2)
-
-
-def apply_rotary(x_BxTxHxK: jax.Array, sin_BxTxP: jax.Array, cos_BxTxP: jax.Array, half: bool = False) -> jax.Array:
-    """Rotate the first P dims of each head: pairs (0,1), (2,3), ... as GPT-J does, or with `half` dims i and
-    i + P/2 as GPT-NeoX does."""
-    rot = sin_BxTxP.shape[-1]
-    if rot == 0:
-        return x_BxTxHxK
-    x_rot, x_pass = x_BxTxHxK[..., :rot].astype(F32), x_BxTxHxK[..., rot:]
-    if half:
-        rotated = jnp.concatenate([-x_rot[..., rot // 2:], x_rot[..., :rot // 2]], -1)
-    else:
-        pairs = x_rot.reshape(*x_rot.shape[:-1], rot // 2, 2)
-        rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], -1).reshape(x_rot.shape)
-    x_rot = x_rot * cos_BxTxP[:, :, None] + rotated * sin_BxTxP[:, :, None]
-    return jnp.concatenate([x_rot.astype(x_BxTxHxK.dtype), x_pass], -1)
 
 
 def dense(x: jax.Array, w, policy: Policy) -> jax.Array:
@@ -175,13 +130,20 @@ def block(h_BxTxD: jax.Array, p: dict, head_dim: int, sincos, *, arch, mask_BxTx
     the rest is this one body. The policy names the kernels (attention, the dense backward).
     """
     shards = 1 if tp_axis is None else lax.psum(1, tp_axis)
+    # Fewer key heads than devices are held whole on each (`layout.kv_replicated`): a device computes them all and
+    # attends with the one its query heads read.
+    kv_whole = bool(arch.kv_heads) and arch.kv_heads < shards
     # this device's width of q and of k (v), where the arch says its heads (`gptj.block_arch`)
-    widths = (arch.heads * head_dim // shards, arch.kv_heads * head_dim // shards) if arch.heads else None
+    widths = ((arch.heads * head_dim // shards, arch.kv_heads * head_dim // (1 if kv_whole else shards))
+              if arch.heads else None)
     proj = projections(p, join, policy, widths)
     n_BxTxD = layer_norm(h_BxTxD, p["ln_1"])
 
     def attention(q, k, v):  # q, k and v are what remat_policy "save_qkv" keeps
         q, k, v = (checkpoint_name(x, "qkv").reshape(*x.shape[:-1], -1, head_dim) for x in (q, k, v))
+        if kv_whole:
+            read = lax.axis_index(tp_axis) // (shards // arch.kv_heads)
+            k, v = (lax.dynamic_slice_in_dim(x, read, 1, axis=2) for x in (k, v))
         half = arch.rotary == "half"
         q, k = apply_rotary(q, *sincos, half=half), apply_rotary(k, *sincos, half=half)
         attend_self = partial(self_attention, kernel=proj.attention, shards=policy.attention_shards)

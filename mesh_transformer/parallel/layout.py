@@ -66,6 +66,19 @@ GSPMD: dict[str, Mappings] = {
 }
 MODES = tuple(GSPMD)
 
+
+def kv_replicated(mappings: Mappings, cfg: Config, width: int) -> Mappings:
+    """The mappings with the key and value heads held whole on every device where they are fewer than the `width`
+    that splits the query heads (and that width a multiple of them): each device then computes all of them and
+    attends with the one its query heads read (`layers.block`), the gradients of the replicated k and v weights
+    summed over the devices as any replicated param's."""
+    if cfg.kv_heads % width == 0:
+        return mappings
+    def drop(rules: Rules) -> Rules:
+        return [(name, entry) for name, entry in rules if name != "kv_heads"]
+
+    return Mappings(drop(mappings.params), drop(mappings.compute))
+
 # Logical axes of activations and caches (K head dim and length are never split).
 ACTIVATION_AXES = {
     "tokens": ("batch", "length"),
@@ -451,9 +464,9 @@ def make_layout(cfg: Config, devices: Sequence[jax.Device] | None = None, mesh: 
         cfg = dataclasses.replace(cfg, compute_dtype=policy.compute_dtype)
     if cfg.parallelism == SHARD_MAP:
         zero_axis = DP if cfg.shard_optimizer and mesh.shape[DP] > 1 else None
-        return Layout(cfg, mesh, MEGATRON, tp_axis=MP, dp_axis=DP, policy=platforms.for_layout(policy, gspmd=False),
-                      zero_axis=zero_axis)
-    mappings = gspmd_mappings(cfg)
+        return Layout(cfg, mesh, kv_replicated(MEGATRON, cfg, mesh.shape[MP]), tp_axis=MP, dp_axis=DP,
+                      policy=platforms.for_layout(policy, gspmd=False), zero_axis=zero_axis)
+    mappings = kv_replicated(gspmd_mappings(cfg), cfg, mesh.shape[TENSOR])
     _check_gspmd(cfg, mesh, mappings)
     heads_spec = logical_to_spec(ACTIVATION_AXES["heads"], mappings.compute)
     return Layout(cfg, mesh, mappings, tp_axis=None, dp_axis=None,

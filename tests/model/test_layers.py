@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mesh_transformer.model import attention, families, fused, layers, table
+from mesh_transformer.model import attention, families, fused, layers, rotary, table
 from tests.helpers import CPU_POLICY
 
 
@@ -171,7 +171,7 @@ def test_block_without_a_mask_is_causal_attention_as_before():
     keys = jax.random.split(jax.random.PRNGKey(2), 8)
     p = layer_params(keys, D)
     h = jax.random.normal(keys[6], (B, T, D))
-    sincos = layers.rotary_sincos(jnp.arange(T)[None], 8)
+    sincos = rotary.rotary_sincos(jnp.arange(T)[None], 8)
     arch = families.named("gptj").block
     got, (k, v) = jax.jit(lambda h: layers.block(h, p, K, sincos, arch=arch, policy=CPU_POLICY))(h)
     want, (k_ref, v_ref) = jax.jit(lambda h: layers.block(h, p, K, sincos, arch=arch,
@@ -188,11 +188,11 @@ def test_block_is_gptj_s_layer_whichever_way_its_weights_are_applied():
     keys = jax.random.split(jax.random.PRNGKey(3), 8)
     p = layer_params(keys, D)
     h = jax.random.normal(keys[6], (B, T, D))
-    sincos = layers.rotary_sincos(jnp.arange(T)[None], 8)
+    sincos = rotary.rotary_sincos(jnp.arange(T)[None], 8)
 
     def written_out(h):
         n = layers.layer_norm(h, p["ln_1"])
-        q, k, v = (layers.apply_rotary((n @ p["attn"][x]).reshape(B, T, H, K), *sincos) if x != "v"
+        q, k, v = (rotary.apply_rotary((n @ p["attn"][x]).reshape(B, T, H, K), *sincos) if x != "v"
                    else (n @ p["attn"][x]).reshape(B, T, H, K) for x in "qkv")
         attn = attention.attend(q, k, v, jnp.broadcast_to(attention.causal_mask(T), (B, T, T))) @ p["attn"]["out"]
         mlp = jax.nn.gelu(n @ p["mlp"]["fc_in"]["kernel"] + layers.lead(p["mlp"]["fc_in"]["bias"], 3),

@@ -89,7 +89,9 @@ def test_state_dicts_round_trip_and_a_tied_head_is_read_from_the_embedding(hf_mo
 
 # ---- sharded equals unsharded ----
 
-SHARDED = [("shard_map", 2, 4), ("shard_map", 4, 2), ("fsdp", 1, 8, 1), ("fsdp_tp", 2, 2, 2)]
+# mp 8 and tensor 8 over 4 key heads: each device holds them whole (`layout.kv_replicated`)
+SHARDED = [("shard_map", 2, 4), ("shard_map", 4, 2), ("shard_map", 1, 8), ("fsdp", 1, 8, 1), ("fsdp_tp", 2, 2, 2),
+           ("tp", 1, 1, 8)]
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +146,8 @@ def test_what_the_family_cannot_run_is_named(hf_models):
         hf.config_from_hf({**raw, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}, "rope_parameters": None})
     with pytest.raises(ConfigError, match="n_kv_heads"):
         config.from_dict({"family": "llama", "n_heads": 8, "d_model": 128, "n_kv_heads": 3, "cores_per_replica": 1})
-    with pytest.raises(ConfigError, match="n_kv_heads.*cores_per_replica"):  # key heads split over model parallel
-        config.from_dict({"family": "llama", "n_heads": 8, "d_model": 128, "n_kv_heads": 2, "cores_per_replica": 4})
+    with pytest.raises(ConfigError, match="n_kv_heads.*cores_per_replica"):  # neither split nor held whole
+        config.from_dict({"family": "llama", "n_heads": 12, "d_model": 192, "n_kv_heads": 3, "cores_per_replica": 4})
     with pytest.raises(ConfigError, match="'n_kv_heads' belongs to the llama family"):
         config.from_dict({"n_kv_heads": 2, "n_heads": 8, "d_model": 128, "cores_per_replica": 1})
 
