@@ -214,7 +214,7 @@ def train_record(name: str, cfg, repeats: int, peaks: Peaks, device: jax.Device,
               "model_tflop_per_s": figure(tokens_per_s * flops_per_token / 1e12),
               "mfu_of_measured_peak": figure(tokens_per_s * flops_per_token / peaks.flop_per_s)}
     if cfg.lora_rank:
-        record.update(lora_rank=cfg.lora_rank, base_dtype=precision.frozen.name)
+        record.update(lora_rank=cfg.lora_rank, base_dtype=cfg.base_dtype)
     else:
         record["estimated_gb"] = figure(train_bytes(cfg, batch)["total"] / 1e9)
     if peaks.datasheet_flop_per_s:
