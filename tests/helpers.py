@@ -17,7 +17,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from mesh_transformer.model import table
+from mesh_transformer.model import lora, table
 from mesh_transformer import config
 from mesh_transformer.parallel.layout import Layout, make_layout
 from mesh_transformer.parallel.mesh import make_dp_mp, make_mesh
@@ -438,3 +438,17 @@ def served_greedy(layout: Layout, params: dict, prompts: list, row_slots: np.nda
         tokens.append(np.asarray(token))
         logprobs.append(np.asarray(chosen.chosen))
     return np.stack(tokens, 1), np.stack(logprobs, 1)
+
+
+def int8_base(cfg, base) -> tuple[dict, dict]:
+    """(an int8 base: each layer matrix quantized per layer as the loader does, its scales beside; the float base it
+    stands for, each matrix int8 x scale)."""
+    int8, floats = jax.tree.map(np.asarray, base), jax.tree.map(np.asarray, base)
+    int8["layers"] = {**int8["layers"], lora.SCALES: {}}
+    for target, path in lora.base_matrices(cfg).items():
+        w = table.get_path(base["layers"], path)
+        q, scales = zip(*(lora.quantize_matrix(np.asarray(w[i], np.float32)) for i in range(cfg.layers)))
+        table.set_path(int8["layers"], path, np.stack(q))
+        int8["layers"][lora.SCALES][target] = np.stack(scales)
+        table.set_path(floats["layers"], path, np.stack(q).astype(np.float32) * np.stack(scales)[:, None, :])
+    return int8, floats

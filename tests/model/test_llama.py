@@ -18,7 +18,7 @@ from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.model import gptj as model
 from mesh_transformer.parallel.mesh import make_dp_mp
 from mesh_transformer.store import hf
-from tests.helpers import (CPU_POLICY, hf_greedy, hf_logits, layout_of, our_logits, ours_of, random_params,
+from tests.helpers import (CPU_POLICY, hf_greedy, hf_logits, int8_base, layout_of, our_logits, ours_of, random_params,
                            state_dict_numpy)
 
 # head dim 16; 8 query heads over 8 (Llama 2's MHA), 4 or 2 key/value heads (grouped-query)
@@ -114,6 +114,33 @@ def test_sharded_loss_grads_and_logits_equal_the_unsharded_model(reference, spec
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
     assert all(float(np.abs(np.asarray(g)).max()) > 0 for g in jax.tree.leaves(grads["layers"]["mlp"]["gate"]))
     np.testing.assert_allclose(layout.logits_fn()(sharded, tokens[:, :-1]), ref_logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("base_dtype", ["float32", "int8"])
+def test_lora_with_key_heads_held_whole_equals_one_device(reference, base_dtype):
+    """LoRA on all seven projections at mp 8 over 4 key heads (k and v and their adapters held whole on every
+    device), over a float base and an int8 one: the loss and the adapters' gradients of one device."""
+    from mesh_transformer.model import lora
+    from mesh_transformer.model.split import LORA
+    from mesh_transformer.train import state as state_lib
+
+    cfg, params, tokens, *_ = reference
+    cfg = dataclasses.replace(cfg, lora_rank=4, lora_alpha=8, base_dtype=base_dtype)
+    adapters = lora.init_lora(cfg, jax.random.PRNGKey(4))
+    adapters = {t: {"a": ab["a"], "b": ab["b"] + 0.05} for t, ab in adapters.items()}  # B nonzero: A learns too
+    base = int8_base(cfg, params)[0] if base_dtype == "int8" else params
+
+    def loss_and_grads(spec):
+        layout = layout_of(cfg, spec)
+        placed = jax.device_put(base, state_lib.frozen_shardings(layout))
+        trained = jax.device_put(adapters, layout.shardings(LORA.trainable_axes(cfg)))
+        return jax.jit(layout.loss_and_grad_fn(LORA))(trained, placed, tokens)
+
+    (ref_loss, ref_grads), (loss, grads) = loss_and_grads(("shard_map", 1, 1)), loss_and_grads(("shard_map", 1, 8))
+    assert set(grads) == {"q", "k", "v", "out", "gate", "fc_in", "fc_out"}
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
 
 
 # ---- inference: the fused decode form against HF's generate ----

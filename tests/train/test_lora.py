@@ -6,14 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mesh_transformer.model import lora, table
+from mesh_transformer.model import table
 from mesh_transformer import config
 from mesh_transformer.config import ConfigError
 from mesh_transformer.parallel.layout import make_layout
 from mesh_transformer.model.split import split_of
 from mesh_transformer.train import optim
 from mesh_transformer.train import state as state_lib
-from tests.helpers import layout_of
+from tests.helpers import int8_base, layout_of
 
 CFG = config.load("configs/tiny_rot_partial.json", ["cores_per_replica=1", "remat=false", "warmup_steps=0",
                                                     "lora_rank=4", "lora_alpha=8"])
@@ -87,20 +87,6 @@ def test_remat_lora_step_equals_the_plain_one(setup):
                                       tokens)
     np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-6)
     assert_same_step(next_state, ref_state)
-
-
-def int8_base(cfg, base) -> tuple[dict, dict]:
-    """(an int8 base: each layer matrix quantized per layer as the loader does, its scales beside; the float base it
-    stands for, each matrix int8 x scale)."""
-    int8, floats = jax.tree.map(np.asarray, base), jax.tree.map(np.asarray, base)
-    int8["layers"] = {**int8["layers"], lora.SCALES: {}}
-    for target, path in lora.base_matrices(cfg).items():
-        w = table.get_path(base["layers"], path)
-        q, scales = zip(*(lora.quantize_matrix(np.asarray(w[i], np.float32)) for i in range(cfg.layers)))
-        table.set_path(int8["layers"], path, np.stack(q))
-        int8["layers"][lora.SCALES][target] = np.stack(scales)
-        table.set_path(floats["layers"], path, np.stack(q).astype(np.float32) * np.stack(scales)[:, None, :])
-    return int8, floats
 
 
 @pytest.mark.parametrize("spec", [("shard_map", 1, 1), ("shard_map", 2, 4), ("fsdp", 1, 8, 1), ("fsdp_tp", 1, 4, 2)],
