@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.bench_6b_flow import PROMPT, WRITE_ORIGINAL  # noqa: E402
-from bench.common import emit  # noqa: E402
+from bench.common import emit, write_word_tokenizer  # noqa: E402
 from bench.suite_parts import MODELS  # noqa: E402
 
 # device_sample.py with its load time and generation time logged (the tool itself logs only the mesh it chose).
@@ -129,8 +129,6 @@ def write_random_hf(path: str, model: str, seq: int) -> None:
     prepended BOS), config.json last."""
     import ml_dtypes
     import numpy as np
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-
     from mesh_transformer import config
     from mesh_transformer.store import hf, safetensors_io
 
@@ -149,14 +147,7 @@ def write_random_hf(path: str, model: str, seq: int) -> None:
                 yield name, np.resize(np.roll(pool, 7919 * i), shape)
 
     safetensors_io.write_dir(path, entries, arrays(), 5 * 10 ** 9)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, cfg.n_vocab)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tokenizer.save(f"{path}/tokenizer.json")
-    with open(f"{path}/tokenizer_config.json", "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-                   "unk_token": "<unk>"}, f)
+    write_word_tokenizer(path, {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, cfg.n_vocab)}})
     with open(f"{path}/config.json", "w") as f:
         json.dump({**hf.hf_config(cfg), "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}, f)
     gb = sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path)) / 1e9

@@ -153,3 +153,18 @@ def datasheet(device: jax.Device) -> tuple[float | None, float | None]:
     """(bf16 FLOP/s, bytes/s) of the device's datasheet (`targets.chip_of`), or (None, None) for one not known."""
     chip = targets.chip_of(getattr(device, "device_kind", ""))
     return (chip.peak_flops, chip.bandwidth) if chip else (None, None)
+
+
+def write_word_tokenizer(path: str, vocab: dict[str, int], **config) -> None:
+    """A word-level tokenizer of `vocab` (its "<unk>", "<s>" and "</s>" included) that splits on whitespace and
+    prepends <s>, as tokenizer.json and a tokenizer_config.json with `config`'s keys besides (a chat template, say):
+    a model directory's tokenizer built here, nothing downloaded."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    tokenizer.save(f"{path}/tokenizer.json")
+    with open(f"{path}/tokenizer_config.json", "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                   "unk_token": "<unk>", **config}, f)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from mesh_transformer.model import families, lora, quant, table
+from mesh_transformer.model import families, quant, table
 from mesh_transformer import storage
 from mesh_transformer.store import adapters, checkpoint, hf, mtj_v1, placing, safetensors_io
 from mesh_transformer import config
@@ -225,20 +225,15 @@ def iter_params(path: str, cfg: Config, dtype: Any = None) -> Iterator[tuple[Pat
             yield param, read_array(reader, param, like.shape, dtype)
 
 
-def load_params(layout: Layout, source: str, dtype: Any = None, int8_matrices: bool = False) -> dict:
+def load_params(layout: Layout, source: str, dtype: Any = None) -> dict:
     """The params of a checkpoint of any format, placed as the Layout places them, in `dtype`.
 
     `dtype` defaults to the config's compute dtype. Our checkpoints are read slice by slice onto the devices; other
     formats one layer of a stacked param at a time (`placing.put_layers`), the rest one global array at a time.
-    With `int8_matrices` (an int8 LoRA base), each layer's matrices are quantized on the host as they are read, one
-    layer at a time, and placed in int8 with their scales under params["layers"][lora.SCALES] (`lora.base_axes`):
-    no device holds a float copy of them.
     """
     cfg = layout.cfg
     dtype = table.dtype_named(dtype if dtype is not None else model.precision(cfg).compute)
     fmt = detect_format(source)
-    if int8_matrices:
-        return _load_int8_base(layout, source, dtype, fmt)
     if fmt == CHECKPOINT and not _holds_int8(source):
         root, step = checkpoint.find_step(source)
         _check_config(checkpoint.read_metadata(root, step).get("config") or {}, cfg,
@@ -258,34 +253,6 @@ def load_params(layout: Layout, source: str, dtype: Any = None, int8_matrices: b
                 array = placing.put_layers(like.shape, dtype, sharding, lambda i, p=path: reader.read(p, i))
             else:
                 array = placing.put_host(read_array(reader, path, like.shape, dtype), sharding)
-            set_path(params, path, array)
-    return params
-
-
-def _load_int8_base(layout: Layout, source: str, dtype: Any, fmt: str) -> dict:
-    """`load_params` with int8_matrices."""
-    cfg = layout.cfg
-    abstract = lora.base_dtypes(cfg, layout.abstract(lora.base_axes(cfg), dtype))
-    matrices = {("layers", *path): target for target, path in lora.base_matrices(cfg).items()}
-    params: dict = {}
-    with open_params(source, cfg, fmt) as reader:
-        for path, like in tqdm(param_paths(cfg), desc="loading params", unit="array", leave=False):
-            target = get_path(abstract, path)
-            if path in matrices:
-                scales = []
-
-                def quantized(i, p=path, scales=scales):
-                    q, scale = lora.quantize_matrix(np.asarray(reader.read(p, i), np.float32))
-                    scales.append(scale)
-                    return q
-
-                array = placing.put_layers(like.shape, np.int8, target.sharding, quantized)
-                where = ("layers", lora.SCALES, matrices[path])
-                set_path(params, where, placing.put_host(np.stack(scales), get_path(abstract, where).sharding))
-            elif path[0] == "layers":
-                array = placing.put_layers(like.shape, dtype, target.sharding, lambda i, p=path: reader.read(p, i))
-            else:
-                array = placing.put_host(read_array(reader, path, like.shape, dtype), target.sharding)
             set_path(params, path, array)
     return params
 

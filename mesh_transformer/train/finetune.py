@@ -15,12 +15,13 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from mesh_transformer.config import ConfigError
-from mesh_transformer.model import gptj
+from mesh_transformer.model import gptj, lora, table
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer import storage
-from mesh_transformer.store import adapters, checkpoint, convert
+from mesh_transformer.store import adapters, checkpoint, convert, placing
 
 log = logging.getLogger(__name__)
 SAMPLES_PER_DIM = 4
@@ -69,8 +70,8 @@ def load_base(layout: Layout, path: str) -> tuple[dict, dict]:
     """The frozen base of a LoRA run, placed as the Layout places params, in cfg.base_dtype; and its identity."""
     if adapters.run_metadata(path) is not None:
         raise ConfigError(f"the LoRA base {path} is itself a LoRA run: export it merged (to_hf_weights.py) first")
-    params = convert.load_params(layout, path, gptj.precision(layout.cfg).frozen,
-                                 int8_matrices=layout.cfg.base_dtype == "int8")
+    params = (_int8_base(layout, path) if layout.cfg.base_dtype == "int8"
+              else convert.load_params(layout, path, gptj.precision(layout.cfg).frozen))
     fmt = convert.detect_format(path)
     step = checkpoint.find_step(path)[1] if fmt == convert.CHECKPOINT else None
     if not storage.is_gcs(path):
@@ -80,6 +81,37 @@ def load_base(layout: Layout, path: str) -> tuple[dict, dict]:
     log.info("LoRA base %s (%s, step %s, fingerprint %s) held in %s", path, fmt, step, identity["fingerprint"],
              layout.cfg.base_dtype)
     return params, identity
+
+
+def _int8_base(layout: Layout, source: str) -> dict:
+    """An int8 LoRA base from a checkpoint of any format: as `convert.load_params` places params (the rest in bf16),
+    but each layer's matrices quantized on the host as they are read, one layer at a time, and placed in int8 with
+    their scales under params["layers"][lora.SCALES] (`lora.base_axes`): no device holds a float copy of them."""
+    cfg, dtype = layout.cfg, gptj.precision(layout.cfg).frozen
+    abstract = lora.base_dtypes(cfg, layout.abstract(lora.base_axes(cfg), dtype))
+    matrices = {("layers", *path): target for target, path in lora.base_matrices(cfg).items()}
+    params: dict = {}
+    with convert.open_params(source, cfg) as reader:
+        for path, like in tqdm(table.param_paths(cfg), desc="loading params", unit="array", leave=False):
+            target = table.get_path(abstract, path)
+            if path in matrices:
+                scales = []
+
+                def quantized(i, p=path, scales=scales):
+                    q, scale = lora.quantize_matrix(np.asarray(reader.read(p, i), np.float32))
+                    scales.append(scale)
+                    return q
+
+                array = placing.put_layers(like.shape, np.int8, target.sharding, quantized)
+                where = ("layers", lora.SCALES, matrices[path])
+                scales_LxN = placing.put_host(np.stack(scales), table.get_path(abstract, where).sharding)
+                table.set_path(params, where, scales_LxN)
+            elif path[0] == "layers":
+                array = placing.put_layers(like.shape, dtype, target.sharding, lambda i, p=path: reader.read(p, i))
+            else:
+                array = placing.put_host(convert.read_array(reader, path, like.shape, dtype), target.sharding)
+            table.set_path(params, path, array)
+    return params
 
 
 def check_base(saved: dict, identity: dict) -> None:

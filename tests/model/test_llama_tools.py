@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.common import write_word_tokenizer
 from mesh_transformer.store import convert
 from mesh_transformer.tokenizer import eos_ids, load_tokenizer
 
@@ -19,16 +20,8 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start|> {{ m['role'] }} {{ 
 def write_tokenizer(path: str) -> None:
     """A word-level tokenizer of 128 ids (specials, words, w0 ...) that prepends <s>, with a chat template and a
     generation config that ends a turn at <|eot|> or </s>."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-
     vocab = {token: i for i, token in enumerate(SPECIALS + WORDS + [f"w{i}" for i in range(128 - 17)])}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tokenizer.save(f"{path}/tokenizer.json")
-    with open(f"{path}/tokenizer_config.json", "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-                   "unk_token": "<unk>", "chat_template": TEMPLATE}, f)
+    write_word_tokenizer(path, vocab, chat_template=TEMPLATE)
     with open(f"{path}/generation_config.json", "w") as f:
         json.dump({"bos_token_id": 1, "eos_token_id": [2, 3]}, f)
 
