@@ -1,13 +1,17 @@
-"""The paged decode attention kernel alone (`infer/paged_kernel.py`) on the device JAX finds, at one GPT-J-6B layer's
-shape: 64 rows of 384 positions over 1,536 pages, int8 pages with per-token scales and bf16 pages, several page sizes
-and blocks. Prints one JSON line per variant: time per call, the bytes it must read (the rows' pages and scales),
-the bandwidth that makes, and the largest difference from the pure-JAX gather computed in f32 on the same device.
+"""The paged decode attention kernel alone (`infer/paged_kernel.py`) on the device JAX finds, at one layer's shape of
+a model's serving (`--shape`: GPT-J-6B's 64 rows of 384 positions; Llama-2-7B's 12 rows and Llama-3-8B's 36 at
+1,024 + 1,024 tokens, 1,536 positions on average), int8 pages with per-token scales and bf16 pages, several page
+sizes, blocks and forms of a block's product (`--forms`; "copy" and "convert" are floors: only the pages' copies, and
+those with each head's int8 converted). Prints one JSON line per variant: time per call, the bytes it must read (the
+rows' pages and scales), the bandwidth that makes, and the largest difference from the pure-JAX gather computed in
+f32 on the same device.
 
-    python bench/paged_kernel_bench.py [--pages 16,32,64] [--blocks 128,384] [--repeats 20]
+    python bench/paged_kernel_bench.py [--shape gptj_6b] [--pages 16,32,64] [--blocks 128,384] [--forms mxu,vpu]
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -18,10 +22,45 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
 
-from mesh_transformer.infer.paged_kernel import paged_decode_attention
+from mesh_transformer.infer.paged_kernel import _online, paged_decode_attention
 
-ROWS, HEADS, HEAD_DIM, POSITIONS = 64, 16, 256, 384  # GPT-J-6B's heads; the device suite's serving requests
+# rows, query heads, key heads, head size, positions: the device suite's serving shapes
+SHAPES = {"gptj_6b": (64, 16, 16, 256, 384), "llama2_7b": (12, 32, 32, 128, 1536), "llama3_8b": (36, 32, 8, 128, 1536)}
+
+
+def copy_only(q_ref, head, k_scales, v_scales, start, length, m_ref, l_ref, acc_ref, *, kv_heads, group, span):
+    """A floor: the block's pages copied, nothing computed (the output is 0 / 0)."""
+
+
+def convert_only(q_ref, head, k_scales, v_scales, start, length, m_ref, l_ref, acc_ref, *, kv_heads, group, span):
+    """A floor: each head's keys and values converted to f32 and summed, no product."""
+    for h in range(kv_heads):
+        at = pl.ds(h * group, 1)
+        acc_ref[at, :] += jnp.sum(head("k", h, jnp.float32) + head("v", h, jnp.float32), axis=0, keepdims=True)
+
+
+def keys_streamed(q_ref, head, k_scales, v_scales, start, length, m_ref, l_ref, acc_ref, *, kv_heads, group, span):
+    """A trial form: the scores by the matrix unit with the keys as the streamed operand ([span, K] x [K, G], the
+    query held), a column per query head; the values' side on the vector unit as `vpu` does."""
+    real = start + lax.broadcasted_iota(jnp.int32, (span, 1), 0) < length
+    for h in range(kv_heads):
+        q = q_ref[pl.ds(h * group, group), :]
+        s_all = lax.dot_general(head("k", h, q.dtype), q, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)  # [span, G]
+        v = head("v", h, jnp.float32)
+        for g in range(group):
+            s = s_all[:, g:g + 1] * (k_scales[:, h:h + 1] if k_scales is not None else 1.0)
+
+            def pv(p, h=h, v=v):
+                return jnp.sum((p * v_scales[:, h:h + 1] if v_scales is not None else p) * v, axis=0, keepdims=True)
+            _online(pl.ds(h * group + g, 1), s, real, m_ref, l_ref, acc_ref, pv, axis=0)
+
+
+FLOORS = {"copy": copy_only, "convert": convert_only}
+TRIALS = {"keys_streamed": keys_streamed}
 
 
 def reference(q, k, v, k_scales, v_scales, length, table):
@@ -31,61 +70,66 @@ def reference(q, k, v, k_scales, v_scales, length, table):
         x = x.transpose(0, 1, 3, 2, 4).reshape(x.shape[0], -1, x.shape[2], x.shape[4])  # [R, S, H, K]
         if scales is not None:
             x = x * jnp.take(scales, table, axis=0).reshape(x.shape[0], -1, x.shape[2])[..., None]
-        return x
+        return jnp.repeat(x, q.shape[1] // x.shape[2], axis=2)  # each key head for its group of query heads
     s = jnp.einsum("rhk,rshk->rhs", q.astype(jnp.float32), joined(k, k_scales))
     s = jnp.where(jnp.arange(s.shape[-1])[None, None] < length[:, None, None], s, -1e30)
     return jnp.einsum("rhs,rshk->rhk", jax.nn.softmax(s, -1), joined(v, v_scales))
 
 
-def variant(page: int, block_tokens: int, int8: bool, repeats: int) -> dict:
-    width = -(-POSITIONS // page)
-    n_pages = ROWS * width
+def variant(shape_name: str, page: int, block_tokens: int, int8: bool, form: str, repeats: int) -> dict:
+    rows, heads, kv_heads, head_dim, positions = SHAPES[shape_name]
+    width = -(-positions // page)
+    n_pages = rows * width
     keys = jax.random.split(jax.random.key(page), 6)
-    q = (jax.random.normal(keys[0], (ROWS, HEADS, HEAD_DIM)) / np.sqrt(HEAD_DIM)).astype(jnp.bfloat16)
-    shape = (n_pages, HEADS, page, HEAD_DIM)
+    q = (jax.random.normal(keys[0], (rows, heads, head_dim)) / np.sqrt(head_dim)).astype(jnp.bfloat16)
+    shape = (n_pages, kv_heads, page, head_dim)
     if int8:
         k, v = (jax.random.randint(key, shape, -127, 128, jnp.int8) for key in keys[1:3])
-        k_scales, v_scales = (jax.random.uniform(key, (n_pages, page, HEADS), jnp.float32, 1e-3, 2e-2)
+        k_scales, v_scales = (jax.random.uniform(key, (n_pages, page, kv_heads), jnp.float32, 1e-3, 2e-2)
                               for key in keys[3:5])
     else:
         k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys[1:3])
         k_scales = v_scales = None
-    table = jax.random.permutation(keys[5], n_pages).reshape(ROWS, width).astype(jnp.int32)
-    length = jnp.full((ROWS,), POSITIONS, jnp.int32)
+    table = jax.random.permutation(keys[5], n_pages).reshape(rows, width).astype(jnp.int32)
+    length = jnp.full((rows,), positions, jnp.int32)
     per_block = max(1, min(width, block_tokens // page))
-    run = jax.jit(lambda *a: paged_decode_attention(*a, pages_per_block=per_block))
+    kernel_form = {**FLOORS, **TRIALS}.get(form, form)
+    run = jax.jit(lambda *a: paged_decode_attention(*a, pages_per_block=per_block, form=kernel_form))
     args = (q, k, v, k_scales, v_scales, length, table)
     out = run(*args).block_until_ready()
-    error = float(jnp.max(jnp.abs(out - reference(*args))))
+    error = None if form in FLOORS else float(jnp.max(jnp.abs(out - reference(*args))))
     start = time.perf_counter()
     for _ in range(repeats):
         out = run(*args)
     out.block_until_ready()
     seconds = (time.perf_counter() - start) / repeats
-    per_position = HEADS * HEAD_DIM * k.dtype.itemsize + (HEADS * 4 if int8 else 0)
-    moved = 2 * ROWS * width * page * per_position
-    return {"bench": "paged_kernel", "device": jax.devices()[0].device_kind, "page_size": page,
-            "pages_per_block": per_block, "kv": "int8" if int8 else "bfloat16", "rows": ROWS, "positions": POSITIONS,
+    per_position = kv_heads * head_dim * k.dtype.itemsize + (kv_heads * 4 if int8 else 0)
+    moved = 2 * rows * width * page * per_position
+    return {"bench": "paged_kernel", "device": jax.devices()[0].device_kind, "shape": shape_name, "form": form,
+            "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "page_size": page,
+            "pages_per_block": per_block, "kv": "int8" if int8 else "bfloat16", "rows": rows, "positions": positions,
             "ms": round(1e3 * seconds, 3), "bytes_read": moved, "gb_per_s": round(moved / seconds / 1e9, 1),
             "max_abs_error": error}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="gptj_6b", choices=sorted(SHAPES))
+    parser.add_argument("--forms", default="mxu",
+                        help="of paged_kernel.FORMS, the floors copy and convert, or keys_streamed")
     parser.add_argument("--pages", default="16,32,64")
     parser.add_argument("--blocks", default="128,384", help="positions a block holds (pages x page size)")
     parser.add_argument("--kv", default="int8,bfloat16")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    for kv in args.kv.split(","):
-        for page in map(int, args.pages.split(",")):
-            for block in map(int, args.blocks.split(",")):
-                try:
-                    record = variant(page, block, kv == "int8", args.repeats)
-                except Exception as e:  # a variant the compiler refuses (VMEM): say so, go on with the others
-                    record = {"bench": "paged_kernel", "page_size": page, "block_tokens": block, "kv": kv,
-                              "error": str(e).splitlines()[0][:300]}
-                print(json.dumps(record), flush=True)
+    for kv, page, block, form in itertools.product(args.kv.split(","), map(int, args.pages.split(",")),
+                                                   map(int, args.blocks.split(",")), args.forms.split(",")):
+        try:
+            record = variant(args.shape, page, block, kv == "int8", form, args.repeats)
+        except Exception as e:  # a variant the compiler refuses (VMEM): say so, go on with the others
+            record = {"bench": "paged_kernel", "shape": args.shape, "form": form, "page_size": page,
+                      "block_tokens": block, "kv": kv, "error": str(e).splitlines()[0][:300]}
+        print(json.dumps(record), flush=True)
 
 
 if __name__ == "__main__":

@@ -38,11 +38,6 @@ VMEM_LIMIT = 64 * 2 ** 20  # of a v5e core's 128 MiB: two blocks of 512 bf16 pos
 MASKED = -1e30  # a masked score: exp(MASKED - m) is 0 for any real m, and no inf - inf
 
 
-def _head(buf, slot, h: int, span: int, dtype) -> jax.Array:
-    """Head h's keys or values of a block in buffer `slot` as [span, K] of the query's dtype."""
-    return buf[slot, :, h].astype(jnp.float32).reshape(span, buf.shape[-1]).astype(dtype)
-
-
 def _dot_t(a: jax.Array, b: jax.Array, **kw) -> jax.Array:
     """a @ b.T in f32."""
     return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, **kw)
@@ -55,8 +50,66 @@ def _rows(x_SxH: jax.Array) -> jax.Array:
     return _dot_t(eye.astype(jnp.float32), x_SxH, precision=lax.Precision.HIGHEST)
 
 
+def _online(rows, s, real, m_ref, l_ref, acc_ref, pv, axis: int):
+    """One block's online-softmax update of the query heads at `rows` (a pl.ds into m, l and acc): scores s, [G, span]
+    (axis 1) or [span, 1] (axis 0), masked where not `real`; pv(p) gives the probabilities times the values."""
+    s = jnp.where(real, s, MASKED)
+    m_prev = m_ref[rows, :]
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=axis, keepdims=True))
+    p = jnp.exp(s - m_next)
+    alpha = jnp.exp(m_prev - m_next)
+    l_ref[rows, :] = alpha * l_ref[rows, :] + jnp.sum(p, axis=axis, keepdims=True)
+    m_ref[rows, :] = m_next
+    acc_ref[rows, :] = alpha * acc_ref[rows, :] + pv(p)
+
+
+def _mxu(q_ref, head, k_scales, v_scales, start, length, m_ref, l_ref, acc_ref, *, kv_heads: int, group: int,
+         span: int):
+    """A block by the matrix unit: each key head's [span, K] against its group of query heads, [G, K] x [K, span],
+    the scores a row per query head (the scales transposed to rows once, by the matrix unit, exact at HIGHEST)."""
+    real = start + lax.broadcasted_iota(jnp.int32, (1, span), 1) < length
+    if k_scales is not None:
+        k_scales, v_scales = _rows(k_scales), _rows(v_scales)  # [H_kv, span]
+    for h in range(kv_heads):
+        at = pl.ds(h * group, group)
+        q = q_ref[at, :]  # [G, K]
+        s = _dot_t(q, head("k", h, q.dtype), precision=bf16_exact(q.dtype))  # [G, span]
+        if k_scales is not None:
+            s = s * k_scales[h:h + 1]
+
+        def pv(p, h=h, q=q):
+            if v_scales is not None:
+                p = p * v_scales[h:h + 1]
+            return jnp.dot(p.astype(q.dtype), head("v", h, q.dtype), precision=bf16_exact(q.dtype),
+                           preferred_element_type=jnp.float32)
+        _online(at, s, real, m_ref, l_ref, acc_ref, pv, axis=1)
+
+
+def _vpu(q_ref, head, k_scales, v_scales, start, length, m_ref, l_ref, acc_ref, *, kv_heads: int, group: int,
+         span: int):
+    """A block by the vector unit, in f32: a query head's scores a column, sum(keys x query) over each key's lanes,
+    and its output the column of probabilities times the values summed over the positions."""
+    real = start + lax.broadcasted_iota(jnp.int32, (span, 1), 0) < length
+    for h in range(kv_heads):
+        k, v = head("k", h, jnp.float32), head("v", h, jnp.float32)  # [span, K]
+        for g in range(group):
+            at = pl.ds(h * group + g, 1)
+            s = jnp.sum(k * q_ref[at, :].astype(jnp.float32), axis=1, keepdims=True)  # [span, 1]
+            if k_scales is not None:
+                s = s * k_scales[:, h:h + 1]
+
+            def pv(p, h=h, v=v):
+                if v_scales is not None:
+                    p = p * v_scales[:, h:h + 1]
+                return jnp.sum(p * v, axis=0, keepdims=True)  # [1, K]
+            _online(at, s, real, m_ref, l_ref, acc_ref, pv, axis=0)
+
+
+FORMS = {"mxu": _mxu, "vpu": _vpu}
+
+
 def _kernel(length_ref, table_ref, q_ref, k_hbm, v_hbm, *rest, n_rows: int, width: int, per_block: int,
-            scaled: bool):
+            scaled: bool, form):
     if scaled:
         k_scale_hbm, v_scale_hbm, out_ref, k_buf, v_buf, k_scale_buf, v_scale_buf, sems, slot_ref, m_ref, l_ref, \
             acc_ref = rest
@@ -66,6 +119,7 @@ def _kernel(length_ref, table_ref, q_ref, k_hbm, v_hbm, *rest, n_rows: int, widt
     group = q_ref.shape[0] // kv_heads  # query heads per key head (grouped-query attention)
     span = per_block * page
     row = pl.program_id(0)
+    attend = FORMS[form] if isinstance(form, str) else form
 
     def copies(r, block, slot):
         """The copies of row r's block `block` into buffer `slot`: each page of it (a table's entries past its
@@ -106,27 +160,16 @@ def _kernel(length_ref, table_ref, q_ref, k_hbm, v_hbm, *rest, n_rows: int, widt
 
         for copy in copies(row, i, slot):
             copy.wait()
-        real = i * span + lax.broadcasted_iota(jnp.int32, (1, span), 1) < length
-        if scaled:  # [H_kv, span]: each head's scales as a row, by the matrix unit (exact at HIGHEST)
-            k_scales, v_scales = (_rows(buf[slot].reshape(span, kv_heads)) for buf in (k_scale_buf, v_scale_buf))
-        for h in range(kv_heads):  # a key head against its group of query heads
-            at = pl.ds(h * group, group)
-            q = q_ref[at, :]  # [G, K]
-            s = _dot_t(q, _head(k_buf, slot, h, span, q.dtype), precision=bf16_exact(q.dtype))  # [G, span]
-            if scaled:
-                s = s * k_scales[h:h + 1]
-            s = jnp.where(real, s, MASKED)
-            m_prev = m_ref[at, :]
-            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            p = jnp.exp(s - m_next)
-            alpha = jnp.exp(m_prev - m_next)
-            l_ref[at, :] = alpha * l_ref[at, :] + jnp.sum(p, axis=1, keepdims=True)
-            m_ref[at, :] = m_next
-            if scaled:
-                p = p * v_scales[h:h + 1]
-            v = _head(v_buf, slot, h, span, q.dtype)
-            acc_ref[at, :] = alpha * acc_ref[at, :] + jnp.dot(p.astype(q.dtype), v, precision=bf16_exact(q.dtype),
-                                                               preferred_element_type=jnp.float32)
+
+        def head(kind, h, dtype):
+            """Head h's keys or values of the block as [span, K] of `dtype`."""
+            x = (k_buf if kind == "k" else v_buf)[slot, :, h].astype(jnp.float32).reshape(span, head_dim)
+            return x if dtype == jnp.float32 else x.astype(dtype)
+
+        k_scales, v_scales = ((buf[slot].reshape(span, kv_heads) for buf in (k_scale_buf, v_scale_buf)) if scaled
+                              else (None, None))  # [span, H_kv]
+        attend(q_ref, head, k_scales, v_scales, i * span, length, m_ref, l_ref, acc_ref, kv_heads=kv_heads,
+               group=group, span=span)
         slot_ref[0] = 1 - slot
         return carry
 
@@ -134,14 +177,14 @@ def _kernel(length_ref, table_ref, q_ref, k_hbm, v_hbm, *rest, n_rows: int, widt
     out_ref[...] = (acc_ref[...] / l_ref[...]).astype(out_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("pages_per_block",))
+@functools.partial(jax.jit, static_argnames=("pages_per_block", "form"))
 def paged_decode_attention(q_RxHxK: jax.Array, k_pages: jax.Array, v_pages: jax.Array, k_scales: jax.Array | None,
                            v_scales: jax.Array | None, length_R: jax.Array, table_RxM: jax.Array, *,
-                           pages_per_block: int) -> jax.Array:
+                           pages_per_block: int, form="mxu") -> jax.Array:
     """Each row's query [R, H, K] (scaled by 1/sqrt(K) already) against the first length_r positions of its pages
     (table_RxM, page ids in range; length_r >= 1); returns the attention's output [R, H, K] in f32. Pages [P, H_kv,
     page, K] of any dtype (H_kv key heads, each read by H / H_kv query heads); with int8 pages their scales [P, page,
-    H_kv] (f32: a value is int8 x scale), else None."""
+    H_kv] (f32: a value is int8 x scale), else None. `form`: how a block is computed, a name of FORMS."""
     n_rows, heads, head_dim = q_RxHxK.shape
     kv_heads, page = k_pages.shape[1:3]
     width = table_RxM.shape[1]
@@ -154,7 +197,8 @@ def paged_decode_attention(q_RxHxK: jax.Array, k_pages: jax.Array, v_pages: jax.
     scratch = [*buffers, pltpu.SemaphoreType.DMA((2, 2)), pltpu.SMEM((1,), jnp.int32),
                pltpu.VMEM((heads, 1), jnp.float32), pltpu.VMEM((heads, 1), jnp.float32),
                pltpu.VMEM((heads, head_dim), jnp.float32)]
-    kernel = functools.partial(_kernel, n_rows=n_rows, width=width, per_block=pages_per_block, scaled=scaled)
+    kernel = functools.partial(_kernel, n_rows=n_rows, width=width, per_block=pages_per_block, scaled=scaled,
+                               form=form)
     pages = [k_pages, v_pages, *([k_scales, v_scales] if scaled else [])]
     return pl.pallas_call(
         kernel,
