@@ -22,45 +22,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.experimental import pallas as pl
 
-from mesh_transformer.infer.paged_kernel import _online, paged_decode_attention
+from mesh_transformer.infer.paged_kernel import paged_decode_attention
 
 # rows, query heads, key heads, head size, positions: the device suite's serving shapes
 SHAPES = {"gptj_6b": (64, 16, 16, 256, 384), "llama2_7b": (12, 32, 32, 128, 1536), "llama3_8b": (36, 32, 8, 128, 1536)}
 
 
-def copy_only(q_ref, head, k_scales, v_scales, start, length, m_ref, l_ref, acc_ref, *, kv_heads, group, span):
+def copy_only(q_ref, head, k_scales, v_scales, start, length, m_ref, l_ref, acc_ref, *, kv_heads, group, span, work):
     """A floor: the block's pages copied, nothing computed (the output is 0 / 0)."""
 
 
-def convert_only(q_ref, head, k_scales, v_scales, start, length, m_ref, l_ref, acc_ref, *, kv_heads, group, span):
+def convert_only(q_ref, head, k_scales, v_scales, start, length, m_ref, l_ref, acc_ref, *, kv_heads, group, span, work):
     """A floor: each head's keys and values converted to f32 and summed, no product."""
     for h in range(kv_heads):
         at = pl.ds(h * group, 1)
         acc_ref[at, :] += jnp.sum(head("k", h, jnp.float32) + head("v", h, jnp.float32), axis=0, keepdims=True)
 
 
-def keys_streamed(q_ref, head, k_scales, v_scales, start, length, m_ref, l_ref, acc_ref, *, kv_heads, group, span):
-    """A trial form: the scores by the matrix unit with the keys as the streamed operand ([span, K] x [K, G], the
-    query held), a column per query head; the values' side on the vector unit as `vpu` does."""
-    real = start + lax.broadcasted_iota(jnp.int32, (span, 1), 0) < length
-    for h in range(kv_heads):
-        q = q_ref[pl.ds(h * group, group), :]
-        s_all = lax.dot_general(head("k", h, q.dtype), q, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)  # [span, G]
-        v = head("v", h, jnp.float32)
-        for g in range(group):
-            s = s_all[:, g:g + 1] * (k_scales[:, h:h + 1] if k_scales is not None else 1.0)
-
-            def pv(p, h=h, v=v):
-                return jnp.sum((p * v_scales[:, h:h + 1] if v_scales is not None else p) * v, axis=0, keepdims=True)
-            _online(pl.ds(h * group + g, 1), s, real, m_ref, l_ref, acc_ref, pv, axis=0)
-
-
 FLOORS = {"copy": copy_only, "convert": convert_only}
-TRIALS = {"keys_streamed": keys_streamed}
 
 
 def reference(q, k, v, k_scales, v_scales, length, table):
@@ -93,7 +74,7 @@ def variant(shape_name: str, page: int, block_tokens: int, int8: bool, form: str
     table = jax.random.permutation(keys[5], n_pages).reshape(rows, width).astype(jnp.int32)
     length = jnp.full((rows,), positions, jnp.int32)
     per_block = max(1, min(width, block_tokens // page))
-    kernel_form = {**FLOORS, **TRIALS}.get(form, form)
+    kernel_form = FLOORS.get(form, form)
     run = jax.jit(lambda *a: paged_decode_attention(*a, pages_per_block=per_block, form=kernel_form))
     args = (q, k, v, k_scales, v_scales, length, table)
     out = run(*args).block_until_ready()
@@ -116,7 +97,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="gptj_6b", choices=sorted(SHAPES))
     parser.add_argument("--forms", default="mxu",
-                        help="of paged_kernel.FORMS, the floors copy and convert, or keys_streamed")
+                        help="of paged_kernel.FORMS, or the floors copy and convert")
     parser.add_argument("--pages", default="16,32,64")
     parser.add_argument("--blocks", default="128,384", help="positions a block holds (pages x page size)")
     parser.add_argument("--kv", default="int8,bfloat16")

@@ -64,7 +64,7 @@ def _online(rows, s, real, m_ref, l_ref, acc_ref, pv, axis: int):
 
 
 def _mxu(q_ref, head, k_scales, v_scales, start, length, m_ref, l_ref, acc_ref, *, kv_heads: int, group: int,
-         span: int):
+         span: int, work):
     """A block by the matrix unit: each key head's [span, K] against its group of query heads, [G, K] x [K, span],
     the scores a row per query head (the scales transposed to rows once, by the matrix unit, exact at HIGHEST)."""
     real = start + lax.broadcasted_iota(jnp.int32, (1, span), 1) < length
@@ -86,7 +86,7 @@ def _mxu(q_ref, head, k_scales, v_scales, start, length, m_ref, l_ref, acc_ref, 
 
 
 def _vpu(q_ref, head, k_scales, v_scales, start, length, m_ref, l_ref, acc_ref, *, kv_heads: int, group: int,
-         span: int):
+         span: int, work):
     """A block by the vector unit, in f32: a query head's scores a column, sum(keys x query) over each key's lanes,
     and its output the column of probabilities times the values summed over the positions."""
     real = start + lax.broadcasted_iota(jnp.int32, (span, 1), 0) < length
@@ -105,16 +105,46 @@ def _vpu(q_ref, head, k_scales, v_scales, start, length, m_ref, l_ref, acc_ref, 
             _online(at, s, real, m_ref, l_ref, acc_ref, pv, axis=0)
 
 
-FORMS = {"mxu": _mxu, "vpu": _vpu}
+def _dense(q_ref, head, k_scales, v_scales, start, length, m_ref, l_ref, acc_ref, *, kv_heads: int, group: int,
+           span: int, work):
+    """A block by the matrix unit as `_mxu`, each key head's products independent of the others': its scores stored
+    as rows of `work` [H, span] and its output rows of [H, K], the softmax and the output's update once for all heads
+    on those dense rows."""
+    s_ref, o_ref = work
+    if k_scales is not None:
+        k_scales, v_scales = _rows(k_scales), _rows(v_scales)  # [H_kv, span]
+    for h in range(kv_heads):
+        q = q_ref[pl.ds(h * group, group), :]  # [G, K]
+        s = _dot_t(q, head("k", h, q.dtype), precision=bf16_exact(q.dtype))  # [G, span]
+        s_ref[pl.ds(h * group, group), :] = s * k_scales[h:h + 1] if k_scales is not None else s
+    real = start + lax.broadcasted_iota(jnp.int32, (1, span), 1) < length
+    s = jnp.where(real, s_ref[...], MASKED)
+    m_prev = m_ref[...]
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    p = jnp.exp(s - m_next)
+    alpha = jnp.exp(m_prev - m_next)
+    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+    m_ref[...] = m_next
+    for h in range(kv_heads):
+        p_h = p[h * group:(h + 1) * group]
+        if v_scales is not None:
+            p_h = p_h * v_scales[h:h + 1]
+        o_ref[pl.ds(h * group, group), :] = jnp.dot(p_h.astype(q_ref.dtype), head("v", h, q_ref.dtype),
+                                                    precision=bf16_exact(q_ref.dtype),
+                                                    preferred_element_type=jnp.float32)
+    acc_ref[...] = alpha * acc_ref[...] + o_ref[...]
+
+
+FORMS = {"mxu": _mxu, "vpu": _vpu, "dense": _dense}
 
 
 def _kernel(length_ref, table_ref, q_ref, k_hbm, v_hbm, *rest, n_rows: int, width: int, per_block: int,
             scaled: bool, form):
     if scaled:
         k_scale_hbm, v_scale_hbm, out_ref, k_buf, v_buf, k_scale_buf, v_scale_buf, sems, slot_ref, m_ref, l_ref, \
-            acc_ref = rest
+            acc_ref, *work = rest
     else:
-        out_ref, k_buf, v_buf, sems, slot_ref, m_ref, l_ref, acc_ref = rest
+        out_ref, k_buf, v_buf, sems, slot_ref, m_ref, l_ref, acc_ref, *work = rest
     kv_heads, page, head_dim = k_buf.shape[2:]
     group = q_ref.shape[0] // kv_heads  # query heads per key head (grouped-query attention)
     span = per_block * page
@@ -169,7 +199,7 @@ def _kernel(length_ref, table_ref, q_ref, k_hbm, v_hbm, *rest, n_rows: int, widt
         k_scales, v_scales = ((buf[slot].reshape(span, kv_heads) for buf in (k_scale_buf, v_scale_buf)) if scaled
                               else (None, None))  # [span, H_kv]
         attend(q_ref, head, k_scales, v_scales, i * span, length, m_ref, l_ref, acc_ref, kv_heads=kv_heads,
-               group=group, span=span)
+               group=group, span=span, work=work)
         slot_ref[0] = 1 - slot
         return carry
 
@@ -196,7 +226,8 @@ def paged_decode_attention(q_RxHxK: jax.Array, k_pages: jax.Array, v_pages: jax.
         buffers += [pltpu.VMEM((2, pages_per_block, page, kv_heads), jnp.float32)] * 2
     scratch = [*buffers, pltpu.SemaphoreType.DMA((2, 2)), pltpu.SMEM((1,), jnp.int32),
                pltpu.VMEM((heads, 1), jnp.float32), pltpu.VMEM((heads, 1), jnp.float32),
-               pltpu.VMEM((heads, head_dim), jnp.float32)]
+               pltpu.VMEM((heads, head_dim), jnp.float32),
+               pltpu.VMEM((heads, pages_per_block * page), jnp.float32), pltpu.VMEM((heads, head_dim), jnp.float32)]
     kernel = functools.partial(_kernel, n_rows=n_rows, width=width, per_block=pages_per_block, scaled=scaled,
                                form=form)
     pages = [k_pages, v_pages, *([k_scales, v_scales] if scaled else [])]

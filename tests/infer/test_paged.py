@@ -266,7 +266,7 @@ def kernel_reference(q_RxHxK, k_pages, v_pages, k_scales, v_scales, length_R, ta
     return out
 
 
-@pytest.mark.parametrize("form", ["mxu", "vpu"])
+@pytest.mark.parametrize("form", ["mxu", "vpu", "dense"])
 @pytest.mark.parametrize("per_block, group", [(1, 1), (2, 1), (6, 1), (2, 2), (6, 4)])
 @pytest.mark.parametrize("int8", [True, False], ids=["int8", "bf16"])
 def test_the_paged_kernel_attends_over_each_rows_pages_up_to_its_length(int8, per_block, group, form):
