@@ -210,7 +210,7 @@ def _kernel(length_ref, table_ref, q_ref, k_hbm, v_hbm, *rest, n_rows: int, widt
 @functools.partial(jax.jit, static_argnames=("pages_per_block", "form"))
 def paged_decode_attention(q_RxHxK: jax.Array, k_pages: jax.Array, v_pages: jax.Array, k_scales: jax.Array | None,
                            v_scales: jax.Array | None, length_R: jax.Array, table_RxM: jax.Array, *,
-                           pages_per_block: int, form="mxu") -> jax.Array:
+                           pages_per_block: int, form="dense") -> jax.Array:
     """Each row's query [R, H, K] (scaled by 1/sqrt(K) already) against the first length_r positions of its pages
     (table_RxM, page ids in range; length_r >= 1); returns the attention's output [R, H, K] in f32. Pages [P, H_kv,
     page, K] of any dtype (H_kv key heads, each read by H / H_kv query heads); with int8 pages their scales [P, page,
