@@ -6,7 +6,7 @@ those with each head's int8 converted). Prints one JSON line per variant: time p
 rows' pages and scales), the bandwidth that makes, and the largest difference from the pure-JAX gather computed in
 f32 on the same device.
 
-    python bench/paged_kernel_bench.py [--shape gptj_6b] [--pages 16,32,64] [--blocks 128,384] [--forms mxu,vpu]
+    python bench/paged_kernel_bench.py [--shape gptj_6b] [--pages 16,32,64] [--blocks 128,384] [--forms dense,mxu,copy]
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def variant(shape_name: str, page: int, block_tokens: int, int8: bool, form: str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="gptj_6b", choices=sorted(SHAPES))
-    parser.add_argument("--forms", default="mxu",
+    parser.add_argument("--forms", default="dense",
                         help="of paged_kernel.FORMS, or the floors copy and convert")
     parser.add_argument("--pages", default="16,32,64")
     parser.add_argument("--blocks", default="128,384", help="positions a block holds (pages x page size)")

@@ -11,14 +11,21 @@ TPU's 128 lanes: 10% of a GPT-J page's bytes).
 The grid walks the rows in order, one at a time. A row's pages are read in blocks of `pages_per_block` pages
 (`pages_per_block * page` positions, the last block's positions past the row's length masked), copied from HBM into
 one of two VMEM buffers while the other is computed on; the block after a row's last is the next row's first, so the
-copies never wait between rows. Per head, a block's scores are a row [1, positions] (the query times the keys, by
-the matrix unit), scaled by the keys' scales (as rows: the block's [positions, H] scales transposed once, by the
-matrix unit too), softmax runs online over the blocks (flash decoding), and the probabilities, scaled by the values'
-scales, times the values give the head's output.
+copies never wait between rows. Per key head, a block's scores are rows [G, positions] (its G query heads times
+the keys, by the matrix unit; G is 1 without grouped-query attention), scaled by the keys' scales (as rows: the
+block's [positions, H] scales transposed once, by the matrix unit too), softmax runs online over the blocks (flash
+decoding), and the probabilities, scaled by the values' scales, times the values give the head's output.
+
+How a block's heads are computed is a form (`FORMS`). "dense", the default: every key head's two products are
+independent of the others', their scores stored as rows of one [H, positions] scratch and their outputs as rows of
+[H, K], and the softmax, the running maximum and sums and the output's update run once on all heads' dense rows. "mxu"
+(the first form, kept as the baseline of `bench/paged_kernel_bench.py`): each head's softmax and update on its own
+rows of the running state, before the next head's products. On a v5e at one Llama-2-7B layer's serving shape (12 rows
+of 1,536 positions, 32 heads of 128, int8 pages of 16) "dense" takes 0.247 ms, "mxu" 0.460 and the pages' copies
+alone 0.266 (docs/performance.md).
 
 Layouts: pages [P, H_kv, page, K] (a page's heads together: one copy a page), scales [P, page, H_kv] (a page's
-tokens by heads: one small copy a page). With fewer key heads than query heads (grouped-query attention) each key
-head's block is multiplied by its group of query heads at once, [G, K] x [K, positions].
+tokens by heads: one small copy a page).
 """
 from __future__ import annotations
 
@@ -50,23 +57,9 @@ def _rows(x_SxH: jax.Array) -> jax.Array:
     return _dot_t(eye.astype(jnp.float32), x_SxH, precision=lax.Precision.HIGHEST)
 
 
-def _online(rows, s, real, m_ref, l_ref, acc_ref, pv, axis: int):
-    """One block's online-softmax update of the query heads at `rows` (a pl.ds into m, l and acc): scores s, [G, span]
-    (axis 1) or [span, 1] (axis 0), masked where not `real`; pv(p) gives the probabilities times the values."""
-    s = jnp.where(real, s, MASKED)
-    m_prev = m_ref[rows, :]
-    m_next = jnp.maximum(m_prev, jnp.max(s, axis=axis, keepdims=True))
-    p = jnp.exp(s - m_next)
-    alpha = jnp.exp(m_prev - m_next)
-    l_ref[rows, :] = alpha * l_ref[rows, :] + jnp.sum(p, axis=axis, keepdims=True)
-    m_ref[rows, :] = m_next
-    acc_ref[rows, :] = alpha * acc_ref[rows, :] + pv(p)
-
-
 def _mxu(q_ref, head, k_scales, v_scales, start, length, m_ref, l_ref, acc_ref, *, kv_heads: int, group: int,
          span: int, work):
-    """A block by the matrix unit: each key head's [span, K] against its group of query heads, [G, K] x [K, span],
-    the scores a row per query head (the scales transposed to rows once, by the matrix unit, exact at HIGHEST)."""
+    """A block head by head: each key head's products, then its softmax and output on its own rows of m, l and acc."""
     real = start + lax.broadcasted_iota(jnp.int32, (1, span), 1) < length
     if k_scales is not None:
         k_scales, v_scales = _rows(k_scales), _rows(v_scales)  # [H_kv, span]
@@ -74,42 +67,25 @@ def _mxu(q_ref, head, k_scales, v_scales, start, length, m_ref, l_ref, acc_ref, 
         at = pl.ds(h * group, group)
         q = q_ref[at, :]  # [G, K]
         s = _dot_t(q, head("k", h, q.dtype), precision=bf16_exact(q.dtype))  # [G, span]
-        if k_scales is not None:
-            s = s * k_scales[h:h + 1]
-
-        def pv(p, h=h, q=q):
-            if v_scales is not None:
-                p = p * v_scales[h:h + 1]
-            return jnp.dot(p.astype(q.dtype), head("v", h, q.dtype), precision=bf16_exact(q.dtype),
-                           preferred_element_type=jnp.float32)
-        _online(at, s, real, m_ref, l_ref, acc_ref, pv, axis=1)
-
-
-def _vpu(q_ref, head, k_scales, v_scales, start, length, m_ref, l_ref, acc_ref, *, kv_heads: int, group: int,
-         span: int, work):
-    """A block by the vector unit, in f32: a query head's scores a column, sum(keys x query) over each key's lanes,
-    and its output the column of probabilities times the values summed over the positions."""
-    real = start + lax.broadcasted_iota(jnp.int32, (span, 1), 0) < length
-    for h in range(kv_heads):
-        k, v = head("k", h, jnp.float32), head("v", h, jnp.float32)  # [span, K]
-        for g in range(group):
-            at = pl.ds(h * group + g, 1)
-            s = jnp.sum(k * q_ref[at, :].astype(jnp.float32), axis=1, keepdims=True)  # [span, 1]
-            if k_scales is not None:
-                s = s * k_scales[:, h:h + 1]
-
-            def pv(p, h=h, v=v):
-                if v_scales is not None:
-                    p = p * v_scales[:, h:h + 1]
-                return jnp.sum(p * v, axis=0, keepdims=True)  # [1, K]
-            _online(at, s, real, m_ref, l_ref, acc_ref, pv, axis=0)
+        s = jnp.where(real, s * k_scales[h:h + 1] if k_scales is not None else s, MASKED)
+        m_prev = m_ref[at, :]
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        p = jnp.exp(s - m_next)
+        alpha = jnp.exp(m_prev - m_next)
+        l_ref[at, :] = alpha * l_ref[at, :] + jnp.sum(p, axis=1, keepdims=True)
+        m_ref[at, :] = m_next
+        if v_scales is not None:
+            p = p * v_scales[h:h + 1]
+        acc_ref[at, :] = alpha * acc_ref[at, :] + jnp.dot(p.astype(q.dtype), head("v", h, q.dtype),
+                                                          precision=bf16_exact(q.dtype),
+                                                          preferred_element_type=jnp.float32)
 
 
 def _dense(q_ref, head, k_scales, v_scales, start, length, m_ref, l_ref, acc_ref, *, kv_heads: int, group: int,
            span: int, work):
-    """A block by the matrix unit as `_mxu`, each key head's products independent of the others': its scores stored
-    as rows of `work` [H, span] and its output rows of [H, K], the softmax and the output's update once for all heads
-    on those dense rows."""
+    """A block by the matrix unit, each key head's products independent of the others': its scores stored as rows of
+    `work`'s [H, span] and its output as rows of its [H, K], the softmax and the output's update once for all heads on
+    those dense rows."""
     s_ref, o_ref = work
     if k_scales is not None:
         k_scales, v_scales = _rows(k_scales), _rows(v_scales)  # [H_kv, span]
@@ -135,7 +111,7 @@ def _dense(q_ref, head, k_scales, v_scales, start, length, m_ref, l_ref, acc_ref
     acc_ref[...] = alpha * acc_ref[...] + o_ref[...]
 
 
-FORMS = {"mxu": _mxu, "vpu": _vpu, "dense": _dense}
+FORMS = {"dense": _dense, "mxu": _mxu}
 
 
 def _kernel(length_ref, table_ref, q_ref, k_hbm, v_hbm, *rest, n_rows: int, width: int, per_block: int,
@@ -214,7 +190,8 @@ def paged_decode_attention(q_RxHxK: jax.Array, k_pages: jax.Array, v_pages: jax.
     """Each row's query [R, H, K] (scaled by 1/sqrt(K) already) against the first length_r positions of its pages
     (table_RxM, page ids in range; length_r >= 1); returns the attention's output [R, H, K] in f32. Pages [P, H_kv,
     page, K] of any dtype (H_kv key heads, each read by H / H_kv query heads); with int8 pages their scales [P, page,
-    H_kv] (f32: a value is int8 x scale), else None. `form`: how a block is computed, a name of FORMS."""
+    H_kv] (f32: a value is int8 x scale), else None. `form`: how a block is computed, a name of FORMS (or a function of
+    a form's arguments: the bench's floors)."""
     n_rows, heads, head_dim = q_RxHxK.shape
     kv_heads, page = k_pages.shape[1:3]
     width = table_RxM.shape[1]
@@ -226,7 +203,7 @@ def paged_decode_attention(q_RxHxK: jax.Array, k_pages: jax.Array, v_pages: jax.
         buffers += [pltpu.VMEM((2, pages_per_block, page, kv_heads), jnp.float32)] * 2
     scratch = [*buffers, pltpu.SemaphoreType.DMA((2, 2)), pltpu.SMEM((1,), jnp.int32),
                pltpu.VMEM((heads, 1), jnp.float32), pltpu.VMEM((heads, 1), jnp.float32),
-               pltpu.VMEM((heads, head_dim), jnp.float32),
+               pltpu.VMEM((heads, head_dim), jnp.float32),  # m, l, acc; then the dense form's work: scores, output
                pltpu.VMEM((heads, pages_per_block * page), jnp.float32), pltpu.VMEM((heads, head_dim), jnp.float32)]
     kernel = functools.partial(_kernel, n_rows=n_rows, width=width, per_block=pages_per_block, scaled=scaled,
                                form=form)
