@@ -42,7 +42,8 @@ def reference(q, k_blocks, v_blocks, length, k_new, v_new) -> np.ndarray:
                          ids=["chunks_of_8", "whole_blocks", "defaults"])
 @pytest.mark.parametrize("form, heads, dtype, group", [("vpu", 4, jnp.float32, 1), ("vpu", 16, jnp.bfloat16, 1),
                                                        ("mxu", 8, jnp.float32, 1), ("mxu", 16, jnp.bfloat16, 1),
-                                                       ("vpu", 4, jnp.float32, 4), ("mxu", 8, jnp.float32, 2)])
+                                                       ("vpu", 4, jnp.float32, 4), ("mxu", 8, jnp.float32, 2),
+                                                       ("mxu", 8, jnp.bfloat16, 4)])
 def test_the_kernel_attends_over_each_rows_cached_positions_up_to_its_length(form, heads, dtype, group, grid):
     """Rows with no cached position, one, a block's less one, a whole block, most of the cache, all of it; blocks of
     24, 24 and 16 positions; groups of rows whose longest row ends early (its later chunks skipped). The slots past
