@@ -24,7 +24,7 @@ def figure(x: float, digits: int = 4) -> float:
 
 def _traced(trace_dir: str) -> tuple[dict, dict, list]:
     """A `jax.profiler.trace`'s events: the device's ops ({name: [ns, runs]}, accelerator planes' "XLA Ops"), the
-    host's events ({(thread, name): ns}, the profiler's own left out) and the device's modules' (start, end) ns."""
+    host's events ({(thread, name): ns}, the profiler's own left out) and the device's modules' (start, end, name)."""
     import glob
 
     from jax.profiler import ProfileData
@@ -41,7 +41,7 @@ def _traced(trace_dir: str) -> tuple[dict, dict, list]:
                         if "profiler.py" not in e.name and "contextlib.py" not in e.name:
                             host[line.name, e.name] = host.get((line.name, e.name), 0) + e.duration_ns
                     elif line.name == "XLA Modules":
-                        modules.append((e.start_ns, e.end_ns))
+                        modules.append((e.start_ns, e.end_ns, e.name))
                     elif line.name == "XLA Ops":
                         op = ops.setdefault(e.name, [0, 0])
                         op[0] += e.duration_ns
@@ -57,12 +57,18 @@ def _kind(op: str) -> str:
         f" {target.group(1)}" if target else "")
 
 
-def device_op_times(trace_dir: str, steps: int, top: int = 24) -> dict:
+def device_op_times(trace_dir: str, steps: int | None, top: int = 24, module: str = "") -> dict:
     """What a `jax.profiler.trace` into `trace_dir` of `steps` runs of one program shows: the device's modules' time
     a step and its idle time between them, its ops' time a step (the `top` longest ops, and by kind), and the host's
-    events that took longest (their total a step, by thread and name: nested events both count). A CPU trace has no
+    events that took longest (their total a step, by thread and name: nested events both count). `steps` None: the
+    runs of the modules whose names hold `module` (`module_runs`; other programs' ops count too). A CPU trace has no
     device planes: its device figures are empty."""
     ops, host, modules = _traced(trace_dir)
+    runs_of = {}
+    for _, _, name in modules:
+        runs_of[name] = runs_of.get(name, 0) + 1
+    if steps is None:
+        steps = max(1, sum(n for name, n in runs_of.items() if module in name))
     per_step = {name: ns / 1e3 / steps for name, (ns, _) in ops.items()}
     kinds: dict[str, list] = {}
     for name, (_, runs) in ops.items():
@@ -70,8 +76,9 @@ def device_op_times(trace_dir: str, steps: int, top: int = 24) -> dict:
         entry[0] += per_step[name]
         entry[1] += runs / steps
     longest = sorted(per_step, key=per_step.get, reverse=True)[:top]
-    return {"modules_us_per_step": figure(sum(b - a for a, b in modules) / 1e3 / steps),
-            "module_gaps_us": [figure((b[0] - a[1]) / 1e3) for a, b in zip(modules, modules[1:])],
+    return {"steps": steps, "module_runs": runs_of,
+            "modules_us_per_step": figure(sum(b - a for a, b, _ in modules) / 1e3 / steps),
+            "module_gaps_us": [figure((b[0] - a[1]) / 1e3) for a, b in zip(modules, modules[1:])][:64],
             "device_ops_us_per_step": figure(sum(per_step.values())), "ops": len(ops),
             "by_kind": [{"kind": k[:200], "us_per_step": figure(us), "runs_per_step": runs}
                         for k, (us, runs) in sorted(kinds.items(), key=lambda kv: -kv[1][0])[:top]],

@@ -65,6 +65,7 @@ from bench.suite_parts import (MODELS, PAGE, SIZES, CompileLog, Peaks, Sizes, de
                                serving_records, train_bytes)
 from mesh_transformer import config
 from mesh_transformer.estimate import layer_matrix_params
+from mesh_transformer.flags import MEMORY_FRACTION
 from mesh_transformer.model import gptj
 from mesh_transformer.model import attention as attention_kernels
 from mesh_transformer.parallel.layout import make_layout
@@ -247,6 +248,7 @@ class Choices(NamedTuple):
     page_size: int = PAGE
     train_set: dict | None = None
     profile_steps: int = 0
+    memory_fraction: float = MEMORY_FRACTION
 
 
 def with_choices(layout, choices: Choices):
@@ -269,7 +271,8 @@ def run_section(name: str, device: jax.Device, sizes: Sizes, peaks: Peaks | None
     if name == "serving_paged":  # int8 weights and an int8 paged cache
         layout = one_device_layout(model_config(sizes.serving_model, kv_cache_dtype="int8"), device)
         return serving_paged_records(with_choices(layout, choices), sizes, choices.page_size,
-                                     memory_stats(device).get("bytes_limit", DEFAULT_BYTES_LIMIT)), peaks
+                                     memory_stats(device).get("bytes_limit", DEFAULT_BYTES_LIMIT),
+                                     choices.memory_fraction, choices.profile_steps), peaks
     if name == "serving_adapters":
         layout = one_device_layout(model_config(sizes.serving_model, kv_cache_dtype="int8"), device)
         return serving_adapters_records(with_choices(layout, choices), sizes, choices.page_size), peaks
@@ -343,7 +346,11 @@ def main() -> None:
                              "its 64 slots)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="the decode sections also trace this many steps a batch and say what the device did in "
-                             "them (a decode_profile record: its ops' time a step, by op and by kind)")
+                             "them (a decode_profile record: its ops' time a step, by op and by kind); serving_paged "
+                             "traces about this many decode steps of a pass more at its last level (serving_profile)")
+    parser.add_argument("--memory-fraction", type=float, default=MEMORY_FRACTION,
+                        help=f"serving_paged's pages: what fits this share of the device, as device_serve.py's flag "
+                             f"(default {MEMORY_FRACTION})")
     parser.add_argument("--cache-order", default=None, metavar="0,1,2,3",
                         help="the decode sections' and serving's KV cache block order, a permutation of [slots, "
                              "positions, heads, head dim] with slots first, for an A/B (default: the platform "
@@ -351,6 +358,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.profile_steps < 0:
         parser.error(f"--profile-steps must be 0 or more, got {args.profile_steps}")
+    if not 0 < args.memory_fraction <= 1:
+        parser.error(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
     cache_order = None
     if args.cache_order:
         try:
@@ -382,7 +391,7 @@ def main() -> None:
     serving_shape = counts("--serving-shape", args.serving_shape, 2)
     paged_levels = counts("--concurrent", args.concurrent, None)
     choices = Choices(args.paged_attention, args.attention, args.decode_attention, args.int8_dot, cache_order,
-                      args.page_size, train_set, args.profile_steps)
+                      args.page_size, train_set, args.profile_steps, args.memory_fraction)
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:

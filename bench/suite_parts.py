@@ -3,6 +3,7 @@ accelerator's memory by `device_sizes`), random models made leaf by leaf in thei
 sections, the measured peaks and the compile-time log."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -25,6 +26,7 @@ from mesh_transformer.flags import AUTO, MEMORY_FRACTION
 from mesh_transformer.infer import decode_kernel
 from mesh_transformer.infer.choose import fill_sampling
 from mesh_transformer.infer.decode import Steps, block_sizes, default_block
+from mesh_transformer.infer.pages import pages_for
 from mesh_transformer.infer.params import abstract_params, make_inference_layout
 from mesh_transformer.infer.programs import Programs
 from mesh_transformer.model import gptj, lora, quant, quant_kernel, table
@@ -405,10 +407,11 @@ class _CharPerToken:
         return "x" * len(tokens)
 
 
-def _run_together(engine: Engine, prompts: list[list[int]], new_tokens: int,
-                  adapters: list[int] | None = None) -> tuple[float, list[float], int]:
+def _run_together(engine: Engine, prompts: list[list[int]], new_tokens: int, adapters: list[int] | None = None,
+                  observe=None) -> tuple[float, list[float], int]:
     """Submit all prompts at once (greedy, streamed; prompt i through served adapter slot adapters[i] where given)
-    and wait for them: (wall seconds, time to first token of each, tokens made)."""
+    and wait for them: (wall seconds, time to first token of each, tokens made). `observe`: called with each event
+    too (on the engine's thread)."""
     n = len(prompts)
     first_s: list[float | None] = [None] * n
     made, done, errors = [0] * n, [threading.Event() for _ in range(n)], []
@@ -418,6 +421,8 @@ def _run_together(engine: Engine, prompts: list[list[int]], new_tokens: int,
             if event.tokens and first_s[i] is None:
                 first_s[i] = time.perf_counter() - start_s
             made[i] += len(event.tokens)
+            if observe is not None:
+                observe(event)
             if event.error:
                 errors.append(event.error)
             if event.error or event.finish_reason:
@@ -500,22 +505,24 @@ def paged_capacity(layout: Layout, sizes: Sizes, page: int, bytes_limit: int) ->
             "met": ratio >= PAGED_GOAL_RATIO}
 
 
-def serving_paged_records(layout: Layout, sizes: Sizes, page: int = PAGE,
-                          bytes_limit: int = 16 * 2 ** 30) -> list[dict]:
+def serving_paged_records(layout: Layout, sizes: Sizes, page: int = PAGE, bytes_limit: int = 16 * 2 ** 30,
+                          memory_fraction: float = MEMORY_FRACTION, profile_steps: int = 0) -> list[dict]:
     """The engine over a paged cache (the layout's kv_cache_dtype) with serving_clients slots and the pages
-    device_serve.py would take (serve/sizing.py: what fits the device, a context per slot where it reports no
-    memory), no prefix cache: requests submitted together at each of sizes.paged_levels (those beyond the slots or the
-    pages wait for them), a warm pass first at each; and how many requests fit the device against the slot cache's
-    slots (`paged_capacity`)."""
+    device_serve.py would take with `memory_fraction` (serve/sizing.py: what fits the device, a context per slot
+    where it reports no memory), no prefix cache: requests submitted together at each of sizes.paged_levels (those
+    beyond the slots or the pages wait for them), a warm pass first at each; with `profile_steps`, a pass more at the
+    last level traced for about that many decode steps once under way (`_profiled_pass`); and how many requests fit
+    the device against the slot cache's slots (`paged_capacity`)."""
     cfg, programs = layout.cfg, Programs(layout)
-    # The pages device_serve.py takes by default (--kv-pages auto, --memory-fraction's default), with its programs.
+    # The pages device_serve.py takes with --kv-pages auto and this --memory-fraction, with its programs.
     n_pages = sizing.for_server(programs, max_batch=sizes.serving_clients, n_pages=AUTO, page_size=page,
-                                prefix_cache=False, memory_fraction=MEMORY_FRACTION).n_pages
+                                prefix_cache=False, memory_fraction=memory_fraction).n_pages
     engine = Engine(layout, random_decode_params(layout), _CharPerToken(), max_batch=sizes.serving_clients,
                     max_queue=4 * sizes.serving_clients, stop_token_ids=(), prefix_cache=False, n_pages=n_pages,
                     page_size=page, programs=programs)
     precision = gptj.precision(cfg)
-    described = dict(slots=engine.n_slots, pages=n_pages, page_size=page, prompt_len=sizes.serving_prompt_len,
+    described = dict(slots=engine.n_slots, pages=n_pages, memory_fraction=memory_fraction, page_size=page,
+                     prompt_len=sizes.serving_prompt_len,
                      seq=cfg.seq, family=cfg.family, kv_heads=cfg.kv_heads, layers=cfg.layers, d_model=cfg.d_model,
                      dtype=precision.compute.name,
                      weight_dtype=precision.weights.name, kv_cache_dtype=cfg.kv_cache_dtype,
@@ -531,6 +538,42 @@ def serving_paged_records(layout: Layout, sizes: Sizes, page: int = PAGE,
             records.append({**record, "bench": "serving_paged", "concurrent": n, **described})
             # as it comes, on stderr beside the logs: a section cut short keeps the levels it timed
             print(json.dumps({**records[-1], "partial": True}), file=sys.stderr, flush=True)
+        if profile_steps:
+            at_once = min(levels[-1], n_pages // pages_for(sizes.serving_prompt_len + new_tokens, page))
+            records.append({"bench": "serving_profile", "concurrent": levels[-1], "at_once": at_once, **described,
+                            **_profiled_pass(engine, prompts[:levels[-1]], new_tokens, at_once, profile_steps)})
     finally:
         engine.close()
     return records + [paged_capacity(layout, sizes, page, bytes_limit)]
+
+
+def _profiled_pass(engine: Engine, prompts: list[list[int]], new_tokens: int, at_once: int, steps: int) -> dict:
+    """The prompts submitted together, the profiler on from when `at_once` requests have made a quarter of their
+    tokens until about `steps` decode steps of them later (tokens counted as they stream): what the device did a
+    decode step (`common.device_op_times`, per run of the paged decode programs; prefills in the window count too)."""
+    start = at_once * new_tokens // 4
+    made, marks = [0], [(start, threading.Event()),
+                        (min(start + steps * at_once, len(prompts) * new_tokens), threading.Event())]
+
+    def counted(event: Event) -> None:
+        made[0] += len(event.tokens)
+        for threshold, reached in marks:
+            if made[0] >= threshold:
+                reached.set()
+
+    def reach(mark: threading.Event, future: concurrent.futures.Future) -> None:
+        while not mark.wait(1.0):
+            if future.done():  # the pass ended (or failed) before the window
+                future.result()
+                raise RuntimeError("the profiled pass ended before its window")
+
+    with tempfile.TemporaryDirectory() as trace_dir, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        passing = pool.submit(_run_together, engine, prompts, new_tokens, observe=counted)
+        reach(marks[0][1], passing)
+        jax.profiler.start_trace(trace_dir)
+        try:
+            reach(marks[1][1], passing)
+        finally:
+            jax.profiler.stop_trace()
+        passing.result()
+        return device_op_times(trace_dir, None, module="paged_decode")

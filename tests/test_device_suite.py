@@ -100,18 +100,26 @@ def test_the_ab_flags_set_attention_layout_sequence_and_int8_products():
 
 
 def test_model_serving_shape_and_concurrency_flags_reach_the_records():
-    """`--model llama3_8b` (the tiny sizes take its family and grouped key heads), `--serving-shape` and
-    `--concurrent`; a bad count is a one-line error."""
+    """`--model llama3_8b` (the tiny sizes take its family and grouped key heads), `--serving-shape`, `--concurrent`,
+    `--memory-fraction` and `--profile-steps` (serving_paged traces a pass more: a CPU trace has no device ops, but
+    the pass and its window run); a bad count or fraction is a one-line error."""
     result = run_script("bench/device_suite.py", "--tiny", "--model", "llama3_8b", "--only", "decode,serving_paged",
-                        "--serving-shape", "6,5", "--concurrent", "3")
+                        "--serving-shape", "6,5", "--concurrent", "3", "--memory-fraction", "0.5",
+                        "--profile-steps", "1")
     assert result.returncode == 0, result.stderr[-2000:]
     records = [json.loads(line) for line in result.stdout.splitlines()]
     decodes = [r for r in records if r["bench"] == "decode"]
     assert decodes and all((r["family"], r["kv_heads"]) == ("llama", 2) for r in decodes)
     paged = [r for r in records if r["bench"] == "serving_paged"]
     assert [(r["concurrent"], r["prompt_len"], r["new_tokens"], r["tokens"]) for r in paged] == [(3, 6, 5, 15)]
+    assert paged[0]["memory_fraction"] == 0.5
+    profiles = [r for r in records if r["bench"] == "serving_profile"]
+    assert [(r["concurrent"], r["at_once"], r["ops"]) for r in profiles] == [(3, 3, 0)]
+    assert profiles[0]["host_top"]  # the engine's thread traced
     bad = run_script("bench/device_suite.py", "--tiny", "--only", "decode", "--serving-shape", "1024")
     assert bad.returncode == 2 and "--serving-shape must be 2 positive integer(s)" in bad.stderr
+    bad = run_script("bench/device_suite.py", "--tiny", "--only", "serving_paged", "--memory-fraction", "1.5")
+    assert bad.returncode == 2 and "--memory-fraction must be in (0, 1], got 1.5" in bad.stderr
 
 
 def test_a_trace_sums_the_hosts_events_and_a_cpu_trace_has_no_device_ops(tmp_path):
