@@ -11,10 +11,12 @@ TPU's 128 lanes: 10% of a GPT-J page's bytes).
 The grid walks the rows in order, one at a time. A row's pages are read in blocks of `pages_per_block` pages
 (`pages_per_block * page` positions, the last block's positions past the row's length masked), copied from HBM into
 one of two VMEM buffers while the other is computed on; the block after a row's last is the next row's first, so the
-copies never wait between rows. Per key head, a block's scores are rows [G, positions] (its G query heads times
-the keys, by the matrix unit; G is 1 without grouped-query attention), scaled by the keys' scales (as rows: the
-block's [positions, H] scales transposed once, by the matrix unit too), softmax runs online over the blocks (flash
-decoding), and the probabilities, scaled by the values' scales, times the values give the head's output.
+copies never wait between rows. Only the pages a row reads are copied: at Llama-2-7B's serving shape a last block is
+half read on average (rows of 1,024 to 2,048 positions, blocks of 512), and a free row reads one page, not a block.
+Per key head, a block's scores are rows [G, positions] (its G query heads times the keys, by the matrix unit; G is
+1 without grouped-query attention), scaled by the keys' scales (as rows: the block's [positions, H] scales
+transposed once, by the matrix unit too), softmax runs online over the blocks (flash decoding), and the
+probabilities, scaled by the values' scales, times the values give the head's output.
 
 How a block's heads are computed is a form (`FORMS`). "dense", the default: every key head's two products are
 independent of the others', their scores stored as rows of one [H, positions] scratch and their outputs as rows of
@@ -127,27 +129,33 @@ def _kernel(length_ref, table_ref, q_ref, k_hbm, v_hbm, *rest, n_rows: int, widt
     row = pl.program_id(0)
     attend = FORMS[form] if isinstance(form, str) else form
 
-    def copies(r, block, slot):
-        """The copies of row r's block `block` into buffer `slot`: each page of it (a table's entries past its
-        width repeat its last) and, int8, its scales."""
-        out = []
+    def copies(r, block, slot, act: str):
+        """Start or wait (`act`) the copies of row r's block `block` into buffer `slot`: each page of it the row
+        reads (the block's pages past the row's length are left as they were) and, int8, their scales."""
+        needed = lax.div(length_ref[r] + page - 1, page)
         for j in range(per_block):
-            page_id = table_ref[r * width + jnp.minimum(block * per_block + j, width - 1)]
-            out.append(pltpu.make_async_copy(k_hbm.at[page_id], k_buf.at[slot, j], sems.at[0, slot]))
-            out.append(pltpu.make_async_copy(v_hbm.at[page_id], v_buf.at[slot, j], sems.at[1, slot]))
-            if scaled:
-                out.append(pltpu.make_async_copy(k_scale_hbm.at[page_id], k_scale_buf.at[slot, j], sems.at[0, slot]))
-                out.append(pltpu.make_async_copy(v_scale_hbm.at[page_id], v_scale_buf.at[slot, j], sems.at[1, slot]))
-        return out
+            at = block * per_block + j
+
+            @pl.when(at < needed)
+            def one_page(j=j, at=at):
+                page_id = table_ref[r * width + jnp.minimum(at, width - 1)]
+                pairs = [(k_hbm, k_buf, 0), (v_hbm, v_buf, 1)]
+                if scaled:
+                    pairs += [(k_scale_hbm, k_scale_buf, 0), (v_scale_hbm, v_scale_buf, 1)]
+                for hbm, buf, sem in pairs:
+                    getattr(pltpu.make_async_copy(hbm.at[page_id], buf.at[slot, j], sems.at[sem, slot]), act)()
 
     def n_blocks(r):
         return lax.div(length_ref[r] + span - 1, span)  # (lengths are positive; // lowers through sign)
 
     @pl.when(row == 0)
     def first():
+        # A block's pages past its row's length keep what an earlier copy left, masked; until one did, what the
+        # buffers held: zeros here, so a masked position's value is finite (0 x NaN would be NaN).
+        for buf in (k_scale_buf, v_scale_buf) if scaled else (k_buf, v_buf):
+            buf[...] = jnp.zeros(buf.shape, buf.dtype)
         slot_ref[0] = 0
-        for copy in copies(0, 0, 0):
-            copy.start()
+        copies(0, 0, 0, "start")
 
     m_ref[...] = jnp.full(m_ref.shape, MASKED, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
@@ -161,11 +169,9 @@ def _kernel(length_ref, table_ref, q_ref, k_hbm, v_hbm, *rest, n_rows: int, widt
 
         @pl.when(next_row < n_rows)
         def prefetch():
-            for copy in copies(next_row, next_block, 1 - slot):
-                copy.start()
+            copies(next_row, next_block, 1 - slot, "start")
 
-        for copy in copies(row, i, slot):
-            copy.wait()
+        copies(row, i, slot, "wait")
 
         def head(kind, h, dtype):
             """Head h's keys or values of the block as [span, K] of `dtype`."""

@@ -297,6 +297,40 @@ def test_the_paged_kernel_attends_over_each_rows_pages_up_to_its_length(int8, pe
 
 
 @pytest.mark.parametrize("int8", [True, False], ids=["int8", "bf16"])
+def test_the_paged_kernel_copies_no_page_past_a_rows_length(int8):
+    """The pages a row's table names past its length (its last block's rest, the table's padding) hold NaN: the
+    kernel copies only the pages the row reads, so its output is finite and as numpy's. Blocks of 4 pages over
+    tables of 5: a row of 11 positions reads 2 pages of its first block, one of 33 all 4 and 1 of the next."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    from mesh_transformer.infer.paged_kernel import paged_decode_attention
+
+    rng = np.random.default_rng(3)
+    rows, heads, head_dim, n_pages, page, width = 3, 4, 128, 20, 8, 5
+    q = (rng.standard_normal((rows, heads, head_dim)) / np.sqrt(head_dim)).astype(np.float32)
+    table = rng.permutation(n_pages)[:rows * width].reshape(rows, width).astype(np.int32)
+    length = np.array([11, 33, 1], np.int32)
+    if int8:
+        k, v = (rng.integers(-127, 128, (n_pages, heads, page, head_dim)).astype(np.int8) for _ in range(2))
+        k_scales, v_scales = (rng.uniform(1e-3, 2e-2, (n_pages, page, heads)).astype(np.float32) for _ in range(2))
+    else:
+        k, v = (rng.standard_normal((n_pages, heads, page, head_dim)).astype(np.float32) for _ in range(2))
+        k_scales = v_scales = None
+    unread = np.ones(n_pages, bool)
+    for r in range(rows):
+        unread[table[r, :-(-length[r] // page)]] = False
+    for x in (k_scales, v_scales) if int8 else (k, v):
+        x[unread] = np.nan
+    if not int8:
+        k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    with pltpu.force_tpu_interpret_mode():
+        got = np.asarray(paged_decode_attention(q, k, v, k_scales, v_scales, length, table, pages_per_block=4))
+    want = kernel_reference(q, k, v, k_scales, v_scales, length, table)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("int8", [True, False], ids=["int8", "bf16"])
 def test_the_paged_kernels_bf16_products_are_at_the_default_precision_under_a_callers_highest(int8):
     """Mosaic refuses bf16 products at "highest" (found on a v5e with splash): the kernel's bf16 query products are
     at the default whatever the caller set (exact either way); its f32 transpose of the scales stays at HIGHEST."""
