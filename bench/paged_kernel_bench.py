@@ -7,6 +7,7 @@ rows' pages and scales), the bandwidth that makes, and the largest difference fr
 f32 on the same device.
 
     python bench/paged_kernel_bench.py [--shape gptj_6b] [--pages 16,32,64] [--blocks 128,384] [--forms dense,mxu,copy]
+        [--spread]
 """
 from __future__ import annotations
 
@@ -57,9 +58,14 @@ def reference(q, k, v, k_scales, v_scales, length, table):
     return jnp.einsum("rhs,rshk->rhk", jax.nn.softmax(s, -1), joined(v, v_scales))
 
 
-def variant(shape_name: str, page: int, block_tokens: int, int8: bool, form: str, repeats: int) -> dict:
+def variant(shape_name: str, page: int, block_tokens: int, int8: bool, form: str, repeats: int,
+            spread: bool = False) -> dict:
     rows, heads, kv_heads, head_dim, positions = SHAPES[shape_name]
-    width = -(-positions // page)
+    # spread: the rows' lengths evenly from 2/3 to 4/3 of the shape's positions (1,024 to 2,048 about 1,536), as a
+    # server's rows at different points of their requests
+    lengths = np.linspace(2 * positions // 3, 4 * positions // 3, rows).astype(np.int32) if spread else \
+        np.full(rows, positions, np.int32)
+    width = -(-int(lengths.max()) // page)
     n_pages = rows * width
     keys = jax.random.split(jax.random.key(page), 6)
     q = (jax.random.normal(keys[0], (rows, heads, head_dim)) / np.sqrt(head_dim)).astype(jnp.bfloat16)
@@ -72,7 +78,7 @@ def variant(shape_name: str, page: int, block_tokens: int, int8: bool, form: str
         k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys[1:3])
         k_scales = v_scales = None
     table = jax.random.permutation(keys[5], n_pages).reshape(rows, width).astype(jnp.int32)
-    length = jnp.full((rows,), positions, jnp.int32)
+    length = jnp.asarray(lengths)
     per_block = max(1, min(width, block_tokens // page))
     kernel_form = FLOORS.get(form, form)
     run = jax.jit(lambda *a: paged_decode_attention(*a, pages_per_block=per_block, form=kernel_form))
@@ -85,10 +91,11 @@ def variant(shape_name: str, page: int, block_tokens: int, int8: bool, form: str
     out.block_until_ready()
     seconds = (time.perf_counter() - start) / repeats
     per_position = kv_heads * head_dim * k.dtype.itemsize + (kv_heads * 4 if int8 else 0)
-    moved = 2 * rows * width * page * per_position
+    moved = 2 * int(np.sum(-(-lengths // page))) * page * per_position  # the pages each row reads
     return {"bench": "paged_kernel", "device": jax.devices()[0].device_kind, "shape": shape_name, "form": form,
             "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "page_size": page,
-            "pages_per_block": per_block, "kv": "int8" if int8 else "bfloat16", "rows": rows, "positions": positions,
+            "pages_per_block": per_block, "kv": "int8" if int8 else "bfloat16", "rows": rows,
+            "positions": int(lengths.mean()), "spread": spread,
             "ms": round(1e3 * seconds, 3), "bytes_read": moved, "gb_per_s": round(moved / seconds / 1e9, 1),
             "max_abs_error": error}
 
@@ -102,11 +109,13 @@ def main() -> None:
     parser.add_argument("--blocks", default="128,384", help="positions a block holds (pages x page size)")
     parser.add_argument("--kv", default="int8,bfloat16")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--spread", action="store_true",
+                        help="rows of lengths from 2/3 to 4/3 of the shape's positions, not all alike")
     args = parser.parse_args()
     for kv, page, block, form in itertools.product(args.kv.split(","), map(int, args.pages.split(",")),
                                                    map(int, args.blocks.split(",")), args.forms.split(",")):
         try:
-            record = variant(args.shape, page, block, kv == "int8", form, args.repeats)
+            record = variant(args.shape, page, block, kv == "int8", form, args.repeats, args.spread)
         except Exception as e:  # a variant the compiler refuses (VMEM): say so, go on with the others
             record = {"bench": "paged_kernel", "shape": args.shape, "form": form, "page_size": page,
                       "block_tokens": block, "kv": kv, "error": str(e).splitlines()[0][:300]}
