@@ -60,9 +60,9 @@ import numpy as np
 from bench.common import (copy_bandwidth_bytes_per_s, datasheet, emit, figure, matmul_peak_flop_per_s,
                           train_flops_per_token)
 from bench.suite_adapters import serving_adapters_records
-from bench.suite_parts import (MODELS, PAGE, SIZES, CompileLog, Peaks, Sizes, decode_records, device_sizes, error_text,
-                               model_config, one_device_layout, param_count, random_arrays, serving_paged_records,
-                               serving_records, train_bytes)
+from bench.suite_parts import (MODELS, SIZES, CompileLog, Peaks, Sizes, decode_records, device_sizes, error_text,
+                               model_config, one_device_layout, param_count, random_arrays, train_bytes)
+from bench.suite_serving import PAGE, serving_paged_records, serving_records
 from mesh_transformer import config
 from mesh_transformer.estimate import layer_matrix_params
 from mesh_transformer.flags import MEMORY_FRACTION

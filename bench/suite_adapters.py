@@ -13,7 +13,8 @@ import time
 
 import numpy as np
 
-from bench.suite_parts import _CharPerToken, _run_together, _serving_record, random_decode_params
+from bench.suite_parts import random_decode_params
+from bench.suite_serving import _CharPerToken, _run_together, _serving_record
 from mesh_transformer import config
 from mesh_transformer.flags import AUTO, MEMORY_FRACTION
 from mesh_transformer.infer.programs import Programs

@@ -7,7 +7,8 @@ import math
 import jax
 
 from bench.suite_parts import (GPTJ_6B, HEADROOM, INT8, decode_bytes, device_sizes, model_config, one_device_layout,
-                               paged_capacity, train_bytes)
+                               train_bytes)
+from bench.suite_serving import paged_capacity
 from tests.helpers import run_script
 
 RECORDS = {"meta", "device", "train", "train_lora_6b", "decode", "serving", "serving_speedup", "serving_paged",
