@@ -5,8 +5,9 @@ JAX's own TPU paged attention kernel (`jax.experimental.pallas.ops.tpu.paged_att
 scales of the pages' full shape: given a scale per token and head, its wrapper broadcasts them to [H, P, page, K] f32
 every step, four times the int8 pages' bytes (22.5 GB a step for GPT-J-6B's 1,536 pages of 16, measured from the
 compiled program). This kernel applies a key's scale to its score and a value's to its probability instead, so a
-step reads the int8 pages and a float per token and head (in HBM a page's [page, H] scales fill a tile of the
-TPU's 128 lanes: 10% of a GPT-J page's bytes).
+step reads the int8 pages and a float per token and head (1.6% of a GPT-J page's bytes; the runtime lays the
+[P, page, H] scales out pages-minor, so XLA copies each layer's to this kernel's row-major layout and back every step:
+docs/performance.md).
 
 The grid walks the rows in order, one at a time. A row's pages are read in blocks of `pages_per_block` pages
 (`pages_per_block * page` positions, the last block's positions past the row's length masked), copied from HBM into
