@@ -61,16 +61,16 @@ def attend(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array, mas
             s = s * _per_score(k_BxSxNxK.scale_BxSxH)
         return jnp.where(mask_BxTxS[:, None, :, None], s, jnp.finfo(F32).min)
 
-    def context(probs, v_BxSxNxK):  # [B, n, T*g, K] in f32
+    def context(probs, v_BxSxNxK):  # [B, n, T*g, K]
         if isinstance(v_BxSxNxK, Scaled):
             probs = probs * _per_score(v_BxSxNxK.scale_BxSxH)
             v_BxSxNxK = v_BxSxNxK.values.astype(v_BxTxHxK.dtype)
         probs = probs.reshape(b, n, t * g, -1).astype(v_BxTxHxK.dtype)
-        return jnp.einsum("bnms,bsnk->bnmk", probs, v_BxSxNxK, preferred_element_type=F32)
+        return jnp.einsum("bnms,bsnk->bnmk", probs, v_BxSxNxK)
 
-    # The softmax over every block's scores and the new keys' without joining them: one maximum, each block's
-    # exponentials times its values, the sum divided once (joined, XLA:TPU held the joined scores, their softmax and
-    # its slices at once: 0.6 GB of Llama-2-7B's 512-token prompt tail over 2,048 cached positions).
+    # The softmax over every block's scores and the new keys' without joining them: one maximum and one sum over all,
+    # each block's probabilities times its values (joined, XLA:TPU held the joined scores, their softmax and its
+    # slices at once: 0.6 GB of Llama-2-7B's 512-token prompt tail over 2,048 cached positions).
     k_blocks, v_blocks, past_mask = past if past is not None else ([], [], None)
     starts = [0]
     for k_block in k_blocks:
@@ -79,9 +79,10 @@ def attend(q_BxTxHxK: jax.Array, k_BxTxHxK: jax.Array, v_BxTxHxK: jax.Array, mas
     parts.append(scores(k_BxTxHxK, mask_BxTxT))
     top = functools.reduce(jnp.maximum, [jnp.max(s, -1, keepdims=True) for s in parts])
     exps = [jnp.exp(s - top) for s in parts]
-    total = sum(jnp.sum(e, -1) for e in exps).reshape(b, n, t * g, 1)
-    ctx_BxNxMxK = sum(context(e, v) for e, v in zip(exps, [*v_blocks, v_BxTxHxK])) / total
-    ctx_BxNxMxK = ctx_BxNxMxK.astype(v_BxTxHxK.dtype)
+    total = sum(jnp.sum(e, -1, keepdims=True) for e in exps)
+    ctx_BxNxMxK = context(exps[-1] / total, v_BxTxHxK)
+    for e, v in zip(exps, v_blocks):
+        ctx_BxNxMxK += context(e / total, v)
     return ctx_BxNxMxK.reshape(b, n, t, g, head_dim).transpose(0, 2, 1, 3, 4).reshape(b, t, heads * head_dim)
 
 
