@@ -249,6 +249,16 @@ def test_decode_through_the_tpu_paged_attention_kernel_gives_the_gather_paths_to
     np.testing.assert_allclose(runs["kernel"], runs["gather"], rtol=0, atol=0.05 * runs["gather"].std())
 
 
+def random_pages(rng, shape: tuple, int8: bool, dtype) -> tuple:
+    """Keys and values [P, H, page, K] for the kernel: int8 with per-token scales [P, page, H], or normal values of
+    `dtype` and no scales."""
+    n_pages, heads, page, head_dim = shape
+    if int8:
+        k, v = (rng.integers(-127, 128, shape).astype(np.int8) for _ in range(2))
+        return k, v, *(rng.uniform(1e-3, 2e-2, (n_pages, page, heads)).astype(np.float32) for _ in range(2))
+    return *(rng.standard_normal(shape).astype(dtype) for _ in range(2)), None, None
+
+
 def kernel_reference(q_RxHxK, k_pages, v_pages, k_scales, v_scales, length_R, table_RxM) -> np.ndarray:
     """`paged_decode_attention` in numpy (f64): each row's pages joined by its table, dequantized, softmax over its
     first length_r positions."""
@@ -283,12 +293,7 @@ def test_the_paged_kernel_attends_over_each_rows_pages_up_to_its_length(int8, pe
     q = (rng.standard_normal((rows, heads * group, head_dim)) / np.sqrt(head_dim)).astype(np.float32)
     table = rng.permutation(n_pages)[:rows * width].reshape(rows, width).astype(np.int32)
     length = np.array([1, 11, 40, 23], np.int32)
-    if int8:
-        k, v = (rng.integers(-127, 128, (n_pages, heads, page, head_dim)).astype(np.int8) for _ in range(2))
-        k_scales, v_scales = (rng.uniform(1e-3, 2e-2, (n_pages, page, heads)).astype(np.float32) for _ in range(2))
-    else:
-        k, v = (rng.standard_normal((n_pages, heads, page, head_dim)).astype(jnp.bfloat16) for _ in range(2))
-        k_scales = v_scales = None
+    k, v, k_scales, v_scales = random_pages(rng, (n_pages, heads, page, head_dim), int8, jnp.bfloat16)
     with pltpu.force_tpu_interpret_mode():
         got = paged_decode_attention(q, k, v, k_scales, v_scales, length, table, pages_per_block=per_block,
                                      form=form)
@@ -310,12 +315,7 @@ def test_the_paged_kernel_copies_no_page_past_a_rows_length(int8):
     q = (rng.standard_normal((rows, heads, head_dim)) / np.sqrt(head_dim)).astype(np.float32)
     table = rng.permutation(n_pages)[:rows * width].reshape(rows, width).astype(np.int32)
     length = np.array([11, 33, 1], np.int32)
-    if int8:
-        k, v = (rng.integers(-127, 128, (n_pages, heads, page, head_dim)).astype(np.int8) for _ in range(2))
-        k_scales, v_scales = (rng.uniform(1e-3, 2e-2, (n_pages, page, heads)).astype(np.float32) for _ in range(2))
-    else:
-        k, v = (rng.standard_normal((n_pages, heads, page, head_dim)).astype(np.float32) for _ in range(2))
-        k_scales = v_scales = None
+    k, v, k_scales, v_scales = random_pages(rng, (n_pages, heads, page, head_dim), int8, np.float32)
     unread = np.ones(n_pages, bool)
     for r in range(rows):
         unread[table[r, :-(-length[r] // page)]] = False
