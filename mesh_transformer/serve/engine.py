@@ -268,13 +268,13 @@ class Engine:
             return paged_programs(state, self.schedule, self._table_width, self._book.pad_page, self._reuse_pages)
         return slot_programs(state, self.schedule, extend=self._prefix is not None)
 
-    def _run_decode(self, steps: Steps, rows: int, n_blocks: int, penalized: bool) -> tuple[jax.Array, Logprobs]:
+    def _run_decode(self, steps: Steps, rows: int, n_blocks: int, penalized: bool,
+                    live: list[int]) -> tuple[jax.Array, Logprobs]:
         """Dispatch a decode step of the first `rows` slots of each dp group (`penalized`: the program that applies
         and counts penalties and bias, run while some request has them), reading `n_blocks` cache blocks, or pages
-        of every slot's table (a free slot's padding) with a paged cache."""
+        of the `live` slots' tables (the others' padding) with a paged cache."""
         if self._book:
-            table = self._book.table([i if slot is not None else None for i, slot in enumerate(self._slots)],
-                                     self._table_width)
+            table = self._book.table([i if i in live else None for i in range(self.n_slots)], self._table_width)
             out = self._programs.paged_decode(self.params, self._cache, self._slot_state, steps, table, rows=rows,
                                               n_read=n_blocks, top=MAX_TOP, penalized=penalized)
         else:
@@ -331,14 +331,17 @@ class Engine:
         if not live:
             return None
         rows, n_blocks, out_rows = self.schedule.decode({i: self._slots[i].position for i in live})
-        position, index = np.zeros(self.n_slots, np.int32), np.zeros(self.n_slots, np.int32)
+        # A row the step computes but takes no token of (a free slot, or one whose last token is in flight) writes
+        # nowhere: position -1 (outside every block), a padding table row: at 0 it would overwrite the first key of
+        # a prompt cached there for reuse.
+        position, index = np.full(self.n_slots, -1, np.int32), np.zeros(self.n_slots, np.int32)
         sampling = fill_sampling(self.n_slots, [(i, self._slots[i].request) for i in live], adapters=self._served)
         for i in live:
             slot = self._slots[i]
             position[i], index[i] = slot.position, slot.dispatched
             slot.dispatched += 1
         penalized = any(_penalized(self._slots[i].request) for i in live)
-        tokens, chosen = self._run_decode(Steps(position, index, sampling), rows, n_blocks, penalized)
+        tokens, chosen = self._run_decode(Steps(position, index, sampling), rows, n_blocks, penalized, live)
         return _Step(tokens, chosen, [(i, self._slots[i], out_rows[i]) for i in live])
 
     def _read_back(self, step: _Step) -> None:

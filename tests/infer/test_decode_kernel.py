@@ -30,8 +30,8 @@ def reference(q, k_blocks, v_blocks, length, k_new, v_new) -> np.ndarray:
     keys, values, k_new, v_new = (np.repeat(x, group, axis=-2) for x in (keys, values, k_new, v_new))
     out = np.zeros(q.shape)
     for r in range(q.shape[0]):
-        k = np.concatenate([keys[r, :length[r]], k_new[r, None]])
-        v = np.concatenate([values[r, :length[r]], v_new[r, None]])
+        k = np.concatenate([keys[r, :max(length[r], 0)], k_new[r, None]])
+        v = np.concatenate([values[r, :max(length[r], 0)], v_new[r, None]])
         s = np.einsum("hk,thk->ht", q[r], k) / np.sqrt(q.shape[-1])
         p = np.exp(s - s.max(1, keepdims=True))
         out[r] = np.einsum("ht,thk->hk", p / p.sum(1, keepdims=True), v)
@@ -45,13 +45,14 @@ def reference(q, k_blocks, v_blocks, length, k_new, v_new) -> np.ndarray:
                                                        ("vpu", 4, jnp.float32, 4), ("mxu", 8, jnp.float32, 2),
                                                        ("mxu", 8, jnp.bfloat16, 4)])
 def test_the_kernel_attends_over_each_rows_cached_positions_up_to_its_length(form, heads, dtype, group, grid):
-    """Rows with no cached position, one, a block's less one, a whole block, most of the cache, all of it; blocks of
+    """Rows with no cached position (length 0, or -1: a row the serving engine computes but takes no token of), one,
+    two, a block's less one, a whole block, most of the cache, all of it; blocks of
     24, 24 and 16 positions; groups of rows whose longest row ends early (its later chunks skipped). The slots past
     the rows read hold NaN: the kernel never reads them. The "mxu" form's probabilities enter its second product as
     the values' dtype (bf16: XLA's attention rounds them so too). `group`: query heads per key head (`heads` of
     them: grouped-query attention)."""
     rng = np.random.default_rng(0)
-    rows, slots, head_dim, sizes = 6, 8, 128, (24, 24, 16)
+    rows, slots, head_dim, sizes = 8, 10, 128, (24, 24, 16)
 
     def normal(*shape):
         return jnp.asarray(rng.normal(size=shape), dtype)
@@ -62,7 +63,7 @@ def test_the_kernel_attends_over_each_rows_cached_positions_up_to_its_length(for
     q = normal(rows, heads * group, head_dim)
     k_new, v_new = normal(rows, heads, head_dim), normal(rows, heads, head_dim)
     k_blocks, v_blocks = [cache_block(s) for s in sizes], [cache_block(s) for s in sizes]
-    length = np.array([0, 1, 23, 24, 50, 64], np.int32)
+    length = np.array([-1, 0, 1, 23, 24, 50, 64, 2], np.int32)
     with pltpu.force_tpu_interpret_mode():
         got = decode_kernel.attend(q, k_blocks, v_blocks, jnp.asarray(length), k_new, v_new, form=form, **grid)
     want = reference(q, k_blocks, v_blocks, length, k_new, v_new)

@@ -505,6 +505,39 @@ def test_prefix_cache_reuses_shared_prefixes_and_the_greedy_output_is_unchanged(
     off.close()
 
 
+@pytest.mark.parametrize("pages", [None, 32])
+def test_a_finished_requests_cached_prompt_is_intact_after_steps_it_sat_through(params, tokenizer, programs, pages):
+    """A request whose last token is in flight sits through the next decode step (another request still runs) and
+    writes nowhere it holds: a later request reusing its cached prompt (a slot's blocks, or its named pages) makes
+    the offline sampler's greedy tokens and log-probs, on dp2 x mp4."""
+    rng = random.Random(3)
+    shared = [rng.randrange(1, 1000) for _ in range(32)]
+    other = [rng.randrange(1, 1000) for _ in range(5)]
+    later = shared + [rng.randrange(1, 1000) for _ in range(3)]
+    expected = sampling.Sampler(layout(), params, programs=programs).generate([later], 6, temperature=0.0,
+                                                                             return_logprobs=True)
+    engine = serving.Engine(layout(), params, tokenizer, programs=programs, max_batch=2, max_queue=4,
+                            **({"n_pages": pages, "page_size": 8} if pages else {}))
+    events, done = collections.defaultdict(list), threading.Semaphore(0)
+
+    def collect(i):
+        def on_event(event):
+            events[i].append(event)
+            if event.finish_reason:
+                done.release()
+        return on_event
+
+    engine.submit([GenerationRequest(shared, 2, collect(0), temperature=0.0),
+                   GenerationRequest(other, 20, collect(1), temperature=0.0)])
+    assert done.acquire(timeout=120) and done.acquire(timeout=120)
+    engine.submit([GenerationRequest(later, 6, collect(2), temperature=0.0)])
+    assert done.acquire(timeout=120)
+    assert [t for e in events[2] for t in e.tokens] == expected[0].tokens
+    np.testing.assert_allclose([p for e in events[2] for p in e.logprobs], expected[0].logprobs, atol=1e-4)
+    assert engine.stats()["prefix_cache"]["hit_tokens"] >= 32
+    engine.close()
+
+
 @pytest.mark.parametrize("prompt, max_tokens", [([], 4), ([1] * CFG.seq, 1), ([1], CFG.seq), ([CFG.n_vocab], 1),
                                                 ([1], 0)], ids=["empty", "no-room", "too-many", "bad-id", "zero"])
 def test_engine_refuses_requests_that_cannot_run(engine, prompt, max_tokens):
