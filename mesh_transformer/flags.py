@@ -42,11 +42,17 @@ def add_paged_cache_args(parser: argparse.ArgumentParser, server: bool = False) 
     The server's (`server`) take --kv-pages auto and --memory-fraction too (serve/sizing.py)."""
     if server:
         parser.add_argument("--kv-pages", type=_kv_pages, default=None, metavar="N|auto|off",
-                            help="a paged KV cache of N pages shared by the --max-batch slots: a request holds the "
-                                 "pages its prompt and max_tokens fill, and waits for them; auto: the pages that fit "
+                            help="a paged KV cache of N pages shared by the --max-batch slots: a request waits for "
+                                 "its prompt's pages and takes more as it generates (--kv-reserve: all of them at "
+                                 "once); auto: the pages that fit "
                                  "--memory-fraction of the device's memory after the weights and the largest "
                                  "program; off: a whole context per slot (default: auto on a TPU with the paged "
                                  "attention kernel or with --kv-cache-dtype, else off)")
+        parser.add_argument("--kv-reserve", action="store_true",
+                            help="with --kv-pages, a request holds the pages of its prompt and max_tokens from when it "
+                                 "starts, so none is ever preempted (default: pages taken as tokens are made; where "
+                                 "they run out, the latest started request is preempted and later resumes, its "
+                                 "prompt and tokens so far computed again, as vLLM does)")
         parser.add_argument("--memory-fraction", type=float, default=MEMORY_FRACTION,
                             help="the share of each device's memory the server may use: weights, KV cache and the "
                                  f"largest program's temporaries (default {MEMORY_FRACTION}); checked before the "
@@ -79,6 +85,8 @@ def paged_cache(parser: argparse.ArgumentParser, args: argparse.Namespace) -> di
         parser.error("--kv-cache-dtype needs --kv-pages (the slot cache holds the compute dtype)")
     if args.kv_cache_dtype and hasattr(args, "overrides"):
         args.overrides.append(f"kv_cache_dtype={args.kv_cache_dtype}")
+    if getattr(args, "kv_reserve", False) and pages == OFF:
+        parser.error("--kv-reserve is the paged cache's: not with --kv-pages off")
     if hasattr(args, "memory_fraction"):  # the server's: its platform decides where no flag does (device_serve.py)
         pages = AUTO if pages is None and args.kv_cache_dtype else pages
         return {"n_pages": pages, "page_size": args.page_size, "memory_fraction": fraction}

@@ -428,7 +428,7 @@ def served_greedy(layout: Layout, params: dict, prompts: list, row_slots: np.nda
     sampling = fill_sampling(n, [])._replace(adapter=np.asarray(row_slots, np.int32), logprobs=np.ones(n, bool))
     slot = np.tile(np.arange(local, dtype=np.int32), dp)
     token, chosen, slots, cache = programs.paged_prefill(params, cache, slots, ids, np.zeros(n, np.int32), length,
-                                                         table_, slot, sampling, n_read=0)
+                                                         table_, slot, sampling, np.zeros(n, np.int32), n_read=0)
     state = decode.Steps(length.copy(), np.ones(n, np.int32), sampling)
     tokens, logprobs = [np.asarray(token)], [np.asarray(chosen.chosen)]
     for _ in range(steps):

@@ -323,13 +323,14 @@ def prefill_local(params, cache, slots_N: Slots, ids_RxT, length_R, slot_R, samp
     return first_tokens(logits_RxV, cache, slots_N, slot_R, sampling_R, top)
 
 
-def first_tokens(logits_RxV, cache, slots_N: Slots, slot_R, sampling_R, top):
-    """Each prefilled row's first token, chosen with its bias, and written into its slot with the bias and the
-    token's count."""
+def first_tokens(logits_RxV, cache, slots_N: Slots, slot_R, sampling_R, top, index_R=None):
+    """Each prefilled row's first token (its completion's token index_R[r], 0 where None: a key's fold), chosen with
+    its bias, and written into its slot with the bias and the token's count."""
     rows, vocab = logits_RxV.shape
     bias_RxV = dense_bias(sampling_R.bias, rows, vocab)
     counts_RxV = jnp.zeros((rows, vocab), jnp.int32)
-    token_R, logprob_R = choose(logits_RxV, sampling_R, jnp.zeros_like(slot_R), top, (counts_RxV, bias_RxV))
+    index_R = jnp.zeros_like(slot_R) if index_R is None else index_R
+    token_R, logprob_R = choose(logits_RxV, sampling_R, index_R, top, (counts_RxV, bias_RxV))
     target_R = jnp.where(slot_R >= 0, slot_R, slots_N.last.shape[0])
     counts_RxV = counts_RxV.at[jnp.arange(rows), token_R].set(1)
     slots_N = Slots(*(x.at[target_R].set(new, mode="drop")

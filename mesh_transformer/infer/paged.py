@@ -270,13 +270,13 @@ def paged_logits(params: dict, cache: PagedCache, ids_RxT: jax.Array, start_R: j
 
 
 def prefill_local(params, cache, slots_N: decode.Slots, ids_RxT, start_R, length_R, table_RxM, slot_R, sampling_R,
-                  *, cfg, policy, n_read: int, top: int = 0, tp_axis=None):
+                  index_R, *, cfg, policy, n_read: int, top: int = 0, tp_axis=None):
     """`decode.prefill_local` on the paged cache: prompts (start 0, n_read 0) or prompt tails after cached prefixes,
-    row r's tokens written through its table; each row's first token chosen and written into its slot of slots_N
-    (the per-request sampling state, as with the slot cache)."""
+    row r's tokens written through its table; each row's next token chosen (as its completion's token index_R[r])
+    and written into its slot of slots_N (the per-request sampling state, as with the slot cache)."""
     logits_RxV, cache = paged_logits(params, cache, ids_RxT, start_R, length_R, table_RxM, cfg, n_read, tp_axis,
                                      policy=policy, adapters=decode.served(sampling_R))
-    return decode.first_tokens(logits_RxV, cache, slots_N, slot_R, sampling_R, top)
+    return decode.first_tokens(logits_RxV, cache, slots_N, slot_R, sampling_R, top, index_R)
 
 
 def decode_local(params, cache, slots_N: decode.Slots, steps_N: decode.Steps, table_NxM, *, cfg, policy, rows: int,

@@ -154,11 +154,12 @@ class PagePool:
             matched.append(self.page_of[name])
         return matched
 
-    def _fits(self, tokens: Sequence[int], reserve: int, matched: list[int]) -> bool:
-        """Whether new pages for the prompt past `matched` and `reserve` more tokens can be had."""
+    def _fits(self, tokens: Sequence[int], reserve: int, matched: list[int], spare: int = 0) -> bool:
+        """Whether new pages for the prompt past `matched` and `reserve` more tokens can be had, `spare` more left
+        available after."""
         needed = pages_for(len(tokens) + reserve, self.page) - len(matched)
         reclaimed = sum(p in self.cached for p in matched)  # cached pages reused are not there to be evicted
-        return needed <= self.available() - reclaimed
+        return needed + spare <= self.available() - reclaimed
 
     def _allocate(self, seq_id: Hashable, tokens: Sequence[int], reserve: int,
                   names: list[bytes]) -> Allocation | None:
@@ -210,16 +211,17 @@ class PagedCacheBook:
         allocation = self.place_in(range(len(self.pools)), seq_id, tokens, reserve)
         return None if allocation is None else (self.group_of[seq_id], allocation)
 
-    def place_in(self, groups: Sequence[int], seq_id: Hashable, tokens: Sequence[int],
-                 reserve: int = 0) -> Allocation | None:
+    def place_in(self, groups: Sequence[int], seq_id: Hashable, tokens: Sequence[int], reserve: int = 0,
+                 spare: int = 0) -> Allocation | None:
         """`place` among these groups only (those with a free slot, say): a callable returning the sequence's
-        id in the group chosen may stand for `seq_id` (the slot is known once the group is). Returns the allocation
-        (the group is `group_of[seq_id]`), or None with nothing changed."""
+        id in the group chosen may stand for `seq_id` (the slot is known once the group is); only in a group that
+        keeps `spare` pages available after. Returns the allocation (the group is `group_of[seq_id]`), or None with
+        nothing changed."""
         if not callable(seq_id) and seq_id in self.group_of:
             raise ValueError(f"sequence {seq_id!r} is already live in group {self.group_of[seq_id]}: release it first")
         names = _reusable_names(tokens, self.page)  # hashed once for every group
         fitting = [(len(pool._match(names)), pool.available(), -g) for g in groups
-                   if (pool := self.pools[g])._fits(tokens, reserve, pool._match(names))]
+                   if (pool := self.pools[g])._fits(tokens, reserve, pool._match(names), spare)]
         if not fitting:
             return None
         group = -max(fitting)[2]

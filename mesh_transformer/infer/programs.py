@@ -93,12 +93,13 @@ class Programs:
         return self._run("generate", (params, cache, slots_N, steps_N, live_N, stop_S, n_steps),
                          {"rows": rows, "n_blocks": n_blocks, "out_len": out_len})
 
-    def paged_prefill(self, params, cache, slots_N, ids_RxT, start_R, length_R, table_RxM, slot_R, sampling_R, *,
-                      n_read: int, top: int = 0):
+    def paged_prefill(self, params, cache, slots_N, ids_RxT, start_R, length_R, table_RxM, slot_R, sampling_R,
+                      index_R, *, n_read: int, top: int = 0):
         """Prompts, or prompt tails after cached prefixes, into the paged cache (`paged.prefill_local`): R rows split
-        over dp like the slots, each row's table of its group's pages, its slot one of its group's."""
+        over dp like the slots, each row's table of its group's pages, its slot one of its group's, its token's
+        index in its completion (its sampling key's: 0 but for a preempted completion's return)."""
         return self._run("paged_prefill", (params, cache, slots_N, ids_RxT, start_R, length_R, table_RxM, slot_R,
-                                           sampling_R), {"n_read": n_read, "top": top})
+                                           sampling_R, index_R), {"n_read": n_read, "top": top})
 
     def paged_decode(self, params, cache, slots_N, steps_N, table_NxM, *, rows: int, n_read: int, top: int = 0,
                      penalized: bool = False):
@@ -232,16 +233,16 @@ class Programs:
             params, cache, slots_N, steps_N, live_N, stop_S, n_steps)
 
 
-    def _paged_prefill(self, params, cache, slots_N, ids_RxT, start_R, length_R, table_RxM, slot_R, sampling_R, *,
-                       n_read: int, top: int = 0):
+    def _paged_prefill(self, params, cache, slots_N, ids_RxT, start_R, length_R, table_RxM, slot_R, sampling_R,
+                       index_R, *, n_read: int, top: int = 0):
         params_spec, _, row = self._specs()
         pages = self.page_specs
         fn = partial(paged.prefill_local, cfg=self.layout.cfg, policy=self.layout.policy, n_read=n_read, top=top,
                      tp_axis=self.layout.tp_axis)
         rows_x = self.layout.spec(("batch", "length"))
-        in_specs = (params_spec, pages, row, rows_x, row, row, rows_x, row, row)
+        in_specs = (params_spec, pages, row, rows_x, row, row, rows_x, row, row, row)
         return self.layout.per_device(fn, in_specs, (row, self._logprobs_spec(), row, pages), self.vma)(
-            params, cache, slots_N, ids_RxT, start_R, length_R, table_RxM, slot_R, sampling_R)
+            params, cache, slots_N, ids_RxT, start_R, length_R, table_RxM, slot_R, sampling_R, index_R)
 
     def _paged_decode(self, params, cache, slots_N, steps_N, table_NxM, *, rows: int, n_read: int, top: int = 0,
                       penalized: bool = False):

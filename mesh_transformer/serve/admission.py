@@ -4,13 +4,19 @@ no device: the engine (engine.py) calls these under its lock and dispatches what
 
 With a slot cache a request takes the free slot the prefix cache (prefix.py) places it in, by its prompt's longest
 cached prefix, else the first in the schedule's admission order (lowest local row first, so decode steps compute
-fewer rows). With a paged cache (infer/pages.py) it takes a free slot of a dp group with pages for its prompt and
-max_tokens, first come first served; until a group has them, it and the requests after it wait in the queue.
+fewer rows). With a paged cache (infer/pages.py) it takes a free slot of a dp group with pages for its prompt, first
+come first served (until a group has them, it and the requests after it wait in the queue), and gets more pages as
+it makes tokens (`make_room`): when its group has none left, the group's latest admitted request is preempted (its
+pages given up, its prompt and tokens so far computed again when it is admitted again, before any new request), as
+vLLM does. A request with penalties (whose token counts a prefill would restart), or any with `reserve`, holds the
+pages of its prompt and max_tokens from admission and is never preempted; so is one that was preempted while alone
+in its group's growing requests (it could not grow beside the reserved ones).
 """
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -21,6 +27,10 @@ from mesh_transformer.infer.sizes import prompt_problem
 from mesh_transformer.serve.completion import Completion, GenerationRequest
 from mesh_transformer.serve.prefix import Placement, PrefixIndex
 from mesh_transformer.serve.schedule import Schedule
+
+SPARE_SHARE = 0.01  # of a group's pages, kept available when a request is admitted without all its pages (vLLM's
+# watermark): one made at once would otherwise be the first preempted
+_ADMISSIONS = itertools.count(1)  # admissions' numbers, in order (`Completion.admitted`)
 
 
 def check_request(request: GenerationRequest, cfg: Config, book: PagedCacheBook | None) -> None:
@@ -65,34 +75,70 @@ def admit_to_slots(waiting: collections.deque[GenerationRequest], slots: list[Co
     return admitted
 
 
-def admit_to_pages(waiting: collections.deque[GenerationRequest], slots: list[Completion | None], free: list[int],
-                   n_local: int, book: PagedCacheBook) -> dict[int, Placement]:
-    """Pop waiting requests into the `free` slots (in admission order) of a paged cache whose dp group (of n_local
-    slots) has pages for their prompt and max_tokens, first come first served: the group holding the longest cached
-    prefix, else the one with the most pages free, the group's first free slot. Returns {slot: its placement}."""
+def admit_to_pages(waiting: collections.deque[GenerationRequest], resumed: collections.deque[Completion],
+                   slots: list[Completion | None], free: list[int], n_local: int, book: PagedCacheBook,
+                   reserve: bool = False) -> dict[int, Placement]:
+    """Pop preempted completions (`resumed`, first) and then waiting requests into the `free` slots (in admission
+    order) of a paged cache whose dp group (of n_local slots) has pages for their context (the module docstring;
+    with `reserve`, or penalties, for their max_tokens too), first come first served: the group holding the longest
+    cached prefix, else the one with the most pages free, the group's first free slot. Returns {slot: its
+    placement}."""
     admitted = {}
 
     def first_free(group: int) -> int:
         return next(slot for slot in free if slot // n_local == group)
 
-    while free and waiting:
-        prompt = waiting[0].cache_key(waiting[0].prompt)
+    while free and (resumed or waiting):
+        completion = resumed[0] if resumed else Completion(waiting[0])
+        request = completion.request
+        context, remaining = request.cache_key(completion.context), request.max_tokens - len(completion.tokens)
+        # a prefill restarts a slot's token counts: a request they penalize is never preempted
+        completion.reserved = bool(completion.reserved or reserve or request.presence_penalty
+                                   or request.frequency_penalty)
+        spare = 0
+        if not completion.reserved:
+            whole = pages_for(len(context) + remaining, book.page) - pages_for(len(context), book.page)
+            spare = min(whole, int(SPARE_SHARE * book.pools[0].n_pages))
         groups = sorted({slot // n_local for slot in free})
         # Without prefix reuse the engine names no page (`_paged_prefill`, `_release_pages`), so none matches.
-        allocation = book.place_in(groups, first_free, prompt, waiting[0].max_tokens)
+        # pages for its context and the key its first decode step writes (all it will write, where reserved)
+        more = remaining if completion.reserved else min(1, remaining - 1)
+        allocation = book.place_in(groups, first_free, context, more, spare)
         if allocation is None:  # it waits for pages; so do the requests after it (first come, first served)
             break
+        (resumed if resumed else waiting).popleft()
         slot = next(s for s in free if s in book.group_of)  # the free slot just given pages
         free.remove(slot)
-        slots[slot] = Completion(waiting.popleft())
+        completion.admitted = next(_ADMISSIONS)
+        slots[slot] = completion
         admitted[slot] = Placement(slot, slot, allocation.reused)
     return admitted
+
+
+def make_room(slots: list[Completion | None], live: Sequence[int], n_local: int, book: PagedCacheBook,
+              preempt: Callable[[int], None]) -> None:
+    """Pages for the key each live slot writes in the next decode step (at its position), the earliest admitted
+    first; where its group has too few, its latest admitted slot without all its pages is preempted (`preempt(slot)`
+    gives up its pages and slot) until it has, the slot itself last (marked `reserved` for its return where it was
+    alone)."""
+    for i in sorted(live, key=lambda i: slots[i].admitted):
+        while slots[i] is not None and not book.grow(i, slots[i].position + 1):
+            group = range(i // n_local * n_local, (i // n_local + 1) * n_local)
+            growing = [j for j in group if slots[j] is not None and not slots[j].reserved]
+            victim = max(growing, key=lambda j: slots[j].admitted)  # i grows: it is not reserved
+            slots[i].reserved = victim == i and len(growing) == 1
+            preempt(victim)
+
+
+def penalized(request: GenerationRequest) -> bool:
+    """Whether a request has penalties or a logit bias."""
+    return bool(request.presence_penalty or request.frequency_penalty or request.logit_bias)
 
 
 def prefill_rows(slots: Sequence[Completion | None], rows_per_group: int, width: int, batch: list[tuple[int, int]],
                  placements: dict[int, Placement], n_local: int, dp: int,
                  ends: dict[int, int] | None = None) -> tuple[np.ndarray, ...]:
-    """A prefill's input rows for a batch of admitted slots, (slot, row) each: ids [R, width] (each prompt after
+    """A prefill's input rows for a batch of admitted slots, (slot, row) each: ids [R, width] (each context after
     what it reuses, up to its end in `ends` where it has one), lengths, slots, starts and source slots [R] (slots
     local to their dp group of n_local; a padding row's -1, written nowhere)."""
     n = rows_per_group * dp
@@ -101,7 +147,7 @@ def prefill_rows(slots: Sequence[Completion | None], rows_per_group: int, width:
     start, source = np.zeros(n, np.int32), np.full(n, -1, np.int32)
     for slot, row in batch:
         placement = placements.get(slot, Placement(slot, slot, 0))
-        tail = slots[slot].request.prompt[placement.reused:(ends or {}).get(slot)]
+        tail = slots[slot].context[placement.reused:(ends or {}).get(slot)]
         ids_RxT[row, :len(tail)], length[row], local_slot[row] = tail, len(tail), slot % n_local
         start[row], source[row] = placement.reused, placement.source % n_local
     return ids_RxT, length, local_slot, start, source

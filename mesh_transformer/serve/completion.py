@@ -71,7 +71,12 @@ def streamable_length(text: str, stop: Sequence[str]) -> int:
 @dataclasses.dataclass(eq=False)
 class Completion:
     """A request's progress in its slot. `dispatched` counts the tokens asked of the device so far; `tokens` holds
-    those read back. `accept` takes the next token read back and says what to send and whether the request ended."""
+    those read back. `accept` takes the next token read back and says what to send and whether the request ended.
+
+    With a paged cache (engine.py) a completion can be preempted and resumed: its slot and pages are given up, and it
+    is admitted again later with its `context` (prompt and tokens so far) prefilled, its tokens and what was sent
+    kept. `reserved`: it holds the pages of its whole completion (never preempted); `admitted`: its admission's
+    number, the latest admitted preempted first."""
     request: GenerationRequest
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -80,11 +85,18 @@ class Completion:
     sent_tokens: int = 0
     dispatched: int = 0
     finished: bool = False
+    reserved: bool = False
+    admitted: int = 0
     # The text decoded so far, incrementally (`text`): that of tokens[:read]; tokens[prefix:read] decode to `head`.
     _text: str = ""
     _head: str = ""
     _prefix: int = 0
     _read: int = 0
+
+    @property
+    def context(self) -> list[int]:
+        """What a prefill of this completion feeds: its prompt, and the tokens made before it was preempted."""
+        return self.request.prompt + self.tokens
 
     @property
     def position(self) -> int:

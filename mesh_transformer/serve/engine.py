@@ -35,7 +35,8 @@ from mesh_transformer.infer.score import MAX_TOP
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import DP
 from mesh_transformer.serve import warmup
-from mesh_transformer.serve.admission import admit_to_pages, admit_to_slots, check_request, prefill_rows
+from mesh_transformer.serve.admission import (admit_to_pages, admit_to_slots, check_request, make_room, penalized,
+                                              prefill_rows)
 from mesh_transformer.serve.completion import Completion, Event, GenerationRequest
 from mesh_transformer.serve.prefix import Placement, PrefixIndex
 from mesh_transformer.serve.schedule import check_pages, engine_schedule
@@ -76,15 +77,20 @@ class Engine:
 
     With `n_pages`, the cache is paged (infer/paged.py): n_pages pages of `page_size` positions, shared by the slots
     of each dp group, so a slot costs only the pages its request fills. A request is admitted when a slot is free
-    and its group has pages for its prompt and max_tokens (infer/pages.py; it waits in the queue until then, never
-    fails), holds them until it ends, and reuses the cached pages of its prompt's longest prefix (`prefix_cache`). A
-    step reads the pages up to the furthest busy slot's position (a power of two of them, as blocks above).
+    and its group has pages for its prompt (infer/pages.py; it waits in the queue until then, never fails), takes
+    a page more each `page_size` tokens it makes, and reuses the cached pages of its prompt's longest prefix
+    (`prefix_cache`). Where a group has no page left for a step, its latest admitted request is preempted: its pages
+    given back (those it wrote cached, with `prefix_cache`), its prompt and tokens so far prefilled again when it is
+    admitted again, before any new request, its text streamed on where it left off (admission.py). With
+    `reserve_pages`, each request holds the pages of its prompt and max_tokens from admission and none is preempted
+    (as requests with penalties always are). A step reads the pages up to the furthest busy slot's position (a power
+    of two of them, as blocks above).
     """
 
     def __init__(self, layout: Layout, params: dict, tokenizer: Any, *, max_batch: int = 8, max_queue: int = 64,
                  stop_token_ids: Sequence[int] | None = None, min_span: int | None = None, warm_up: bool = False,
                  programs: Programs | None = None, prefix_cache: bool = True, n_pages: int | None = None,
-                 page_size: int = 16):
+                 page_size: int = 16, reserve_pages: bool = False):
         if max_batch < 1 or max_queue < 1:
             raise ValueError(f"max_batch and max_queue must be at least 1, got {max_batch} and {max_queue}")
         self.layout, self.cfg, self.tokenizer, self.max_queue = layout, layout.cfg, tokenizer, max_queue
@@ -99,6 +105,7 @@ class Engine:
         self._slot_writer = adapter_slots.SlotWriter(layout) if self._served else None
         self._programs = programs or Programs(layout)
         self._book = PagedCacheBook(n_pages, page_size, self._dp) if n_pages else None
+        self._reserve = reserve_pages
         self.schedule = engine_schedule(max_batch, self._dp, cfg.seq, page_size if n_pages else None, self.min_span)
         self.n_slots = self.schedule.n_slots
         if self._book:
@@ -112,11 +119,12 @@ class Engine:
         self._reuse_pages = bool(n_pages and prefix_cache)
         self._table_width = pages_for(cfg.seq, page_size)
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
+        self._resumed: collections.deque[Completion] = collections.deque()  # preempted, by admission
         self._calls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
         self.error: str | None = None
-        self.counts = {"completed": 0, "cancelled": 0}
+        self.counts = {"completed": 0, "cancelled": 0, "preempted": 0}
         self._page_counts = [0, 0]  # paged: prompt tokens asked of the prefix cache, and found there
         self.warmed = warmup.start(self._programs, self.programs() if warm_up else [])  # set: all compiled
         self._thread = threading.Thread(target=self._run, name="serving-engine", daemon=True)
@@ -170,6 +178,9 @@ class Engine:
                     if request in self._waiting:
                         self._waiting.remove(request)
                         self.counts["cancelled"] += 1
+                    for completion in [c for c in self._resumed if c.request is request]:
+                        self._resumed.remove(completion)
+                        self.counts["cancelled"] += 1
 
     def stats(self) -> dict:
         """Slots, queue and request counts, for health checks."""
@@ -177,7 +188,8 @@ class Engine:
             busy = sum(slot is not None for slot in self._slots)
             prefix = self._prefix
             stats = {"slots": {"total": self.n_slots, "busy": busy, "free": self.n_slots - busy},
-                     "queue": {"waiting": len(self._waiting), "max": self.max_queue}, "requests": dict(self.counts),
+                     "queue": {"waiting": len(self._waiting) + len(self._resumed), "max": self.max_queue},
+                     "requests": dict(self.counts),
                      "prefix_cache": {"enabled": prefix is not None or self._reuse_pages,
                                       "queried_tokens": prefix.queried_tokens if prefix else self._page_counts[0],
                                       "hit_tokens": prefix.hit_tokens if prefix else self._page_counts[1]}}
@@ -199,7 +211,8 @@ class Engine:
         try:
             while True:
                 with self._cond:
-                    while not (self._stopping or self._waiting or any(self._slots) or in_flight or self._calls):
+                    while not (self._stopping or self._waiting or self._resumed or any(self._slots) or in_flight
+                               or self._calls):
                         self._cond.wait()
                     if self._stopping:
                         break
@@ -224,13 +237,22 @@ class Engine:
 
     def _take_admissions(self) -> dict[int, Placement]:
         """Pop waiting requests into free slots (admission.py): where the prefix cache says, else lowest local row
-        first; with a paged cache, in a dp group with pages for them. Returns {slot: its placement}."""
+        first; with a paged cache, after pages for the next step's keys of the requests that run (preempting the
+        latest admitted if need be: `make_room`), preempted ones first, in a dp group with pages for them, and none
+        in a round that preempted (vLLM's rule: it would be the next preempted). Returns {slot: its placement}."""
+        if self._book:
+            preempted = self.counts["preempted"]
+            live = [i for i, slot in enumerate(self._slots) if slot is not None and slot.needs_step]
+            make_room(self._slots, live, self.schedule.n_local, self._book, self._preempt)
+            if self.counts["preempted"] > preempted:
+                return {}
         free = self.schedule.admission_order([i for i, slot in enumerate(self._slots) if slot is None])
         if not self._book:
             return admit_to_slots(self._waiting, self._slots, free, self.schedule, self._prefix)
-        admitted = admit_to_pages(self._waiting, self._slots, free, self.schedule.n_local, self._book)
+        admitted = admit_to_pages(self._waiting, self._resumed, self._slots, free, self.schedule.n_local, self._book,
+                                  self._reserve)
         for slot, placement in admitted.items():
-            self._page_counts[0] += len(self._slots[slot].request.prompt) if self._reuse_pages else 0
+            self._page_counts[0] += len(self._slots[slot].context) if self._reuse_pages else 0
             self._page_counts[1] += placement.reused
         return admitted
 
@@ -239,8 +261,8 @@ class Engine:
         a paged cache, after the pieces of a long prompt too, a row each: `_prefill_pieces`)."""
         if self.schedule.chunk:
             admitted = self._prefill_pieces(admitted)
-        fresh = {slot: len(self._slots[slot].request.prompt) for slot, p in admitted.items() if not p.reused}
-        tails = {slot: len(self._slots[slot].request.prompt) - p.reused for slot, p in admitted.items() if p.reused}
+        fresh = {slot: len(self._slots[slot].context) for slot, p in admitted.items() if not p.reused}
+        tails = {slot: len(self._slots[slot].context) - p.reused for slot, p in admitted.items() if p.reused}
         return ([self._prefill(rows, width, batch) for rows, width, batch in self.schedule.prefill_batches(fresh)]
                 + [self._prefill(rows, width, batch, admitted)
                    for rows, width, batch in self.schedule.prefill_batches(tails, single=bool(self._book))])
@@ -251,7 +273,7 @@ class Engine:
         which the caller prefills as the rest after a prefix."""
         chunk, starts = self.schedule.chunk, {slot: p.reused for slot, p in admitted.items()}
         while pieces := {slot: chunk for slot, start in starts.items()
-                         if len(self._slots[slot].request.prompt) - start > chunk}:
+                         if len(self._slots[slot].context) - start > chunk}:
             for rows, width, batch in self.schedule.prefill_batches(pieces, single=True):
                 placements = {slot: Placement(slot, slot, starts[slot]) for slot, _ in batch}
                 self._prefill(rows, width, batch, placements, ends={slot: starts[slot] + chunk for slot, _ in batch})
@@ -291,13 +313,17 @@ class Engine:
         ids_RxT, length, local_slot, start, source = prefill_rows(self._slots, rows_per_group, width, batch,
                                                                   placements or {}, self.schedule.n_local, self._dp,
                                                                   ends or {})
-        for slot, _ in batch:
-            self._slots[slot].dispatched = 1  # the prefill asks for its first token
+        index = np.zeros(len(length), np.int32)  # each row's token's index in its completion (its sampling key's)
+        for slot, row in batch:
+            completion = self._slots[slot]
+            index[row] = len(completion.tokens)  # 0, but for a preempted completion's return
+            completion.dispatched = index[row] + 1  # the prefill asks for its next token
         sampling = fill_sampling(len(length), [(row, self._slots[slot].request) for slot, row in batch], bias=True,
                                  adapters=self._served)
         state = (self.params, self._cache, self._slot_state)
         if self._book:
-            out = self._paged_prefill(state, batch, ids_RxT, start, length, local_slot, sampling, named=not ends)
+            out = self._paged_prefill(state, batch, ids_RxT, start, length, local_slot, sampling, index,
+                                      named=not ends)
         elif placements is None:
             out = self._programs.prefill(*state, ids_RxT, length, local_slot, sampling, top=MAX_TOP)
         else:
@@ -306,7 +332,7 @@ class Engine:
         return _Step(tokens, chosen, [(slot, self._slots[slot], row) for slot, row in batch])
 
     def _paged_prefill(self, state: tuple, batch: list[tuple[int, int]], ids_RxT, start, length, local_slot,
-                       sampling, named: bool) -> tuple:
+                       sampling, index, named: bool) -> tuple:
         """`_prefill` on the paged cache: each row's tokens from its start (after its reused pages) written
         through its page table, the whole table read where some row reuses pages (masked to them: one program per
         prompt shape, however long the prefix, as the slot cache's extend); then, where `named` (its last piece),
@@ -317,12 +343,12 @@ class Engine:
             rows[row] = slot
         table = self._book.table(rows, self._table_width)
         n_read = self._table_width if start.any() else 0
-        out = self._programs.paged_prefill(*state, ids_RxT, start, length, table, local_slot, sampling,
+        out = self._programs.paged_prefill(*state, ids_RxT, start, length, table, local_slot, sampling, index,
                                            n_read=n_read, top=MAX_TOP)
         if self._reuse_pages and named:
             for slot, _ in batch:
-                request = self._slots[slot].request
-                self._book.commit(slot, request.cache_key(request.prompt))
+                completion = self._slots[slot]
+                self._book.commit(slot, completion.request.cache_key(completion.context))
         return out
 
     def _decode_step(self) -> _Step | None:
@@ -340,8 +366,8 @@ class Engine:
             slot = self._slots[i]
             position[i], index[i] = slot.position, slot.dispatched
             slot.dispatched += 1
-        penalized = any(_penalized(self._slots[i].request) for i in live)
-        tokens, chosen = self._run_decode(Steps(position, index, sampling), rows, n_blocks, penalized, live)
+        penalties = any(penalized(self._slots[i].request) for i in live)
+        tokens, chosen = self._run_decode(Steps(position, index, sampling), rows, n_blocks, penalties, live)
         return _Step(tokens, chosen, [(i, self._slots[i], out_rows[i]) for i in live])
 
     def _read_back(self, step: _Step) -> None:
@@ -375,6 +401,18 @@ class Engine:
                 self._book.commit(slot, written)
             self._book.release(slot)
 
+    def _preempt(self, slot: int) -> None:
+        """Give up a paged slot's pages (those its context filled named first: cached for its return) and its slot;
+        its completion waits to be admitted again, in admission order. A step in flight still writes its pages
+        (before any later program, the device running them in order), and its token for it is not read."""
+        completion = self._slots[slot]
+        self._release_pages(slot, completion.request.cache_key(completion.context))
+        with self._cond:
+            self._slots[slot] = None
+            self._resumed.append(completion)
+            self._resumed = collections.deque(sorted(self._resumed, key=lambda c: c.admitted))
+            self.counts["preempted"] += 1
+
     def _drop_cancelled(self) -> None:
         with self._cond:
             for i, slot in enumerate(self._slots):
@@ -392,23 +430,20 @@ class Engine:
 
     def _fail_all(self, message: str) -> None:
         with self._cond:
-            requests = [slot.request for slot in self._slots if slot is not None] + list(self._waiting)
+            requests = ([slot.request for slot in self._slots if slot is not None]
+                        + [c.request for c in self._resumed] + list(self._waiting))
             for i, slot in enumerate(self._slots):
                 if slot is not None:
                     self._release_pages(i)
             self._slots = [None] * self.n_slots
             self._waiting.clear()
+            self._resumed.clear()
             calls, self._calls = list(self._calls), collections.deque()
         for _, future in calls:
             future.set_exception(EngineStopped(message))
         for request in requests:
             if not request.cancelled.is_set():
                 self._emit(request, Event(error=message))
-
-
-def _penalized(request: GenerationRequest) -> bool:
-    """Whether a request has penalties or a logit bias."""
-    return bool(request.presence_penalty or request.frequency_penalty or request.logit_bias)
 
 
 def _run_call(fn: Callable[[], Any], future: concurrent.futures.Future) -> None:

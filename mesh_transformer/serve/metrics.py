@@ -5,6 +5,7 @@ Read from the engine when scraped (`engine.stats()`):
 - vllm:num_requests_waiting      gauge: requests queued for a slot
 - vllm:gpu_cache_usage_perc      gauge: the fraction (0 to 1, as vLLM's) of KV-cache slots busy (a slot holds one
                                  request's whole context), or with a paged cache of its pages held by requests
+- vllm:num_preemptions_total     counter: requests preempted where a paged cache ran out of pages (each resumed)
 - vllm:gpu_prefix_cache_queries  counter: prompt tokens looked up in the prefix cache (when the engine has one)
 - vllm:gpu_prefix_cache_hits     counter: of those, tokens whose cached keys were reused
 - vllm:lora_requests_info        gauge (where LoRA adapters are served): labels running_lora_adapters (the names
@@ -67,6 +68,9 @@ class EngineCollector:
         usage = (1 - pages["available"] / pages["total"]) if pages else slots["busy"] / max(1, slots["total"])
         yield self._family(GaugeMetricFamily, "vllm:gpu_cache_usage_perc",
                            "Fraction of the KV cache in use: pages held, or slots busy (1 means all).", usage)
+        yield self._family(CounterMetricFamily, "vllm:num_preemptions",
+                           "Requests preempted when the paged cache ran out of pages (resumed later).",
+                           stats["requests"]["preempted"])
         prefix = stats.get("prefix_cache")
         if prefix is not None:
             yield self._family(CounterMetricFamily, "vllm:gpu_prefix_cache_queries",

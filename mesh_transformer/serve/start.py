@@ -23,5 +23,6 @@ def sized_engine(args: argparse.Namespace) -> tuple[Engine, Any]:
     log.info("%s", fit.summary())
     engine = Engine(layout, read_for_inference(layout, source, args), tokenizer, max_batch=args.max_batch,
                     max_queue=args.max_queue, warm_up=args.warm_up, programs=programs,
-                    prefix_cache=args.prefix_cache, n_pages=fit.n_pages, page_size=args.paged["page_size"])
+                    prefix_cache=args.prefix_cache, n_pages=fit.n_pages, page_size=args.paged["page_size"],
+                    reserve_pages=args.kv_reserve)
     return engine, tokenizer

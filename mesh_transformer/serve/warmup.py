@@ -56,7 +56,7 @@ def paged_programs(state: tuple, schedule: Schedule, table_width: int, pad_page:
     tails = reuse_pages or bool(schedule.chunk)
     prefills = [("paged_prefill", (*state, np.zeros((r, width), np.int32), np.zeros(r, np.int32),
                                    np.ones(r, np.int32), table(r), np.full(r, -1, np.int32),
-                                   _sampling(state, r)), {"n_read": n_read, "top": MAX_TOP})
+                                   _sampling(state, r), np.zeros(r, np.int32)), {"n_read": n_read, "top": MAX_TOP})
                 for width, r in _prefill_shapes(schedule)
                 for n_read in ([0, table_width] if tails and r == schedule.dp else [0])]
     decode_args = (*state, _idle_steps(state, schedule.n_slots), table(schedule.n_slots))

@@ -44,7 +44,8 @@ def paged_greedy(cfg, params, device, attention: str, prompts: list[list[int]]) 
         ids[i, :len(p)] = p
     length, sampling_R = np.array([len(p) for p in prompts], np.int32), fill_sampling(rows, [])
     token, _, slots, cache = programs.paged_prefill(placed, cache, slots, ids, np.zeros(rows, np.int32), length,
-                                                    table, np.arange(rows, dtype=np.int32), sampling_R, n_read=0)
+                                                    table, np.arange(rows, dtype=np.int32), sampling_R,
+                                                    np.zeros(rows, np.int32), n_read=0)
     steps, tokens = decode.Steps(length, np.ones(rows, np.int32), sampling_R), [np.asarray(token)]
     for _ in range(STEPS):
         n_read = -(-int(np.max(steps.position) + 1) // PAGE)

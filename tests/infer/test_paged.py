@@ -152,7 +152,7 @@ def greedy_programs(layout, params, prompts, steps, page_seed):
     sampling = fill_sampling(n_slots, [])
     slot = np.tile(np.arange(local, dtype=np.int32), dp)
     token, _, slots, cache = programs.paged_prefill(params, cache, slots, ids, np.zeros(n_slots, np.int32), length,
-                                                    table, slot, sampling, n_read=0)
+                                                    table, slot, sampling, np.zeros(n_slots, np.int32), n_read=0)
     steps_N = decode.Steps(length.copy(), np.ones(n_slots, np.int32), sampling)
     tokens = [np.asarray(token)]
     for _ in range(steps):

@@ -33,7 +33,7 @@ class FakeEngine:
 
     def __init__(self, prefix_cache: bool = True):
         self.state = {"slots": {"total": 8, "busy": 3, "free": 5}, "queue": {"waiting": 2, "max": 64},
-                      "requests": {"completed": 0, "cancelled": 0}}
+                      "requests": {"completed": 0, "cancelled": 0, "preempted": 0}}
         if prefix_cache:
             self.state["prefix_cache"] = {"enabled": True, "queried_tokens": 100, "hit_tokens": 40}
 
@@ -55,6 +55,9 @@ def test_engine_state_is_read_at_scrape_time_and_prefix_cache_counters_move_with
     assert value(scraped, "vllm:gpu_prefix_cache_queries_total") == 164
     assert value(scraped, "vllm:gpu_prefix_cache_hits_total") == 90
     assert value(scraped, "vllm:num_requests_running") == 0 and value(scraped, "vllm:gpu_cache_usage_perc") == 0
+    assert value(scraped, "vllm:num_preemptions_total") == 0
+    engine.state["requests"]["preempted"] = 3
+    assert value(samples(metrics.exposition()), "vllm:num_preemptions_total") == 3
 
 
 def test_an_engine_without_a_prefix_cache_reports_no_prefix_cache_counters():

@@ -418,9 +418,12 @@ def test_requests_ending_early_on_a_stop_token_free_their_slots_for_the_next(par
     assert stopped >= 1
 
 
-def run_engine(engine, prompts, max_tokens):
-    """Each prompt's greedy tokens from this engine, all submitted at once."""
+def run_engine(engine, prompts, max_tokens, *, each=None, **request):
+    """Each prompt's greedy tokens from this engine, all submitted at once (with `request`'s values, and prompt i's
+    own in each[i] where given: prompt i's seed i where they sample)."""
     tokens, done = {}, threading.Semaphore(0)
+    request = {"temperature": 0.0, "logprobs": False, **request}
+    each = each or [{}] * len(prompts)
 
     def collect(i):
         def on_event(event):
@@ -430,7 +433,7 @@ def run_engine(engine, prompts, max_tokens):
                 done.release()
         return on_event
 
-    engine.submit([GenerationRequest(p, max_tokens, collect(i), temperature=0.0, logprobs=False)
+    engine.submit([GenerationRequest(p, max_tokens, collect(i), seed=i, **{**request, **each[i]})
                    for i, p in enumerate(prompts)])
     for _ in prompts:
         assert done.acquire(timeout=120)
@@ -557,6 +560,7 @@ def test_streamable_length_holds_back_stop_prefixes_and_partial_characters():
 @pytest.mark.parametrize("flags, named", [(["--bogus"], "--bogus"), (["--kv-pages", "0"], "--kv-pages"),
                                           (["--kv-pages", "off", "--kv-cache-dtype", "int8"], "--kv-pages off"),
                                           (["--kv-pages", "many"], "--kv-pages"),
+                                          (["--kv-pages", "off", "--kv-reserve"], "--kv-reserve"),
                                           (["--memory-fraction", "1.5"], "--memory-fraction")])
 def test_device_serve_bad_flag_is_a_one_line_error(flags, named):
     result = subprocess.run([sys.executable, "device_serve.py", "--config", "configs/bench.json", *flags],
@@ -715,6 +719,46 @@ def test_paged_engine_waits_for_pages_reuses_shared_prefix_pages_and_keeps_the_g
     small.close()
     with pytest.raises(config.ConfigError, match="multiple of the data-parallel size 2"):
         serving.Engine(layout(), params, tokenizer, programs=programs, n_pages=5)
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_paged_engine_preempts_the_latest_request_when_pages_run_out_and_its_output_is_unchanged(
+        params, tokenizer, programs, prefix_cache):
+    """On dp2 x mp4 with 8 pages of 8 tokens a group, eight requests of 9-16 prompt tokens and 24 new (up to 5 pages
+    each) are admitted on their prompts' pages and grow until a group runs out: its latest admitted request is
+    preempted and later resumes from its prompt and tokens so far. Greedy and seeded sampled tokens (streamed) equal
+    those of an engine with room for all (the offline sampler's, greedy); with `reserve_pages` none is preempted; a
+    request with penalties holds all its pages from the start (never preempted) and its tokens equal its own alone."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(1, 1000) for _ in range(9 + i)] for i in range(8)]
+    expected = [r.tokens for r in sampling.Sampler(layout(), params, programs=programs).generate(prompts, 24,
+                                                                                                  temperature=0.0)]
+
+    def paged(n_pages, **kw):
+        return serving.Engine(layout(), params, tokenizer, programs=programs, max_batch=8, max_queue=16,
+                              n_pages=n_pages, page_size=8, prefix_cache=prefix_cache, **kw)
+
+    roomy = paged(64)
+    sampled = run_engine(roomy, prompts, 24, temperature=1.0, top_k=4)
+    penalties = {"presence_penalty": 1.5, "frequency_penalty": 0.5}
+    penalized = run_engine(roomy, prompts[:1], 24, **penalties)
+    assert roomy.stats()["requests"]["preempted"] == 0
+    roomy.close()
+    tight = paged(16)
+    assert run_engine(tight, prompts, 24) == expected
+    assert tight.stats()["requests"]["preempted"] > 0
+    preempted = tight.stats()["requests"]["preempted"]
+    assert run_engine(tight, prompts, 24, temperature=1.0, top_k=4, stream=True) == sampled  # (streamed on)
+    assert tight.stats()["requests"]["preempted"] > preempted
+    # the penalized request (first admitted, holding all its pages) beside the others, preempted around it
+    assert run_engine(tight, prompts, 24, each=[penalties] + [{}] * 7) == penalized + expected[1:]
+    stats = tight.stats()
+    tight.close()
+    assert stats["pages"]["available"] == 16 and stats["slots"]["busy"] == 0 and stats["queue"]["waiting"] == 0
+    reserved = paged(16, reserve_pages=True)
+    assert run_engine(reserved, prompts, 24) == expected
+    assert reserved.stats()["requests"]["preempted"] == 0
+    reserved.close()
 
 
 @pytest.mark.parametrize("prefix_cache", [True, False])
