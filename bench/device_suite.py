@@ -16,7 +16,9 @@ appended to `--out` too).
   slots as fit, at 64 concurrent requests against one at a time: tokens/s and time to first token;
 - serving_paged: the engine over a paged int8 KV cache (int8 weights), a slot per client and the pages
   device_serve.py takes by default (serve/sizing.py): tokens/s and time to first token at 1, 8, 32, 64 and 128
-  concurrent requests, and how many it holds in flight beside the slot engine's slots;
+  concurrent requests, under each page policy (`--page-policies`: pages taken as tokens are made, preempting where
+  they run out; or all a request's pages from its start, --kv-reserve), and how many it holds in flight beside the
+  slot engine's slots;
 - serving_adapters: that engine with 8 random rank-16 LoRA adapters in its slots (every projection), the concurrent
   requests spread over them against all on the base (medians of 3 alternating rounds), and one more adapter loaded
   from a PEFT directory while it serves (bench/suite_adapters.py);
@@ -62,7 +64,7 @@ from bench.common import (copy_bandwidth_bytes_per_s, datasheet, emit, figure, m
 from bench.suite_adapters import serving_adapters_records
 from bench.suite_parts import (MODELS, SIZES, CompileLog, Peaks, Sizes, decode_records, device_sizes, error_text,
                                model_config, one_device_layout, param_count, random_arrays, train_bytes)
-from bench.suite_serving import PAGE, serving_paged_records, serving_records
+from bench.suite_serving import PAGE, PAGE_POLICIES, serving_paged_records, serving_records
 from mesh_transformer import config
 from mesh_transformer.estimate import layer_matrix_params
 from mesh_transformer.flags import MEMORY_FRACTION
@@ -249,6 +251,7 @@ class Choices(NamedTuple):
     train_set: dict | None = None
     profile_steps: int = 0
     memory_fraction: float = MEMORY_FRACTION
+    page_policies: tuple[str, ...] = PAGE_POLICIES
 
 
 def with_choices(layout, choices: Choices):
@@ -272,7 +275,7 @@ def run_section(name: str, device: jax.Device, sizes: Sizes, peaks: Peaks | None
         layout = one_device_layout(model_config(sizes.serving_model, kv_cache_dtype="int8"), device)
         return serving_paged_records(with_choices(layout, choices), sizes, choices.page_size,
                                      memory_stats(device).get("bytes_limit", DEFAULT_BYTES_LIMIT),
-                                     choices.memory_fraction, choices.profile_steps), peaks
+                                     choices.memory_fraction, choices.profile_steps, choices.page_policies), peaks
     if name == "serving_adapters":
         layout = one_device_layout(model_config(sizes.serving_model, kv_cache_dtype="int8"), device)
         return serving_adapters_records(with_choices(layout, choices), sizes, choices.page_size), peaks
@@ -351,6 +354,9 @@ def main() -> None:
     parser.add_argument("--memory-fraction", type=float, default=MEMORY_FRACTION,
                         help=f"serving_paged's pages: what fits this share of the device, as device_serve.py's flag "
                              f"(default {MEMORY_FRACTION})")
+    parser.add_argument("--page-policies", default=",".join(PAGE_POLICIES), metavar="grow,reserve",
+                        help="serving_paged's engines, in turn: grow (pages taken as tokens are made, preempting where "
+                             "they run out: device_serve.py's default) and reserve (--kv-reserve) (default both)")
     parser.add_argument("--cache-order", default=None, metavar="0,1,2,3",
                         help="the decode sections' and serving's KV cache block order, a permutation of [slots, "
                              "positions, heads, head dim] with slots first, for an A/B (default: the platform "
@@ -390,8 +396,12 @@ def main() -> None:
 
     serving_shape = counts("--serving-shape", args.serving_shape, 2)
     paged_levels = counts("--concurrent", args.concurrent, None)
+    page_policies = tuple(p.strip() for p in args.page_policies.split(",") if p.strip())
+    if not page_policies or set(page_policies) - set(PAGE_POLICIES) or len(set(page_policies)) < len(page_policies):
+        parser.error(f"--page-policies must name some of {', '.join(PAGE_POLICIES)} once each, got "
+                     f"{args.page_policies!r}")
     choices = Choices(args.paged_attention, args.attention, args.decode_attention, args.int8_dot, cache_order,
-                      args.page_size, train_set, args.profile_steps, args.memory_fraction)
+                      args.page_size, train_set, args.profile_steps, args.memory_fraction, page_policies)
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:

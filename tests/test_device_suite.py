@@ -37,14 +37,16 @@ def test_tiny_suite_emits_every_record_with_finite_positive_figures(tmp_path):
     meta = records[0]
     assert meta["bench"] == "meta" and meta["git_commit"] and meta["date_utc"] and meta["device_kind"] == "cpu"
     for record in records:
-        if record["bench"] not in ("meta", "memory"):
-            figures = list(numbers(record))
+        if record["bench"] not in ("meta", "memory"):  # (counts of what happened in a pass may be 0)
+            figures = list(numbers({k: v for k, v in record.items() if k not in ("preempted", "compiled_in_pass")}))
             assert figures and all(math.isfinite(x) and x > 0 for x in figures), record
     for weights in ("float32", "int8"):
         assert sorted(r["batch"] for r in records if r["bench"] == "decode" and r["weight_dtype"] == weights) == [1, 4]
     assert {r["mode"] for r in records if r["bench"] == "serving"} == {"concurrent", "one_at_a_time"}
     paged = [r for r in records if r["bench"] == "serving_paged"]
-    assert [r["concurrent"] for r in paged] == [1, 8] and {r["kv_cache_dtype"] for r in paged} == {"int8"}
+    assert [(r["page_policy"], r["concurrent"]) for r in paged] == [("grow", 1), ("grow", 8), ("reserve", 1),
+                                                                     ("reserve", 8)]
+    assert {r["kv_cache_dtype"] for r in paged} == {"int8"} and all(r["compiled_in_pass"] == 0 for r in paged)
     adapters = [r for r in records if r["bench"] == "serving_adapters"]
     assert [r["mode"] for r in adapters] == ["base", "adapters"]
     assert all(r["adapters"] == 8 and r["adapter_slots"] == 9 and len(r["rounds_tokens_per_s"]) == 3 for r in adapters)
@@ -102,18 +104,18 @@ def test_the_ab_flags_set_attention_layout_sequence_and_int8_products():
 
 def test_model_serving_shape_and_concurrency_flags_reach_the_records():
     """`--model llama3_8b` (the tiny sizes take its family and grouped key heads), `--serving-shape`, `--concurrent`,
-    `--memory-fraction` and `--profile-steps` (serving_paged traces a pass more: a CPU trace has no device ops, but
-    the pass and its window run); a bad count or fraction is a one-line error."""
+    `--memory-fraction`, `--page-policies` and `--profile-steps` (serving_paged traces a pass more: a CPU trace has
+    no device ops, but the pass and its window run); a bad count, fraction or policy is a one-line error."""
     result = run_script("bench/device_suite.py", "--tiny", "--model", "llama3_8b", "--only", "decode,serving_paged",
                         "--serving-shape", "6,5", "--concurrent", "3", "--memory-fraction", "0.5",
-                        "--profile-steps", "1")
+                        "--profile-steps", "1", "--page-policies", "reserve")
     assert result.returncode == 0, result.stderr[-2000:]
     records = [json.loads(line) for line in result.stdout.splitlines()]
     decodes = [r for r in records if r["bench"] == "decode"]
     assert decodes and all((r["family"], r["kv_heads"]) == ("llama", 2) for r in decodes)
     paged = [r for r in records if r["bench"] == "serving_paged"]
     assert [(r["concurrent"], r["prompt_len"], r["new_tokens"], r["tokens"]) for r in paged] == [(3, 6, 5, 15)]
-    assert paged[0]["memory_fraction"] == 0.5
+    assert paged[0]["memory_fraction"] == 0.5 and paged[0]["page_policy"] == "reserve"
     profiles = [r for r in records if r["bench"] == "serving_profile"]
     assert [(r["concurrent"], r["at_once"], r["ops"]) for r in profiles] == [(3, 3, 0)]
     assert profiles[0]["host_top"]  # the engine's thread traced
@@ -121,6 +123,8 @@ def test_model_serving_shape_and_concurrency_flags_reach_the_records():
     assert bad.returncode == 2 and "--serving-shape must be 2 positive integer(s)" in bad.stderr
     bad = run_script("bench/device_suite.py", "--tiny", "--only", "serving_paged", "--memory-fraction", "1.5")
     assert bad.returncode == 2 and "--memory-fraction must be in (0, 1], got 1.5" in bad.stderr
+    bad = run_script("bench/device_suite.py", "--tiny", "--only", "serving_paged", "--page-policies", "grow,lazy")
+    assert bad.returncode == 2 and "--page-policies must name some of grow, reserve once each" in bad.stderr
 
 
 def test_a_trace_sums_the_hosts_events_and_a_cpu_trace_has_no_device_ops(tmp_path):
