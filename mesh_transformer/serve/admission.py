@@ -15,8 +15,7 @@ in its group's growing requests (it could not grow beside the reserved ones).
 from __future__ import annotations
 
 import collections
-import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -30,7 +29,6 @@ from mesh_transformer.serve.schedule import Schedule
 
 SPARE_SHARE = 0.01  # of a group's pages, kept available when a request is admitted without all its pages (vLLM's
 # watermark): one made at once would otherwise be the first preempted
-_ADMISSIONS = itertools.count(1)  # admissions' numbers, in order (`Completion.admitted`)
 
 
 def check_request(request: GenerationRequest, cfg: Config, book: PagedCacheBook | None) -> None:
@@ -77,12 +75,12 @@ def admit_to_slots(waiting: collections.deque[GenerationRequest], slots: list[Co
 
 def admit_to_pages(waiting: collections.deque[GenerationRequest], resumed: collections.deque[Completion],
                    slots: list[Completion | None], free: list[int], n_local: int, book: PagedCacheBook,
-                   reserve: bool = False) -> dict[int, Placement]:
+                   numbers: Iterator[int], reserve: bool = False) -> dict[int, Placement]:
     """Pop preempted completions (`resumed`, first) and then waiting requests into the `free` slots (in admission
     order) of a paged cache whose dp group (of n_local slots) has pages for their context (the module docstring;
     with `reserve`, or penalties, for their max_tokens too), first come first served: the group holding the longest
-    cached prefix, else the one with the most pages free, the group's first free slot. Returns {slot: its
-    placement}."""
+    cached prefix, else the one with the most pages free, the group's first free slot; each numbered by the next of
+    `numbers` (`Completion.admitted`, increasing). Returns {slot: its placement}."""
     admitted = {}
 
     def first_free(group: int) -> int:
@@ -109,7 +107,7 @@ def admit_to_pages(waiting: collections.deque[GenerationRequest], resumed: colle
         (resumed if resumed else waiting).popleft()
         slot = next(s for s in free if s in book.group_of)  # the free slot just given pages
         free.remove(slot)
-        completion.admitted = next(_ADMISSIONS)
+        completion.admitted = next(numbers)
         slots[slot] = completion
         admitted[slot] = Placement(slot, slot, allocation.reused)
     return admitted

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -120,6 +121,7 @@ class Engine:
         self._table_width = pages_for(cfg.seq, page_size)
         self._waiting: collections.deque[GenerationRequest] = collections.deque()
         self._resumed: collections.deque[Completion] = collections.deque()  # preempted, by admission
+        self._admissions = itertools.count(1)  # admissions' numbers, in order (`Completion.admitted`)
         self._calls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -250,7 +252,7 @@ class Engine:
         if not self._book:
             return admit_to_slots(self._waiting, self._slots, free, self.schedule, self._prefix)
         admitted = admit_to_pages(self._waiting, self._resumed, self._slots, free, self.schedule.n_local, self._book,
-                                  self._reserve)
+                                  self._admissions, self._reserve)
         for slot, placement in admitted.items():
             self._page_counts[0] += len(self._slots[slot].context) if self._reuse_pages else 0
             self._page_counts[1] += placement.reused

@@ -1,5 +1,6 @@
 """The paged engine's admission and preemption policy (serve/admission.py) as host logic: no device, no engine."""
 import collections
+import itertools
 
 from mesh_transformer.infer.pages import PagedCacheBook
 from mesh_transformer.serve.admission import admit_to_pages, make_room
@@ -12,10 +13,13 @@ def request(prompt_len: int, max_tokens: int, **kw) -> GenerationRequest:
     return GenerationRequest(list(range(1, prompt_len + 1)), max_tokens, lambda event: None, **kw)
 
 
+NUMBERS = itertools.count(1)
+
+
 def admit(book, slots, waiting, resumed=(), reserve=False, n_local=4):
     waiting, resumed = collections.deque(waiting), collections.deque(resumed)
     free = [i for i, slot in enumerate(slots) if slot is None]
-    placed = admit_to_pages(waiting, resumed, slots, free, n_local, book, reserve)
+    placed = admit_to_pages(waiting, resumed, slots, free, n_local, book, NUMBERS, reserve)
     return placed, waiting, resumed
 
 
