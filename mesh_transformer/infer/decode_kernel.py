@@ -74,12 +74,16 @@ def _divisor(n: int, most: int) -> int:
     return max(d for d in range(1, min(n, most) + 1) if n % d == 0)
 
 
+def _tile_rows(dtype) -> int:
+    """The rows (sublanes) of one TPU tile of `dtype`: 8 of f32, 16 of bf16, 32 of int8."""
+    return 8 * (4 // jnp.dtype(dtype).itemsize)
+
+
 def form_for(heads: int, dtype) -> str:
     """"mxu" where a chunk's (key) heads fill whole tiles of sublanes (8 of f32, 16 of bf16) and are a power of two (the
     head of a column is its low bits), else "vpu". ("mxu" takes bf16 chunks of 8 heads too, viewed through f32, as
     Llama-3-8B's; not yet measured against "vpu" on a chip, so not chosen here.)"""
-    packing = 4 // jnp.dtype(dtype).itemsize
-    return "mxu" if heads % (8 * packing) == 0 and heads & (heads - 1) == 0 else "vpu"
+    return "mxu" if heads % _tile_rows(dtype) == 0 and heads & (heads - 1) == 0 else "vpu"
 
 
 def _online(s, real, m_prev, axis: int):
@@ -105,7 +109,7 @@ def _row_vpu(q_HxK, k_PxNxK, v_PxNxK, first_position, length, scale, m_Hx1, l_Hx
 def _row_mxu(q_HxK, k_PxNxK, v_PxNxK, first_position, length, scale, m_Hx1, l_Hx1, acc_HxK):
     positions, kv_heads, head_dim = k_PxNxK.shape
     group = q_HxK.shape[0] // kv_heads  # query heads per key head: query head h reads key head h // group
-    if kv_heads % (8 * (4 // k_PxNxK.dtype.itemsize)):  # (bf16 heads fewer than a tile's 16 sublanes: through f32's 8)
+    if kv_heads % _tile_rows(k_PxNxK.dtype):  # (bf16 heads fewer than a tile's 16 sublanes: through f32's 8)
         k, v = (x.astype(F32).reshape(positions * kv_heads, head_dim).astype(x.dtype) for x in (k_PxNxK, v_PxNxK))
     else:
         k, v = (x.reshape(positions * kv_heads, head_dim) for x in (k_PxNxK, v_PxNxK))
