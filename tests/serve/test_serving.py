@@ -761,6 +761,49 @@ def test_paged_engine_preempts_the_latest_request_when_pages_run_out_and_its_out
     reserved.close()
 
 
+def test_paged_engine_with_preemption_cancellation_and_shared_prefixes_keeps_every_output_and_page(
+        params, tokenizer, programs):
+    """On dp2 x mp4 with 8 pages of 8 tokens a group and the prefix cache: 16 streamed requests submitted at once,
+    half sharing a 20-token prefix, of 1 to 24 new tokens, three cancelled at their first event: the others make the
+    offline sampler's greedy tokens while requests are preempted and resumed around them, and every slot and page
+    comes back."""
+    rng = random.Random(4)
+    shared = [rng.randrange(1, 1000) for _ in range(20)]
+    prompts = [(shared if i % 2 else []) + [rng.randrange(1, 1000) for _ in range(3 + i % 7)] for i in range(16)]
+    lengths = [1 + 5 * i % 24 for i in range(16)]
+    full = sampling.Sampler(layout(), params, programs=programs).generate(prompts, 24, temperature=0.0)
+    engine = serving.Engine(layout(), params, tokenizer, programs=programs, max_batch=8, max_queue=16, n_pages=16,
+                            page_size=8)
+    cancelled, got, done = {3, 8, 13}, collections.defaultdict(list), threading.Semaphore(0)
+    requests = []
+
+    def collect(i):
+        def on_event(event):
+            assert event.error is None
+            got[i].extend(event.tokens)
+            if i in cancelled:
+                engine.cancel([requests[i]])
+            elif event.finish_reason:
+                done.release()
+        return on_event
+
+    requests.extend(GenerationRequest(p, n, collect(i), temperature=0.0, stream=True, logprobs=False)
+                    for i, (p, n) in enumerate(zip(prompts, lengths)))
+    engine.submit(requests)
+    for _ in range(len(prompts) - len(cancelled)):
+        assert done.acquire(timeout=120)
+    deadline = time.monotonic() + 60
+    while (stats := engine.stats())["slots"]["busy"] or stats["queue"]["waiting"]:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.01)
+    engine.close()
+    assert {i: got[i] for i in range(16) if i not in cancelled} == {
+        i: full[i].tokens[:lengths[i]] for i in range(16) if i not in cancelled}
+    assert all(got[i] == full[i].tokens[:len(got[i])] for i in cancelled)
+    assert stats["pages"]["available"] == 16 and stats["requests"]["preempted"] > 0
+    assert stats["requests"]["completed"] == 13 and stats["requests"]["cancelled"] == 3
+
+
 @pytest.mark.parametrize("prefix_cache", [True, False])
 def test_paged_engine_prefills_long_prompts_in_pieces_with_the_greedy_output(params, tokenizer, programs,
                                                                            monkeypatch, prefix_cache):
