@@ -143,18 +143,19 @@ def serving_paged_records(layout: Layout, sizes: Sizes, page: int = PAGE, bytes_
                           policies: tuple[str, ...] = PAGE_POLICIES) -> list[dict]:
     """The engine over a paged cache (the layout's kv_cache_dtype) with serving_clients slots and the pages
     device_serve.py would take with `memory_fraction` (serve/sizing.py: what fits the device, a context per slot
-    where it reports no memory), no prefix cache, under each of the page `policies` in turn (PAGE_POLICIES; one set
-    of programs): requests submitted together at each of sizes.paged_levels (those beyond the slots or the pages
-    wait for them), a warm pass first at each; with `profile_steps`, a pass more of the first policy at the last
+    where it reports no memory), its prefix cache on as device_serve.py's (new prompts each pass: nothing shared but
+    what a preempted request left), under each of the page `policies` in turn (PAGE_POLICIES; one set of programs):
+    requests submitted together at each of sizes.paged_levels (those beyond the slots or the pages wait for them), a
+    warm pass first at each; with `profile_steps`, a pass more of the first policy at the last
     level traced for about that many decode steps once under way (`_profiled_pass`); and how many requests fit the
     device against the slot cache's slots (`paged_capacity`)."""
     cfg, programs = layout.cfg, Programs(layout)
     # The pages device_serve.py takes with --kv-pages auto and this --memory-fraction, with its programs.
     n_pages = sizing.for_server(programs, max_batch=sizes.serving_clients, n_pages=AUTO, page_size=page,
-                                prefix_cache=False, memory_fraction=memory_fraction).n_pages
+                                prefix_cache=True, memory_fraction=memory_fraction).n_pages
     params = random_decode_params(layout)
     precision = gptj.precision(cfg)
-    described = dict(pages=n_pages, memory_fraction=memory_fraction, page_size=page,
+    described = dict(pages=n_pages, memory_fraction=memory_fraction, page_size=page, prefix_cache=True,
                      prompt_len=sizes.serving_prompt_len,
                      seq=cfg.seq, family=cfg.family, kv_heads=cfg.kv_heads, layers=cfg.layers, d_model=cfg.d_model,
                      dtype=precision.compute.name,
@@ -162,18 +163,21 @@ def serving_paged_records(layout: Layout, sizes: Sizes, page: int = PAGE, bytes_
                      paged_attention=layout.policy.paged_attention, int8_dot=layout.policy.int8_dot)
     rng = np.random.default_rng(0)
     levels = [n for n in sizes.paged_levels if n <= 2 * sizes.serving_clients]
-    prompts = rng.integers(0, cfg.n_vocab, (max(levels), sizes.serving_prompt_len)).tolist()
     new_tokens, records = sizes.serving_new_tokens, []
+
+    def prompts(n: int) -> list[list[int]]:
+        return rng.integers(0, cfg.n_vocab, (n, sizes.serving_prompt_len)).tolist()
+
     for policy in policies:
         engine = Engine(layout, params, _CharPerToken(), max_batch=sizes.serving_clients,
-                        max_queue=4 * sizes.serving_clients, stop_token_ids=(), prefix_cache=False, n_pages=n_pages,
+                        max_queue=4 * sizes.serving_clients, stop_token_ids=(), prefix_cache=True, n_pages=n_pages,
                         page_size=page, programs=programs, reserve_pages=policy == "reserve")
         kind = {**described, "slots": engine.n_slots, "page_policy": policy}
         try:
             for n in levels:
-                _run_together(engine, prompts[:n], new_tokens)  # compiles every page count the timed pass reads
+                _run_together(engine, prompts(n), new_tokens)  # compiles every page count the timed pass reads
                 before = engine.stats()["requests"]["preempted"], programs.traces
-                record = _serving_record("paged", [_run_together(engine, prompts[:n], new_tokens)], new_tokens)
+                record = _serving_record("paged", [_run_together(engine, prompts(n), new_tokens)], new_tokens)
                 records.append({**record, "bench": "serving_paged", "concurrent": n, **kind,
                                 "preempted": engine.stats()["requests"]["preempted"] - before[0],
                                 "compiled_in_pass": programs.traces - before[1]})
@@ -182,7 +186,7 @@ def serving_paged_records(layout: Layout, sizes: Sizes, page: int = PAGE, bytes_
             if profile_steps and policy == policies[0]:
                 at_once = min(levels[-1], n_pages // pages_for(sizes.serving_prompt_len + new_tokens, page))
                 records.append({"bench": "serving_profile", "concurrent": levels[-1], "at_once": at_once, **kind,
-                                **_profiled_pass(engine, prompts[:levels[-1]], new_tokens, at_once, profile_steps)})
+                                **_profiled_pass(engine, prompts(levels[-1]), new_tokens, at_once, profile_steps)})
         finally:
             engine.close()
     return records + [paged_capacity(layout, sizes, page, bytes_limit)]
