@@ -298,7 +298,8 @@ class Engine:
         and counts penalties and bias, run while some request has them), reading `n_blocks` cache blocks, or pages
         of the `live` slots' tables (the others' padding) with a paged cache."""
         if self._book:
-            table = self._book.table([i if i in live else None for i in range(self.n_slots)], self._table_width)
+            stepping = set(live)
+            table = self._book.table([i if i in stepping else None for i in range(self.n_slots)], self._table_width)
             out = self._programs.paged_decode(self.params, self._cache, self._slot_state, steps, table, rows=rows,
                                               n_read=n_blocks, top=MAX_TOP, penalized=penalized)
         else:

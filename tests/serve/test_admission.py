@@ -101,3 +101,22 @@ def test_a_request_admitted_without_all_its_pages_leaves_a_share_of_the_group_sp
     assert placed == {} and len(waiting) == 1
     placed, waiting, _ = admit(book, slots, [request(2, 1)])  # one token: only the prompt's page, nothing to grow
     assert list(placed) == [1] and held(book, 1) == 1
+
+
+def test_a_slot_whose_last_token_is_in_flight_is_not_preempted_for_a_page():
+    """The latest admitted slot has asked for all its tokens (it frees its pages once the last is read): the one
+    before it is preempted instead."""
+    book, slots = PagedCacheBook(5, PAGE), [None] * 4
+    admit(book, slots, [request(7, 20), request(3, 20), request(3, 2)])  # 2 + 1 + 1 pages, 1 free
+    for i, dispatched in enumerate((2, 2, 2)):
+        slots[i].tokens, slots[i].dispatched = [9], dispatched  # slot 2: max_tokens 2 asked for, none to make
+    assert not slots[2].needs_step
+    gone = []
+
+    def preempt(slot):
+        book.release(slot)
+        gone.append(slot)
+        slots[slot] = None
+
+    make_room(slots, [0, 1], 4, book, preempt)  # 3 + 2 pages wanted, 4 + the finishing slot's 1 held
+    assert gone == [1] and held(book, 0) == 3 and slots[2] is not None
