@@ -75,6 +75,29 @@ def test_concurrent_requests_on_the_chip_get_the_cpus_greedy_tokens(params, chip
         assert np.abs(got - want).max() <= RTOL_F32 * np.abs(want).max()
 
 
+def test_the_chips_paged_engine_preempts_and_resumes_with_the_cpus_greedy_tokens(params, chip, host, highest_precision):
+    """12 requests at once into 8 slots over a paged cache of 6 pages of 16 tokens (a request fills up to 4): the
+    latest admitted are preempted as the others grow, and resumed; in f32 each gets the tokens the CPU's offline
+    sampler makes, and their log-probs within 1e-4."""
+    prompts = prompts_with_shared_prefixes(12, seed=2)
+    max_tokens = [4 + i % 13 for i in range(len(prompts))]
+    engine = Engine(make_inference_layout(F32, mesh=make_dp_mp(1, 1, [chip])), params, load_tokenizer(),
+                    max_batch=8, max_queue=len(prompts), stop_token_ids=(), n_pages=6, page_size=16)
+    try:
+        events = serve_together(engine, prompts, max_tokens)
+        stats = engine.stats()
+    finally:
+        engine.close()
+    expected = Sampler(make_inference_layout(F32, mesh=make_dp_mp(1, 1, [host])), params).generate(
+        prompts, max(max_tokens), temperature=0.0, stop_token_ids=[], return_logprobs=True)
+    assert stats["requests"]["preempted"] > 0 and stats["pages"]["available"] == 6
+    for request, result, n in zip(events, expected, max_tokens, strict=True):
+        assert not [e.error for e in request if e.error] and request[-1].finish_reason == "length"
+        assert [t for e in request for t in e.tokens] == result.tokens[:n]
+        got, want = np.array([lp for e in request for lp in e.logprobs]), np.array(result.logprobs[:n])
+        assert np.abs(got - want).max() <= RTOL_F32 * np.abs(want).max()
+
+
 def test_the_chip_serves_concurrent_requests_in_its_own_dtype(params, chip):
     """In the chip's compute dtype ("auto": bf16), 16 requests at once into 8 slots all run to their lengths."""
     layout = make_inference_layout(CFG, mesh=make_dp_mp(1, 1, [chip]))
