@@ -159,11 +159,12 @@ def _laid(x_RxTx_: jax.Array, order: tuple) -> jax.Array:
 
 def write_positions(table_RxM: jax.Array, position_RxT: jax.Array, real_RxT: jax.Array, n_pages: int,
                     page: int) -> tuple[jax.Array, jax.Array]:
-    """Where each token's key goes: (page id, offset in it) [R, T]; a padding token's, or one past the table's
-    pages, is page n_pages (out of range: the scatter drops it)."""
+    """Where each token's key goes: (page id, offset in it) [R, T]; a padding token's, one at a negative position
+    (a row a step takes no token of) or one past the table's pages, is page n_pages (out of range: the scatter drops
+    it)."""
     slot_RxT = position_RxT // page
-    inside_RxT = real_RxT & (slot_RxT < table_RxM.shape[1])
-    page_RxT = jnp.take_along_axis(table_RxM, jnp.minimum(slot_RxT, table_RxM.shape[1] - 1), axis=1)
+    inside_RxT = real_RxT & (slot_RxT >= 0) & (slot_RxT < table_RxM.shape[1])
+    page_RxT = jnp.take_along_axis(table_RxM, jnp.clip(slot_RxT, 0, table_RxM.shape[1] - 1), axis=1)
     return jnp.where(inside_RxT, page_RxT, n_pages), position_RxT % page
 
 
@@ -245,10 +246,10 @@ class _PagedKV(NamedTuple):
         n_pages, page = k.shape[0], k.shape[2]
         head_dim = q_Rx1xHxK.shape[-1]
         q_RxHxK = (q_Rx1xHxK[:, 0].astype(jnp.float32) / math.sqrt(head_dim)).astype(q_Rx1xHxK.dtype)
-        # A table's padding names a page out of range, and a free row's length is stale (beyond the pages read, or
-        # none): the kernel copies whole blocks of pages and walks each row's length, so both are held in range.
+        # A table's padding names a page out of range: the kernel copies the pages a row's length spans, so it is held
+        # in range. A row that takes no token (position -1) has length 0: the kernel passes over it.
         table_RxM = jnp.minimum(self.table_RxM[:, :self.n_read], n_pages - 1)
-        length_R = jnp.clip(self.start_R + 1, 1, self.n_read * page)
+        length_R = jnp.clip(self.start_R + 1, 0, self.n_read * page)
         per_block = max(1, min(self.n_read, KERNEL_BLOCK_TOKENS // page))
         ctx_RxHxK = paged_kernel.paged_decode_attention(q_RxHxK, k, v, k_scale, v_scale, length_R, table_RxM,
                                                         pages_per_block=per_block)

@@ -13,7 +13,9 @@ The grid walks the rows in order, one at a time. A row's pages are read in block
 (`pages_per_block * page` positions, the last block's positions past the row's length masked), copied from HBM into
 one of two VMEM buffers while the other is computed on; the block after a row's last is the next row's first, so the
 copies never wait between rows. Only the pages a row reads are copied: at Llama-2-7B's serving shape a last block is
-half read on average (rows of 1,024 to 2,048 positions, blocks of 512), and a free row reads one page, not a block.
+half read on average (rows of 1,024 to 2,048 positions, blocks of 512). A row of length 0 (a step's row that takes
+no token: a free slot's) copies and computes nothing, where it copied a page and computed a whole block: a step of
+17 requests computes 64 rows (the decode programs' row counts are 1, 4, 16 and 64).
 Per key head, a block's scores are rows [G, positions] (its G query heads times the keys, by the matrix unit; G is
 1 without grouped-query attention), scaled by the keys' scales (as rows: the block's [positions, H] scales
 transposed once, by the matrix unit too), softmax runs online over the blocks (flash decoding), and the
@@ -163,6 +165,12 @@ def _kernel(length_ref, table_ref, q_ref, k_hbm, v_hbm, *rest, n_rows: int, widt
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
     length, count = length_ref[row], n_blocks(row)
 
+    @pl.when((count == 0) & (row + 1 < n_rows))
+    def pass_on():
+        # A row of no position (one a step computes but takes no token of) copies and computes nothing: the next
+        # row's first block, which a row's last block would have started, starts here.
+        copies(row + 1, 0, slot_ref[0], "start")
+
     def block(i, carry):
         slot = slot_ref[0]
         last = i + 1 >= count
@@ -187,7 +195,8 @@ def _kernel(length_ref, table_ref, q_ref, k_hbm, v_hbm, *rest, n_rows: int, widt
         return carry
 
     lax.fori_loop(0, count, block, 0)
-    out_ref[...] = (acc_ref[...] / l_ref[...]).astype(out_ref.dtype)
+    total = l_ref[...]
+    out_ref[...] = jnp.where(total > 0, acc_ref[...] / jnp.where(total > 0, total, 1.0), 0.0).astype(out_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("pages_per_block", "form"))
@@ -195,7 +204,8 @@ def paged_decode_attention(q_RxHxK: jax.Array, k_pages: jax.Array, v_pages: jax.
                            v_scales: jax.Array | None, length_R: jax.Array, table_RxM: jax.Array, *,
                            pages_per_block: int, form="dense") -> jax.Array:
     """Each row's query [R, H, K] (scaled by 1/sqrt(K) already) against the first length_r positions of its pages
-    (table_RxM, page ids in range; length_r >= 1); returns the attention's output [R, H, K] in f32. Pages [P, H_kv,
+    (table_RxM, page ids in range; a row of length 0 reads nothing and its output is 0); returns the attention's
+    output [R, H, K] in f32. Pages [P, H_kv,
     page, K] of any dtype (H_kv key heads, each read by H / H_kv query heads); with int8 pages their scales [P, page,
     H_kv] (f32: a value is int8 x scale), else None. `form`: how a block is computed, a name of FORMS (or a function of
     a form's arguments: the bench's floors)."""

@@ -264,6 +264,9 @@ def kernel_reference(q_RxHxK, k_pages, v_pages, k_scales, v_scales, length_R, ta
     first length_r positions."""
     out = np.zeros(q_RxHxK.shape)
     for r, (pages, length) in enumerate(zip(table_RxM, length_R)):
+        if not length:  # a row of no position: 0
+            continue
+
         def joined(x, scales, pages=pages):
             x = np.concatenate([x[p].transpose(1, 0, 2) for p in pages]).astype(np.float64)  # [M * page, H, K]
             return x if scales is None else x * np.concatenate([scales[p] for p in pages])[..., None]
@@ -281,18 +284,19 @@ def kernel_reference(q_RxHxK, k_pages, v_pages, k_scales, v_scales, length_R, ta
 @pytest.mark.parametrize("int8", [True, False], ids=["int8", "bf16"])
 def test_the_paged_kernel_attends_over_each_rows_pages_up_to_its_length(int8, per_block, group, form):
     """The TPU kernel (Pallas' TPU interpreter on the CPU) against numpy: rows of one position, of a page and a bit,
-    of a whole table; blocks of one page, of two, of the whole table (its last block past the table's width); int8
-    pages with per-token scales and bf16 pages; `group` query heads per key head (grouped-query attention); each
-    form of a block's computation (`paged_kernel.FORMS`)."""
+    of a whole table, and of none (0: first, two together, last; what a step computes but takes no token of); blocks
+    of one page, of two, of the whole table (its last block past the table's width); int8 pages with per-token
+    scales and bf16 pages; `group` query heads per key head (grouped-query attention); each form of a block's
+    computation (`paged_kernel.FORMS`)."""
     from jax.experimental.pallas import tpu as pltpu
 
     from mesh_transformer.infer.paged_kernel import paged_decode_attention
 
     rng = np.random.default_rng(per_block)
-    rows, heads, head_dim, n_pages, page, width = 4, 4, 128, 30, 8, 5
+    rows, heads, head_dim, n_pages, page, width = 8, 4, 128, 40, 8, 5
     q = (rng.standard_normal((rows, heads * group, head_dim)) / np.sqrt(head_dim)).astype(np.float32)
     table = rng.permutation(n_pages)[:rows * width].reshape(rows, width).astype(np.int32)
-    length = np.array([1, 11, 40, 23], np.int32)
+    length = np.array([0, 1, 11, 0, 0, 40, 23, 0], np.int32)
     k, v, k_scales, v_scales = random_pages(rng, (n_pages, heads, page, head_dim), int8, jnp.bfloat16)
     with pltpu.force_tpu_interpret_mode():
         got = paged_decode_attention(q, k, v, k_scales, v_scales, length, table, pages_per_block=per_block,
@@ -391,3 +395,15 @@ def test_every_platforms_page_layout_holds_and_reads_the_same_keys(placed, order
             position = position + 1
         runs.append(np.stack(steps))
     np.testing.assert_allclose(runs[1], runs[0], rtol=0, atol=1e-5)
+
+
+def test_a_key_at_a_negative_position_or_past_the_table_is_written_nowhere():
+    """Where a step's row takes no token (position -1) or a token lies past its table, its key's page is out of
+    range (dropped by the scatter), whatever the table names; padding tokens too."""
+    table = np.array([[3, 5], [7, 2]], np.int32)
+    position = np.array([[-1, 9], [16, 3]], np.int32)
+    real = np.array([[True, True], [True, False]])
+    page, offset = paged.write_positions(table, position, real, n_pages=9, page=8)
+    # -1: none; 9: page 5 at 1; 16: past the table's 2 pages of 8; 3: padding
+    np.testing.assert_array_equal(np.asarray(page), [[9, 5], [9, 9]])
+    assert int(np.asarray(offset)[0, 1]) == 1
