@@ -45,6 +45,7 @@ from mesh_transformer.serve.warmup import Program, paged_programs, slot_programs
 from mesh_transformer.tokenizer import eos_ids
 
 log = logging.getLogger(__name__)
+PREEMPTIONS_LOGGED = 50  # a warning at the first preemption, and each this many after
 
 class QueueFull(RuntimeError):
     """The waiting queue is full; the caller should retry later."""
@@ -415,6 +416,10 @@ class Engine:
             self._resumed.append(completion)
             self._resumed = collections.deque(sorted(self._resumed, key=lambda c: c.admitted))
             self.counts["preempted"] += 1
+            total = self.counts["preempted"]
+        if total % PREEMPTIONS_LOGGED == 1:  # as vLLM warns
+            log.warning("a request was preempted for want of KV-cache pages (%d so far); more pages (--kv-pages, "
+                        "--memory-fraction), --kv-cache-dtype int8 or a smaller --max-batch would avoid it", total)
 
     def _drop_cancelled(self) -> None:
         with self._cond:

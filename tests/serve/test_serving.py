@@ -723,12 +723,13 @@ def test_paged_engine_waits_for_pages_reuses_shared_prefix_pages_and_keeps_the_g
 
 @pytest.mark.parametrize("prefix_cache", [True, False])
 def test_paged_engine_preempts_the_latest_request_when_pages_run_out_and_its_output_is_unchanged(
-        params, tokenizer, programs, prefix_cache):
+        params, tokenizer, programs, prefix_cache, caplog):
     """On dp2 x mp4 with 8 pages of 8 tokens a group, eight requests of 9-16 prompt tokens and 24 new (up to 5 pages
     each) are admitted on their prompts' pages and grow until a group runs out: its latest admitted request is
-    preempted and later resumes from its prompt and tokens so far. Greedy and seeded sampled tokens (streamed) equal
-    those of an engine with room for all (the offline sampler's, greedy); with `reserve_pages` none is preempted; a
-    request with penalties holds all its pages from the start (never preempted) and its tokens equal its own alone."""
+    preempted (a warning says so) and later resumes from its prompt and tokens so far. Greedy and seeded sampled
+    tokens (streamed) equal those of an engine with room for all (the offline sampler's, greedy); with
+    `reserve_pages` none is preempted; a request with penalties holds all its pages from the start (never preempted)
+    and its tokens equal its own alone."""
     rng = random.Random(2)
     prompts = [[rng.randrange(1, 1000) for _ in range(9 + i)] for i in range(8)]
     expected = [r.tokens for r in sampling.Sampler(layout(), params, programs=programs).generate(prompts, 24,
@@ -747,6 +748,7 @@ def test_paged_engine_preempts_the_latest_request_when_pages_run_out_and_its_out
     tight = paged(16)
     assert run_engine(tight, prompts, 24) == expected
     assert tight.stats()["requests"]["preempted"] > 0
+    assert "a request was preempted for want of KV-cache pages (1 so far)" in caplog.text
     preempted = tight.stats()["requests"]["preempted"]
     assert run_engine(tight, prompts, 24, temperature=1.0, top_k=4, stream=True) == sampled  # (streamed on)
     assert tight.stats()["requests"]["preempted"] > preempted
