@@ -195,8 +195,8 @@ def _kernel(length_ref, table_ref, q_ref, k_hbm, v_hbm, *rest, n_rows: int, widt
         return carry
 
     lax.fori_loop(0, count, block, 0)
-    total = l_ref[...]
-    out_ref[...] = jnp.where(total > 0, acc_ref[...] / jnp.where(total > 0, total, 1.0), 0.0).astype(out_ref.dtype)
+    # (a row of length 0 has acc 0 and l 0: its output 0; a real row's l is at least 1, its maximum's own term)
+    out_ref[...] = (acc_ref[...] / jnp.maximum(l_ref[...], 1.0)).astype(out_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("pages_per_block", "form"))

@@ -114,11 +114,13 @@ def admit_to_pages(waiting: collections.deque[GenerationRequest], resumed: colle
 
 
 def make_room(slots: list[Completion | None], live: Sequence[int], n_local: int, book: PagedCacheBook,
-              preempt: Callable[[int], None]) -> None:
+              preempt: Callable[[int], None]) -> list[int]:
     """Pages for the key each live slot writes in the next decode step (at its position), the earliest admitted
     first; where its group has too few, its latest admitted live slot without all its pages is preempted
     (`preempt(slot)` gives up its pages and slot) until it has, the slot itself last (marked `reserved` for its return
-    where it was alone). (A slot whose last token is in flight frees its pages as it is read.)"""
+    where it was alone). (A slot whose last token is in flight frees its pages as it is read.) Returns the slots
+    preempted."""
+    preempted = []
     for i in sorted(live, key=lambda i: slots[i].admitted):
         while slots[i] is not None and not book.grow(i, slots[i].position + 1):
             group = range(i // n_local * n_local, (i // n_local + 1) * n_local)
@@ -127,6 +129,8 @@ def make_room(slots: list[Completion | None], live: Sequence[int], n_local: int,
             victim = max(growing, key=lambda j: slots[j].admitted)  # i grows: it is not reserved
             slots[i].reserved = victim == i and len(growing) == 1
             preempt(victim)
+            preempted.append(victim)
+    return preempted
 
 
 def penalized(request: GenerationRequest) -> bool:

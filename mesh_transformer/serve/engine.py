@@ -244,10 +244,8 @@ class Engine:
         latest admitted if need be: `make_room`), preempted ones first, in a dp group with pages for them, and none
         in a round that preempted (vLLM's rule: it would be the next preempted). Returns {slot: its placement}."""
         if self._book:
-            preempted = self.counts["preempted"]
             live = [i for i, slot in enumerate(self._slots) if slot is not None and slot.needs_step]
-            make_room(self._slots, live, self.schedule.n_local, self._book, self._preempt)
-            if self.counts["preempted"] > preempted:
+            if make_room(self._slots, live, self.schedule.n_local, self._book, self._preempt):
                 return {}
         free = self.schedule.admission_order([i for i, slot in enumerate(self._slots) if slot is None])
         if not self._book:
