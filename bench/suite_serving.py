@@ -187,6 +187,7 @@ def serving_paged_records(layout: Layout, sizes: Sizes, page: int = PAGE, bytes_
                 at_once = min(levels[-1], n_pages // pages_for(sizes.serving_prompt_len + new_tokens, page))
                 records.append({"bench": "serving_profile", "concurrent": levels[-1], "at_once": at_once, **kind,
                                 **_profiled_pass(engine, prompts(levels[-1]), new_tokens, at_once, profile_steps)})
+                print(json.dumps({**records[-1], "partial": True}), file=sys.stderr, flush=True)
         finally:
             engine.close()
     return records + [paged_capacity(layout, sizes, page, bytes_limit)]

@@ -202,11 +202,14 @@ class Engine:
             return stats
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the device loop; requests still waiting or running get an error event."""
+        """Stop the device loop; requests still waiting or running get an error event. The KV cache and the slots'
+        state are given back to the devices once the loop has stopped (another engine can take their memory)."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self._cache = self._slot_state = None
 
     # ------------------------------------------------------------------------------------------------ engine thread
     def _run(self) -> None:

@@ -1,4 +1,5 @@
 import collections
+import gc
 import json
 import random
 import socket
@@ -538,7 +539,17 @@ def test_a_finished_requests_cached_prompt_is_intact_after_steps_it_sat_through(
     assert [t for e in events[2] for t in e.tokens] == expected[0].tokens
     np.testing.assert_allclose([p for e in events[2] for p in e.logprobs], expected[0].logprobs, atol=1e-4)
     assert engine.stats()["prefix_cache"]["hit_tokens"] >= 32
+    # Closed, the engine gives its cache back to the devices (the next engine can take that memory).
+    cache = (programs.abstract_pages(pages, 8) if pages
+             else programs.abstract_cache(engine.n_slots, list(engine.schedule.block_sizes)))
+    held = live_bytes()
     engine.close()
+    assert held - live_bytes() >= sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+
+
+def live_bytes() -> int:
+    gc.collect()
+    return sum(x.nbytes for x in jax.live_arrays())
 
 
 @pytest.mark.parametrize("prompt, max_tokens", [([], 4), ([1] * CFG.seq, 1), ([1], CFG.seq), ([CFG.n_vocab], 1),
