@@ -72,12 +72,13 @@ def memory_record(compiled) -> dict[str, float]:
     if isinstance(compiled, Refused):
         return {"argument_bytes": compiled.argument_bytes, "output_bytes": 0, "alias_bytes": 0,
                 "temp_bytes": compiled.temp_bytes, "total_bytes": compiled.argument_bytes + compiled.temp_bytes,
-                "refused": compiled.message}
+                "code_bytes": 0, "refused": compiled.message}
     mem = compiled.memory_analysis()
     total = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
              - mem.alias_size_in_bytes)
     return {"argument_bytes": mem.argument_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
-            "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes, "total_bytes": total}
+            "alias_bytes": mem.alias_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes, "total_bytes": total,
+            "code_bytes": mem.generated_code_size_in_bytes}
 
 
 def size_text(n_bytes: int) -> str:

@@ -167,4 +167,5 @@ def measure_server(train_layout: Layout, max_batch: int, server: dict, common: d
         return {**record, "compile_s": round(time.perf_counter() - start, 1), "total_bytes": 0, "refused": str(e)}
     return {**record, "compile_s": round(time.perf_counter() - start, 1), "kv_pages": fit.n_pages,
             "total_bytes": fit.need_bytes, "budget_bytes": fit.budget_bytes, "params_bytes": fit.weights_bytes,
-            "kv_cache_bytes": fit.cache_bytes, "largest_program": fit.largest}
+            "kv_cache_bytes": fit.cache_bytes, "code_bytes": fit.code_bytes, "programs": fit.programs,
+            "largest_program": fit.largest}

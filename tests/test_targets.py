@@ -458,3 +458,20 @@ def test_the_estimate_counts_the_collectives_a_ring_sends(v3_8):
     record = estimate.step_estimate(compiled, targets.TPU_CHIPS["v3"], 1, 1.0)
     assert record["estimated_collective_s"] == pytest.approx(sent / targets.TPU_CHIPS["v3"].ici_bandwidth)
     assert record["estimated_tokens_per_s_with_collectives"] < record["estimated_tokens_per_s"]
+
+
+def test_the_servers_sizing_on_a_v5e_counts_the_code_of_every_program_its_engine_can_load():
+    """A TPU keeps a program's code in its memory once the program has run (5-9 MB each for the device tier's model,
+    measured on a v5e): the sizing counts every program the engine can load, each decode step as large as the
+    largest it compiled, each prefill as its largest prefill, and the auto pages fill what is left."""
+    from mesh_transformer.infer.params import make_inference_layout
+    from mesh_transformer.parallel.mesh import make_dp_mp
+    from mesh_transformer.serve import sizing
+
+    cfg = dataclasses.replace(CFG, cores_per_replica=1)
+    layout = make_inference_layout(cfg, mesh=make_dp_mp(1, 1, [_v5e_sharding()._device]))
+    fit = sizing.for_server(Programs(layout), max_batch=4, n_pages="auto", page_size=16, prefix_cache=True,
+                            memory_fraction=0.9, device_bytes=1 << 30)
+    assert fit.programs >= 10 and fit.code_bytes >= fit.programs << 20
+    assert fit.weights_bytes + fit.cache_bytes + fit.code_bytes < fit.need_bytes <= fit.budget_bytes
+    assert f"the code of {fit.programs} programs" in fit.summary()

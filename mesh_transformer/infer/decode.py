@@ -347,26 +347,26 @@ def extend_local(params, cache, slots_N: Slots, ids_RxT, start_R, length_R, slot
 
 
 def decode_local(params, cache, slots_N: Slots, steps_N: Steps, *, cfg, policy, rows: int, n_blocks: int,
-                 top: int = 0, penalized: bool = False, tp_axis=None):
+                 top: int = 0, tp_axis=None):
     """One token for each of the first `rows` slots, from its last token. Returns tokens [R] and their `Logprobs`
     (with the `top` most likely), the `Slots` with these written into the first R, the steps advanced by one token,
-    and the cache. `penalized` (a program of its own, run while some row has penalties or bias): the rows' tokens
-    are chosen with them, and counted (every row's: a row without penalties never reads its counts, and a prefill
-    restarts them); without, the program never touches the counts and bias."""
+    and the cache. The rows' tokens are chosen with their penalties and bias, and counted (every row's: a row
+    without penalties has them 0, which leave its logits as they are, and a prefill restarts its counts)."""
     logits_RxV, cache = decode_logits(params, cache, slots_N.last[:rows], steps_N.position[:rows], cfg, n_blocks,
                                       tp_axis, policy=policy, adapters=served(steps_N.sampling, rows))
-    return next_tokens(logits_RxV, cache, slots_N, steps_N, rows, top, penalized)
+    return next_tokens(logits_RxV, cache, slots_N, steps_N, rows, top)
 
 
-def next_tokens(logits_RxV, cache, slots_N: Slots, steps_N: Steps, rows: int, top: int, penalized: bool):
-    """A decode step's tokens from its logits: chosen by each row's sampling (with its penalties where
-    `penalized`), written into the first `rows` slots, the steps advanced; `decode_local`'s results."""
+def next_tokens(logits_RxV, cache, slots_N: Slots, steps_N: Steps, rows: int, top: int):
+    """A decode step's tokens from its logits: chosen by each row's sampling with its penalties and bias, counted
+    and written into the first `rows` slots, the steps advanced; `decode_local`'s results. (One program for every
+    request: the [rows, vocab] counts and bias cost a step well under 1% of its weights' reading, where a program
+    without them for each shape doubled the decode programs to compile and to hold on the device.)"""
     sampling_R = jax.tree.map(lambda x: x[:rows], steps_N.sampling)
-    penalties = (slots_N.counts[:rows], slots_N.bias[:rows]) if penalized else None
+    penalties = (slots_N.counts[:rows], slots_N.bias[:rows])
     token_R, logprob_R = choose(logits_RxV, sampling_R, steps_N.index[:rows], top, penalties)
-    slots_N = slots_N._replace(last=lax.dynamic_update_slice_in_dim(slots_N.last, token_R, 0, 0))
-    if penalized:
-        slots_N = slots_N._replace(counts=slots_N.counts.at[jnp.arange(rows), token_R].add(1))
+    slots_N = slots_N._replace(last=lax.dynamic_update_slice_in_dim(slots_N.last, token_R, 0, 0),
+                               counts=slots_N.counts.at[jnp.arange(rows), token_R].add(1))
     advanced = steps_N._replace(position=steps_N.position + 1, index=steps_N.index + 1)
     return token_R, logprob_R, slots_N, advanced, cache
 

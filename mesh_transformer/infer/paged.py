@@ -281,12 +281,12 @@ def prefill_local(params, cache, slots_N: decode.Slots, ids_RxT, start_R, length
 
 
 def decode_local(params, cache, slots_N: decode.Slots, steps_N: decode.Steps, table_NxM, *, cfg, policy, rows: int,
-                 n_read: int, top: int = 0, penalized: bool = False, tp_axis=None):
+                 n_read: int, top: int = 0, tp_axis=None):
     """`decode.decode_local` on the paged cache: one token for each of the first `rows` slots, whose keys before
     their positions lie in the first `n_read` pages of their tables."""
     position_R = steps_N.position[:rows]
     logits_RxV, cache = paged_logits(params, cache, slots_N.last[:rows, None], position_R,
                                      jnp.ones_like(position_R), table_NxM[:rows], cfg, n_read, tp_axis,
                                      policy=policy, adapters=decode.served(steps_N.sampling, rows))
-    return decode.next_tokens(logits_RxV, cache, slots_N, steps_N, rows, top, penalized)
+    return decode.next_tokens(logits_RxV, cache, slots_N, steps_N, rows, top)
 

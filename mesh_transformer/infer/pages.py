@@ -137,6 +137,12 @@ class PagePool:
                 else:
                     self.free.append(page_id)
 
+    def rename(self, seq_id: Hashable, new_id: Hashable) -> None:
+        """A live sequence's pages, now under another id (a free one)."""
+        if new_id in self._pages:
+            raise ValueError(f"sequence {new_id!r} is live in this page pool: it cannot take {seq_id!r}'s pages")
+        self._pages[new_id] = self._pages.pop(seq_id)
+
     def table(self, seq_ids: Sequence[Hashable], width: int) -> np.ndarray:
         """The page table of these sequences, int32 [len(seq_ids), width], padded with `pad_page`."""
         return page_table([self._seq(s) for s in seq_ids], width, self.pad_page)
@@ -242,6 +248,11 @@ class PagedCacheBook:
         """Drop a sequence's pages (PagePool.release) and forget its group."""
         self._pool(seq_id).release(seq_id)
         del self.group_of[seq_id]
+
+    def rename(self, seq_id: Hashable, new_id: Hashable) -> None:
+        """A live sequence's pages, now under another id in the same group (PagePool.rename)."""
+        self._pool(seq_id).rename(seq_id, new_id)
+        self.group_of[new_id] = self.group_of.pop(seq_id)
 
     def table(self, seq_ids: Sequence[Hashable | None], width: int) -> np.ndarray:
         """The page table of these sequences, int32 [len(seq_ids), width]: each row's ids are local to its group; a

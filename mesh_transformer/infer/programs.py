@@ -38,7 +38,7 @@ class Programs:
     slots_N, cache): R rows split over dp like the slots, each row's slot an index into its own dp group's slots.
     extend(params, cache, slots_N, ids [R, T], start [R], length [R], slot [R], source [R], Sampling [R])
     -> the same: prompt tails after cached prefixes (`decode.extend_local`). decode(params, cache, slots_N,
-    Steps [N], rows=, n_blocks=, penalized=) -> (tokens, logprobs [dp x rows], slots_N, Steps, cache).
+    Steps [N], rows=, n_blocks=) -> (tokens, logprobs [dp x rows], slots_N, Steps, cache).
     generate(params, cache, slots_N, Steps [N], live [N], stop ids, n_steps, rows=, n_blocks=, out_len=) -> (tokens,
     logprobs [dp x rows, out_len], cache): `generate_local`. slots_N is the slots' `decode.Slots`. The cache is
     donated, and to the step programs the Slots too.
@@ -56,15 +56,15 @@ class Programs:
         self.cache_sharding = layout.sharding(block_axes(layout.policy))
         self.jitted = {"prefill": jax.jit(self._prefill, static_argnames=("top",), donate_argnums=(1, 2)),
                        "extend": jax.jit(self._extend, static_argnames=("top",), donate_argnums=(1, 2)),
-                       "decode": jax.jit(self._decode, static_argnames=("rows", "n_blocks", "top", "penalized"),
+                       "decode": jax.jit(self._decode, static_argnames=("rows", "n_blocks", "top"),
                                          donate_argnums=(1, 2)),
                        "generate": jax.jit(self._generate, static_argnames=("rows", "n_blocks", "out_len"),
                                            donate_argnums=(1,)),
                        "paged_prefill": jax.jit(self._paged_prefill, static_argnames=("n_read", "top"),
                                                 donate_argnums=(1, 2)),
-                       "paged_decode": jax.jit(self._paged_decode, static_argnames=("rows", "n_read", "top",
-                                                                                    "penalized"),
-                                               donate_argnums=(1, 2))}
+                       "paged_decode": jax.jit(self._paged_decode, static_argnames=("rows", "n_read", "top"),
+                                               donate_argnums=(1, 2)),
+                       "move_slots": jax.jit(self._move_slots, donate_argnums=(0,))}
         self._executables: dict[tuple, Any] = {}
         self._lock = threading.Lock()
         # One jit kept for every cache shape, so each shape compiles once: a jit made per cache would compile anew.
@@ -83,10 +83,8 @@ class Programs:
         return self._run("extend", (params, cache, slots_N, ids_RxT, start_R, length_R, slot_R, source_R, sampling_R),
                          {"top": top})
 
-    def decode(self, params, cache, slots_N, steps_N, *, rows: int, n_blocks: int, top: int = 0,
-               penalized: bool = False):
-        return self._run("decode", (params, cache, slots_N, steps_N),
-                         {"rows": rows, "n_blocks": n_blocks, "top": top, "penalized": penalized})
+    def decode(self, params, cache, slots_N, steps_N, *, rows: int, n_blocks: int, top: int = 0):
+        return self._run("decode", (params, cache, slots_N, steps_N), {"rows": rows, "n_blocks": n_blocks, "top": top})
 
     def generate(self, params, cache, slots_N, steps_N, live_N, stop_S, n_steps, *, rows: int, n_blocks: int,
                  out_len: int):
@@ -101,11 +99,14 @@ class Programs:
         return self._run("paged_prefill", (params, cache, slots_N, ids_RxT, start_R, length_R, table_RxM, slot_R,
                                            sampling_R, index_R), {"n_read": n_read, "top": top})
 
-    def paged_decode(self, params, cache, slots_N, steps_N, table_NxM, *, rows: int, n_read: int, top: int = 0,
-                     penalized: bool = False):
+    def paged_decode(self, params, cache, slots_N, steps_N, table_NxM, *, rows: int, n_read: int, top: int = 0):
         """One decode step of the first `rows` slots of each group over the paged cache (`paged.decode_local`)."""
         return self._run("paged_decode", (params, cache, slots_N, steps_N, table_NxM),
-                         {"rows": rows, "n_read": n_read, "top": top, "penalized": penalized})
+                         {"rows": rows, "n_read": n_read, "top": top})
+
+    def move_slots(self, slots_N, source_N):
+        """The Slots with each slot's row taken from slot source_N[i] of its own dp group (an index local to it)."""
+        return self._run("move_slots", (slots_N, source_N), {})
 
     def lower(self, name: str, *args, **static):
         """The jitted program `name` lowered for these arguments (arrays or ShapeDtypeStructs); nothing runs."""
@@ -214,11 +215,10 @@ class Programs:
         return self.layout.per_device(fn, in_specs, (row, self._logprobs_spec(), row, cache_spec), self.vma)(
             params, cache, slots_N, ids_RxT, start_R, length_R, slot_R, source_R, sampling_R)
 
-    def _decode(self, params, cache, slots_N, steps_N, *, rows: int, n_blocks: int, top: int = 0,
-                penalized: bool = False):
+    def _decode(self, params, cache, slots_N, steps_N, *, rows: int, n_blocks: int, top: int = 0):
         params_spec, cache_spec, row = self._specs()
         fn = partial(decode_local, cfg=self.layout.cfg, policy=self.layout.policy, rows=rows, n_blocks=n_blocks,
-                     top=top, penalized=penalized, tp_axis=self.layout.tp_axis)
+                     top=top, tp_axis=self.layout.tp_axis)
         out_specs = (row, self._logprobs_spec(), row, row, cache_spec)
         return self.layout.per_device(fn, (params_spec, cache_spec, row, row), out_specs, self.vma)(
             params, cache, slots_N, steps_N)
@@ -244,12 +244,16 @@ class Programs:
         return self.layout.per_device(fn, in_specs, (row, self._logprobs_spec(), row, pages), self.vma)(
             params, cache, slots_N, ids_RxT, start_R, length_R, table_RxM, slot_R, sampling_R, index_R)
 
-    def _paged_decode(self, params, cache, slots_N, steps_N, table_NxM, *, rows: int, n_read: int, top: int = 0,
-                      penalized: bool = False):
+    def _move_slots(self, slots_N, source_N):
+        row = self.row_sharding.spec
+        return self.layout.per_device(lambda s, i: jax.tree.map(lambda x: x[i], s), (row, row), row, self.vma)(
+            slots_N, source_N)
+
+    def _paged_decode(self, params, cache, slots_N, steps_N, table_NxM, *, rows: int, n_read: int, top: int = 0):
         params_spec, _, row = self._specs()
         pages = self.page_specs
         fn = partial(paged.decode_local, cfg=self.layout.cfg, policy=self.layout.policy, rows=rows, n_read=n_read,
-                     top=top, penalized=penalized, tp_axis=self.layout.tp_axis)
+                     top=top, tp_axis=self.layout.tp_axis)
         in_specs = (params_spec, pages, row, row, self.layout.spec(("batch", "length")))
         check_vma = self.vma and not paged.kernel_pages(self.layout.policy)
         return self.layout.per_device(fn, in_specs, (row, self._logprobs_spec(), row, row, pages), check_vma)(
@@ -258,7 +262,9 @@ class Programs:
 
 def _signature(name: str, args: tuple, static: dict) -> tuple:
     """What picks a program's executable: its name, static values, the cache's block shapes (the params' shapes are
-    the layout's) and the shapes and dtypes of the other arguments."""
+    the layout's) and the shapes and dtypes of the other arguments (of all, for move_slots: no params, no cache)."""
+    if name == "move_slots":
+        return name, (), tuple((x.shape, x.dtype) for x in jax.tree.leaves(args))
     cache = args[1]
     rest = tuple((x.shape, x.dtype) for x in jax.tree.leaves(args[2:]))  # arrays and numpy scalars
     return name, tuple(sorted(static.items())), tuple(b.shape for b in jax.tree.leaves(cache.k[0])), rest

@@ -10,7 +10,9 @@ it makes tokens (`make_room`): when its group has none left, the group's latest 
 pages given up, its prompt and tokens so far computed again when it is admitted again, before any new request), as
 vLLM does. A request with penalties (whose token counts a prefill would restart), or any with `reserve`, holds the
 pages of its prompt and max_tokens from admission and is never preempted; so is one that was preempted while alone
-in its group's growing requests (it could not grow beside the reserved ones).
+in its group's growing requests (it could not grow beside the reserved ones). Where requests that ended leave a
+group's busy slots above the fewest rows that hold them, the highest move down to the free slots (`compaction`, as
+vLLM condenses its batch), so decode steps compute no more rows than they need.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import numpy as np
 from mesh_transformer import config
 from mesh_transformer.config import Config
 from mesh_transformer.infer.pages import PagedCacheBook, pages_for
-from mesh_transformer.infer.sizes import prompt_problem
+from mesh_transformer.infer.sizes import fit, prompt_problem
 from mesh_transformer.serve.completion import Completion, GenerationRequest
 from mesh_transformer.serve.prefix import Placement, PrefixIndex
 from mesh_transformer.serve.schedule import Schedule
@@ -131,6 +133,21 @@ def make_room(slots: list[Completion | None], live: Sequence[int], n_local: int,
             preempt(victim)
             preempted.append(victim)
     return preempted
+
+
+def compaction(slots: Sequence[Completion | None], n_local: int, rows: Sequence[int]) -> dict[int, int]:
+    """Moves {busy slot: free slot} that put each dp group's busy slots (of n_local) below the fewest of the `rows`
+    (ascending: the decode steps' row counts) that hold them: where some are at or above that count, each of those
+    moves to the lowest free slot below it. A group whose busy slots are already there moves none."""
+    moves = {}
+    for base in range(0, len(slots), n_local):
+        busy = [i for i in range(base, base + n_local) if slots[i] is not None]
+        if not busy:
+            continue
+        end = base + fit(len(busy), list(rows))
+        free = [i for i in range(base, end) if slots[i] is None]
+        moves.update(zip([i for i in busy if i >= end], free))
+    return moves
 
 
 def penalized(request: GenerationRequest) -> bool:

@@ -36,7 +36,7 @@ from mesh_transformer.infer.score import MAX_TOP
 from mesh_transformer.parallel.layout import Layout
 from mesh_transformer.parallel.mesh import DP
 from mesh_transformer.serve import warmup
-from mesh_transformer.serve.admission import (admit_to_pages, admit_to_slots, check_request, make_room, penalized,
+from mesh_transformer.serve.admission import (admit_to_pages, admit_to_slots, check_request, compaction, make_room,
                                               prefill_rows)
 from mesh_transformer.serve.completion import Completion, Event, GenerationRequest
 from mesh_transformer.serve.prefix import Placement, PrefixIndex
@@ -69,13 +69,13 @@ class Engine:
 
     N is max_batch rounded up to a multiple of the mesh's dp. `submit` fails at once with QueueFull when the queue
     holds max_queue requests. Cancelled requests leave the queue at once and free their slot at the next step.
-    A decode step computes only the slots up to the highest busy one (padded to a power of 4, or all of a dp
-    group's) and reads only the cache blocks (of `min_span` positions) up to the furthest busy one (a power of two of
-    them), so a lone request does not pay for N slots and a long context; each (rows, blocks) pair is one compiled
-    program. With `warm_up`, the constructor compiles every program first (ahead of time: none is run), so no
-    request waits for a compile; but those of penalties, which only a request asking for them runs, compile while it
-    serves (`warmed` is set once all are). With `prefix_cache`, a request reuses the cached keys of its longest
-    prompt prefix held by a slot (serve/prefix.py) and computes only the rest.
+    A decode step computes only the slots up to the highest busy one (padded to 1, 4, 16, 32, 64, ..., or all of
+    a dp group's: `Schedule.decode_rows`) and reads only the cache blocks (of `min_span` positions) up to the
+    furthest busy one (a power of two of them), so a lone request does not pay for N slots and a long context;
+    each (rows, blocks) pair is one compiled program. With `warm_up`, the constructor compiles every program first
+    (ahead of time: none is run), so no request waits for a compile (`warmed` is set once all are). With
+    `prefix_cache`, a request reuses the cached keys of its longest prompt prefix held by a slot (serve/prefix.py)
+    and computes only the rest.
 
     With `n_pages`, the cache is paged (infer/paged.py): n_pages pages of `page_size` positions, shared by the slots
     of each dp group, so a slot costs only the pages its request fills. A request is admitted when a slot is free
@@ -86,7 +86,7 @@ class Engine:
     admitted again, before any new request, its text streamed on where it left off (admission.py). With
     `reserve_pages`, each request holds the pages of its prompt and max_tokens from admission and none is preempted
     (as requests with penalties always are). A step reads the pages up to the furthest busy slot's position (a power
-    of two of them, as blocks above).
+    of two of them, as blocks above); busy slots left above the fewest rows that hold them move down (`_compact`).
     """
 
     def __init__(self, layout: Layout, params: dict, tokenizer: Any, *, max_batch: int = 8, max_queue: int = 64,
@@ -124,6 +124,7 @@ class Engine:
         self._resumed: collections.deque[Completion] = collections.deque()  # preempted, by admission
         self._admissions = itertools.count(1)  # admissions' numbers, in order (`Completion.admitted`)
         self._calls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
+        self._in_flight: collections.deque[_Step] = collections.deque()  # dispatched, not read back (engine thread)
         self._cond = threading.Condition()
         self._stopping = False
         self.error: str | None = None
@@ -213,7 +214,7 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------------ engine thread
     def _run(self) -> None:
-        in_flight: collections.deque[_Step] = collections.deque()
+        in_flight = self._in_flight
         try:
             while True:
                 with self._cond:
@@ -228,6 +229,7 @@ class Engine:
                     _run_call(fn, future)
                 in_flight.extend(self._prefills(admitted))
                 self._drop_cancelled()
+                self._compact()
                 step = self._decode_step()
                 if step is not None:
                     in_flight.append(step)
@@ -288,25 +290,23 @@ class Engine:
     def programs(self) -> list[Program]:
         """Every program the engine can run, as (name, arguments, static arguments) for `Programs.compile`
         (warmup.py): each prompt bucket x its prefill row counts (whole prompts, and after a cached prefix), each
-        decode row count x block count (with penalties and without)."""
+        decode row count x block count."""
         state = (self.params, self._cache, self._slot_state)
         if self._book:
             return paged_programs(state, self.schedule, self._table_width, self._book.pad_page, self._reuse_pages)
         return slot_programs(state, self.schedule, extend=self._prefix is not None)
 
-    def _run_decode(self, steps: Steps, rows: int, n_blocks: int, penalized: bool,
-                    live: list[int]) -> tuple[jax.Array, Logprobs]:
-        """Dispatch a decode step of the first `rows` slots of each dp group (`penalized`: the program that applies
-        and counts penalties and bias, run while some request has them), reading `n_blocks` cache blocks, or pages
-        of the `live` slots' tables (the others' padding) with a paged cache."""
+    def _run_decode(self, steps: Steps, rows: int, n_blocks: int, live: list[int]) -> tuple[jax.Array, Logprobs]:
+        """Dispatch a decode step of the first `rows` slots of each dp group, reading `n_blocks` cache blocks, or
+        pages of the `live` slots' tables (the others' padding) with a paged cache."""
         if self._book:
             stepping = set(live)
             table = self._book.table([i if i in stepping else None for i in range(self.n_slots)], self._table_width)
             out = self._programs.paged_decode(self.params, self._cache, self._slot_state, steps, table, rows=rows,
-                                              n_read=n_blocks, top=MAX_TOP, penalized=penalized)
+                                              n_read=n_blocks, top=MAX_TOP)
         else:
             out = self._programs.decode(self.params, self._cache, self._slot_state, steps, rows=rows,
-                                        n_blocks=n_blocks, top=MAX_TOP, penalized=penalized)
+                                        n_blocks=n_blocks, top=MAX_TOP)
         tokens, logprobs, self._slot_state, _, self._cache = out
         return tokens, logprobs
 
@@ -356,6 +356,25 @@ class Engine:
                 self._book.commit(slot, completion.request.cache_key(completion.context))
         return out
 
+    def _compact(self) -> None:
+        """Paged: move the busy slots above the fewest rows that hold them down to free ones (`compaction`): their
+        page tables, their device rows (after what runs before, the device running programs in order) and the
+        tokens of theirs in flight."""
+        moves = compaction(self._slots, self.schedule.n_local, self.schedule.decode_rows) if self._book else {}
+        if not moves:
+            return
+        n_local = self.schedule.n_local
+        source = np.tile(np.arange(n_local, dtype=np.int32), self._dp)
+        for src, dst in moves.items():
+            source[dst] = src % n_local
+            self._book.rename(src, dst)
+        self._slot_state = self._programs.move_slots(self._slot_state, source)
+        with self._cond:
+            for src, dst in moves.items():
+                self._slots[dst], self._slots[src] = self._slots[src], None
+        for step in self._in_flight:
+            step.entries = [(moves.get(i, i), completion, row) for i, completion, row in step.entries]
+
     def _decode_step(self) -> _Step | None:
         """Dispatch one token for every slot that needs one, or None if none does."""
         live = [i for i, slot in enumerate(self._slots) if slot is not None and slot.needs_step]
@@ -371,8 +390,7 @@ class Engine:
             slot = self._slots[i]
             position[i], index[i] = slot.position, slot.dispatched
             slot.dispatched += 1
-        penalties = any(penalized(self._slots[i].request) for i in live)
-        tokens, chosen = self._run_decode(Steps(position, index, sampling), rows, n_blocks, penalties, live)
+        tokens, chosen = self._run_decode(Steps(position, index, sampling), rows, n_blocks, live)
         return _Step(tokens, chosen, [(i, self._slots[i], out_rows[i]) for i in live])
 
     def _read_back(self, step: _Step) -> None:

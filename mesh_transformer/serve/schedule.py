@@ -45,8 +45,14 @@ class Schedule:
 
     @functools.cached_property
     def decode_rows(self) -> list[int]:
-        """The row counts (per group) decode programs are compiled for."""
-        return ladder(self.n_local, 4)
+        """The row counts (per group) decode programs are compiled for: 1, 4, 16, then doubling (32, 64, ...), and
+        the group's slots. (The engine's schedule for 32 requests of 1,024 + 1,024 tokens on 1,627 pages of 16
+        with 64 slots, run on the CPU, holds 17 to 24 requests in 832 of its 2,366 decode steps; on a v5e
+        Llama-3-8B int8's decode step takes 13.0 ms at 32 rows, 15.7 at 64.)"""
+        rows = ladder(min(self.n_local, 16), 4)
+        while rows[-1] < self.n_local:
+            rows.append(min(2 * rows[-1], self.n_local))
+        return rows
 
     @functools.cached_property
     def block_counts(self) -> list[int]:

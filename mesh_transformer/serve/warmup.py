@@ -3,7 +3,7 @@ the paged cache, and their compile ahead of time (the engine's `warm_up`, `start
 compile.
 
 A program is one per shape: each prompt bucket x its prefill row counts (schedule.py's ladder), and each decode row
-count x cache blocks (or pages) read, with penalties and without. The arguments are placeholders of the right shapes
+count x cache blocks (or pages) read. The arguments are placeholders of the right shapes
 (zeros, padding rows, empty page tables); `Programs.compile` lowers and compiles them, nothing runs.
 """
 from __future__ import annotations
@@ -39,8 +39,8 @@ def slot_programs(state: tuple, schedule: Schedule, extend: bool) -> list[Progra
                                  _sampling(state, r)), {"top": MAX_TOP})
                      for width, r in _prefill_shapes(schedule)]
     decode_args = (*state, _idle_steps(state, schedule.n_slots))
-    decodes = [("decode", decode_args, {"rows": rows, "n_blocks": count, "top": MAX_TOP, "penalized": p})
-               for rows, count, p in _decode_shapes(schedule)]
+    decodes = [("decode", decode_args, {"rows": rows, "n_blocks": count, "top": MAX_TOP})
+               for rows, count in _decode_shapes(schedule)]
     return prefills + decodes
 
 
@@ -49,7 +49,7 @@ def paged_programs(state: tuple, schedule: Schedule, table_width: int, pad_page:
     """The programs of a paged cache, `state` the engine's (params, pages, slot state), page tables `table_width`
     wide: prefills reading no pages (whole prompts) and, with `reuse_pages` or prompts prefilled in pieces (the
     schedule's chunk), the whole table (tails after a prefix or the pieces before them: a row a dp group); decodes
-    reading each page count."""
+    reading each page count; the slots' moves (`compaction`)."""
     def table(rows: int) -> np.ndarray:
         return np.full((rows, table_width), pad_page, np.int32)
 
@@ -60,38 +60,18 @@ def paged_programs(state: tuple, schedule: Schedule, table_width: int, pad_page:
                 for width, r in _prefill_shapes(schedule)
                 for n_read in ([0, table_width] if tails and r == schedule.dp else [0])]
     decode_args = (*state, _idle_steps(state, schedule.n_slots), table(schedule.n_slots))
-    decodes = [("paged_decode", decode_args, {"rows": rows, "n_read": count, "top": MAX_TOP, "penalized": p})
-               for rows, count, p in _decode_shapes(schedule)]
-    return prefills + decodes
+    decodes = [("paged_decode", decode_args, {"rows": rows, "n_read": count, "top": MAX_TOP})
+               for rows, count in _decode_shapes(schedule)]
+    moves = [("move_slots", (state[2], np.zeros(schedule.n_slots, np.int32)), {})]
+    return prefills + decodes + moves
 
 
 def start(programs: Programs, listed: list[Program]) -> threading.Event:
-    """The engine's warm-up: compile the listed programs a request stream needs at once before returning, and those
-    it seldom needs (`rare`) in a background thread while the engine serves (a request that needs one first waits
-    for its compile under way). The event is set once every listed program is compiled."""
+    """The engine's warm-up: compile every listed program before returning. The event is set once they are."""
+    compile_all(programs, listed)
     done = threading.Event()
-    if not listed:
-        done.set()
-        return done
-    compile_all(programs, [p for p in listed if not rare(p)])
-
-    def rest() -> None:
-        try:
-            compile_all(programs, [p for p in listed if rare(p)])
-        except Exception:  # a request that needs one compiles it itself, and meets the same failure there
-            log.exception("compiling the warm-up's remaining programs failed")
-        finally:
-            done.set()
-
-    threading.Thread(target=rest, name="warm-up", daemon=True).start()
+    done.set()
     return done
-
-
-def rare(program: Program) -> bool:
-    """Whether a request stream seldom needs the program: a decode step that applies penalties or a logit bias, which
-    runs only while some request asks for them. (Each program is about a second of the host's tracing, under the
-    GIL, even where the compilation cache holds it: the 6B server's 64 decode steps, half of them these.)"""
-    return bool(program[2].get("penalized"))
 
 
 def compile_all(programs: Programs, listed: list[Program]) -> None:
@@ -109,9 +89,9 @@ def _prefill_shapes(schedule: Schedule) -> list[tuple[int, int]]:
     return [(width, n * schedule.dp) for width, group_rows in schedule.prefill_rows.items() for n in group_rows]
 
 
-def _decode_shapes(schedule: Schedule) -> list[tuple[int, int, bool]]:
-    """(rows per dp group, cache blocks or pages read, penalized) of each decode program."""
-    return [(rows, count, p) for rows in schedule.decode_rows for count in schedule.block_counts for p in (False, True)]
+def _decode_shapes(schedule: Schedule) -> list[tuple[int, int]]:
+    """(rows per dp group, cache blocks or pages read) of each decode program."""
+    return [(rows, count) for rows in schedule.decode_rows for count in schedule.block_counts]
 
 
 def _idle_steps(state: tuple, n_slots: int) -> Steps:

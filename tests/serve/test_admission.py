@@ -3,7 +3,7 @@ import collections
 import itertools
 
 from mesh_transformer.infer.pages import PagedCacheBook
-from mesh_transformer.serve.admission import admit_to_pages, make_room
+from mesh_transformer.serve.admission import admit_to_pages, compaction, make_room
 from mesh_transformer.serve.completion import GenerationRequest
 
 PAGE = 4
@@ -120,3 +120,19 @@ def test_a_slot_whose_last_token_is_in_flight_is_not_preempted_for_a_page():
 
     make_room(slots, [0, 1], 4, book, preempt)  # 3 + 2 pages wanted, 4 + the finishing slot's 1 held
     assert gone == [1] and held(book, 0) == 3 and slots[2] is not None
+
+
+def test_compaction_moves_the_busy_slots_above_the_rows_that_hold_them_down_to_free_ones():
+    """Per dp group of 16 slots (rows 1, 4, 16): two busy at local 9 and 14 move to 0 and 1; three busy below 4 stay;
+    one busy at 3 of one alone moves to 0; an empty group, and 5 busy (16 rows hold them wherever they are), move
+    none. The pages follow under the new slot (PagedCacheBook.rename), in the same group."""
+    busy = object()
+    slots = [None] * 80
+    for i in (9, 14, 16, 17, 18, 35, 64, 66, 70, 75, 79):
+        slots[i] = busy
+    assert compaction(slots, 16, [1, 4, 16]) == {9: 0, 14: 1, 35: 32}
+    book = PagedCacheBook(16, PAGE, n_groups=2)
+    book.place(9, list(range(10)))
+    pages = book.pools[0].pages_of(9)
+    book.rename(9, 0)
+    assert book.pools[0].pages_of(0) == pages and book.group_of == {0: 0} and 9 not in book.pools[0]
