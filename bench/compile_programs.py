@@ -4,7 +4,7 @@ paged cache of 2,195 pages of 16, seq 2048) picked by index, one at a time, each
 compile seconds; and the sampling step alone (`infer.choose.choose`) over 1 and 64 rows of the vocabulary. Run it at
 two commits to compare.
 
-    python bench/compile_programs.py [--topology v5litepod-1] [--layers 28] [--programs 0,19,20,51]
+    python bench/compile_programs.py [--topology v5litepod-1] [--layers 28] [--programs 0,19,20,59]
 """
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--topology", default="v5litepod-1")
     parser.add_argument("--layers", type=int, default=28)
-    parser.add_argument("--programs", default="0,19,20,51", help="indices into the warm-up's programs")
+    parser.add_argument("--programs", default="0,19,20,59",
+                        help="indices into the warm-up's programs (20 prefills, then decodes by rows and pages read: "
+                             "20 is 1 row of 1 page, 59 is 64 rows of 128)")
     args = parser.parse_args()
     devices = targets.target(args.topology).devices()
     cfg = config.load("configs/6B_roto_256.json", [f"layers={args.layers}", 'weight_dtype="int8"',
