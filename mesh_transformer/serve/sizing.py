@@ -187,7 +187,7 @@ def largest(listed: list[Program]) -> list[Program]:
 
     picks = [max(decodes, key=lambda p: (p[2]["rows"], p[2].get("n_read", p[2].get("n_blocks"))))]
     for kind in (False, True):
-        prefills = [p for p in listed if "prefill" in p[0] or p[0] == "extend" if reads(p) == kind]
+        prefills = [p for p in listed if ("prefill" in p[0] or p[0] == "extend") and reads(p) == kind]
         if prefills:
             picks += [max(prefills, key=lambda p: tokens(p)[::-1]), max(prefills, key=tokens)]
     return list({_name(p): p for p in picks}.values())
