@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from bench.common import emit, figure
+from bench.suite_serving import _CharPerToken
 from mesh_transformer import config
 from mesh_transformer.infer.params import make_inference_layout
 from mesh_transformer.model import table
@@ -58,13 +59,9 @@ def replay(pages: int, policy: str, requests: int, prompt: int, new: int, slots:
             prefills.append(rows_per_group * width)
             return super()._prefill(rows_per_group, width, batch, placements, ends)
 
-    class Chars:
-        def decode(self, tokens):
-            return "x" * len(tokens)
-
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda s: (rng.normal(size=s.shape) * 0.2).astype(np.float32), table.param_shapes(cfg))
-    engine = Traced(layout, params, Chars(), max_batch=slots, max_queue=4 * requests, stop_token_ids=(),
+    engine = Traced(layout, params, _CharPerToken(), max_batch=slots, max_queue=4 * requests, stop_token_ids=(),
                     prefix_cache=True, n_pages=pages, page_size=page_size, reserve_pages=policy == "reserve")
     done, failed = threading.Semaphore(0), []
 
