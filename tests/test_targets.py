@@ -475,3 +475,25 @@ def test_the_servers_sizing_on_a_v5e_counts_the_code_of_every_program_its_engine
     assert fit.programs >= 10 and fit.code_bytes >= fit.programs << 20
     assert fit.weights_bytes + fit.cache_bytes + fit.code_bytes < fit.need_bytes <= fit.budget_bytes
     assert f"the code of {fit.programs} programs" in fit.summary()
+
+
+def test_the_servers_auto_pages_on_a_v5e_are_measured_where_they_are_taken():
+    """An int8 paged cache's programs on a v5e hold temporaries that grow with the cache (XLA copies each layer's
+    scales to the attention kernel's layout): auto pages are sized by the programs compiled over them, so giving
+    their count as --kv-pages is the same verdict, within the budget."""
+    from mesh_transformer.infer.params import make_inference_layout
+    from mesh_transformer.parallel.mesh import make_dp_mp
+    from mesh_transformer.serve import sizing
+
+    cfg = dataclasses.replace(CFG, cores_per_replica=1, kv_cache_dtype="int8")
+    layout = make_inference_layout(cfg, mesh=make_dp_mp(1, 1, [_v5e_sharding()._device]))
+    assert layout.policy.paged_attention == "kernel"
+    programs = Programs(layout)
+
+    def fit(n_pages):
+        return sizing.for_server(programs, max_batch=4, n_pages=n_pages, page_size=16, prefix_cache=True,
+                                 memory_fraction=0.9, device_bytes=1 << 29)
+
+    auto = fit("auto")
+    given = fit(auto.n_pages)
+    assert auto.n_pages > 64 and given.need_bytes == auto.need_bytes <= auto.budget_bytes

@@ -5,8 +5,12 @@ against `fraction` of one device's memory, beside the code of every program the 
 loaded program's code in its memory, from the program's first run until the process ends).
 
 A paged cache of `auto` pages takes what the largest need leaves: the programs are compiled over a cache of one
-whole context per dp group, and every further page costs its bytes alone (a decode step reads the pages of its rows'
-tables, whatever the cache's size). Where the devices report no memory of their own (the CPU's devices share the
+whole context per dp group (the probe), the pages that a page's bytes alone would leave room for are taken, and the
+programs compiled again over that many, since their temporaries can grow with the cache (on a TPU, XLA copies each
+layer's int8 scales between the runtime's layout and the attention kernel's: Llama-2-7B's 1 x 512 prefill holds
+1.15 GB over the probe's 128 pages, 1.69 GB over 1,421); where the need measured there is over the budget, fewer
+pages by the cost of a page between the two, until it fits (`_settle`). So `--kv-pages N` with the N that auto took
+is the same verdict. Where the devices report no memory of their own (the CPU's devices share the
 host's), `auto` is a whole context per slot, as many pages as the slot cache holds positions. A setting that cannot
 fit is a ConfigError that names the flags that would reduce its memory; where the compiler itself refuses a program
 for memory (XLA:TPU does), that is the same verdict.
@@ -19,7 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import jax
@@ -60,6 +64,43 @@ class Sizing:
                 f"{size_text(self.code_bytes)}, the largest program {self.largest}")
 
 
+SETTLE_PASSES = 3  # the most compiles of the largest programs at the pages taken, after the probe's
+
+
+@dataclasses.dataclass(frozen=True)
+class _Measured:
+    """The largest need over a cache (the code of the engine's programs included), its program, that code, how
+    many programs the engine lists and the cache's bytes, on one device."""
+    need: int
+    biggest: Program
+    code: int
+    programs: int
+    cache: int
+
+
+def _within(left: int | float, per_page: float, dp: int) -> int:
+    """The most pages, a multiple of dp, of `per_page` bytes each in `left` bytes."""
+    return int(left // per_page) // dp * dp
+
+
+def _settle(measure: Callable[[int], _Measured], at_probe: _Measured, probe: int, n_pages: int, budget: int, dp: int,
+            enough: Callable[[int], None]) -> tuple[int, _Measured]:
+    """The pages `--kv-pages auto` takes, and the need measured over them: from `n_pages` (what the probe's cost of a
+    page allows), fewer by the cost of a page between the probe and the last count measured, until the need measured
+    fits the budget (at most SETTLE_PASSES compiles; where none fits, the last, which the caller refuses)."""
+    at = measure(n_pages)
+    for _ in range(SETTLE_PASSES - 1):
+        if at.need <= budget:
+            break
+        per_page = (at.need - at_probe.need) / (n_pages - probe)
+        n_pages = min(n_pages - dp, _within(budget - (at_probe.need - per_page * probe), per_page, dp))
+        enough(n_pages)
+        if n_pages == probe:
+            return probe, at_probe
+        at = measure(n_pages)
+    return n_pages, at
+
+
 def device_memory(devices: Sequence[jax.Device]) -> tuple[int, bool]:
     """One device's memory in bytes, and whether the device reports it (TPUs and GPUs do); else the host's memory
     shared by its devices."""
@@ -80,44 +121,56 @@ def size(programs: Programs, schedule: Schedule, *, n_pages: int | str | None, p
     budget = int(fraction * device_bytes)
     params, slots = abstract_params(layout), programs.abstract_slots(schedule.n_slots)
     width = pages_for(layout.cfg.seq, page_size)
-    if n_pages is None:
-        cache = programs.abstract_cache(schedule.n_slots, list(schedule.block_sizes))
-        listed = slot_programs((params, cache, slots), schedule, extend=prefix_cache)
-    else:
-        probe = n_pages if isinstance(n_pages, int) else dp * width
-        cache = programs.abstract_pages(probe, page_size)
-        listed = paged_programs((params, cache, slots), schedule, width, 0, reuse_pages=prefix_cache)
-    candidates = largest(listed)
-    with concurrent.futures.ThreadPoolExecutor(len(candidates)) as pool:  # XLA compiles them in parallel
-        records = list(pool.map(partial(_need, programs), candidates))
-    need, biggest = max(zip((r["total_bytes"] for r in records), candidates), key=lambda x: x[0])
-    code_bytes = _code_bytes(listed, candidates, records)
-    need += code_bytes
-    cache_bytes, weights_bytes = shard_bytes(cache), shard_bytes(params)
+    probe = None if n_pages is None else n_pages if isinstance(n_pages, int) else dp * width
+
+    def measure(pages: int | None) -> _Measured:
+        if pages is None:
+            cache = programs.abstract_cache(schedule.n_slots, list(schedule.block_sizes))
+            listed = slot_programs((params, cache, slots), schedule, extend=prefix_cache)
+        else:
+            cache = programs.abstract_pages(pages, page_size)
+            listed = paged_programs((params, cache, slots), schedule, width, 0, reuse_pages=prefix_cache)
+        candidates = largest(listed)
+        with concurrent.futures.ThreadPoolExecutor(len(candidates)) as pool:  # XLA compiles them in parallel
+            records = list(pool.map(partial(_need, programs), candidates))
+        need, biggest = max(zip((r["total_bytes"] for r in records), candidates), key=lambda x: x[0])
+        code_bytes = _code_bytes(listed, candidates, records)
+        return _Measured(need + code_bytes, biggest, code_bytes, len(listed), shard_bytes(cache))
+
+    measured = measure(probe)
+    weights_bytes = shard_bytes(params)
     if n_pages == AUTO:
-        per_page, fixed = cache_bytes / probe, need - cache_bytes
-        n_pages = int((budget - fixed) // per_page) // dp * dp
+        fixed, per_page = measured.need - measured.cache, measured.cache / probe
+        n_pages = _within(budget - fixed, per_page, dp)
         if not fill:
             n_pages = min(n_pages, schedule.n_slots * width)
-        if n_pages < dp * width:
-            left = size_text(max(0, budget - fixed))
-            program = f"{_name(biggest)}: {size_text(fixed - weights_bytes - code_bytes)}"
-            raise config.ConfigError(
-                f"the KV cache does not fit: after the weights ({size_text(weights_bytes)} a device), the largest "
-                f"program ({program} more) and the code of {len(listed)} programs ({size_text(code_bytes)}), "
-                f"{left} of the {size_text(budget)} allowed hold {max(0, n_pages)} pages "
-                f"of {page_size} tokens, fewer than one context of {layout.cfg.seq} tokens per data-parallel group "
-                f"({dp * width} pages in all); {advice(flags)}")
-        cache_bytes = round(n_pages * per_page)
-        need = fixed + cache_bytes
+
+        def enough(pages: int) -> None:
+            if pages < dp * width:
+                left = size_text(max(0, budget - fixed))
+                program = f"{_name(measured.biggest)}: {size_text(fixed - weights_bytes - measured.code)}"
+                raise config.ConfigError(
+                    f"the KV cache does not fit: after the weights ({size_text(weights_bytes)} a device), the largest "
+                    f"program ({program} more) and the code of {measured.programs} programs "
+                    f"({size_text(measured.code)}), {left} of the {size_text(budget)} allowed hold {max(0, pages)} "
+                    f"pages of {page_size} tokens, fewer than one context of {layout.cfg.seq} tokens per "
+                    f"data-parallel group ({dp * width} pages in all); {advice(flags)}")
+
+        enough(n_pages)
+        if fill and n_pages > probe:
+            n_pages, measured = _settle(measure, measured, probe, n_pages, budget, dp, enough)
+        else:
+            cache = round(n_pages * per_page)
+            measured = dataclasses.replace(measured, need=fixed + cache, cache=cache)
+    need, biggest, code_bytes, cache_bytes = measured.need, measured.biggest, measured.code, measured.cache
     if need > budget:
         parts = (f"weights {size_text(weights_bytes)}, KV cache {size_text(cache_bytes)}, "
-                 f"the code of {len(listed)} programs {size_text(code_bytes)}")
+                 f"the code of {measured.programs} programs {size_text(code_bytes)}")
         raise config.ConfigError(
             f"the server does not fit: {_name(biggest)} needs {size_text(need)} a device ({parts}) of the "
             f"{size_text(budget)} allowed ({size_text(device_bytes)} x {fraction:g}); {advice(flags)}")
     return Sizing(n_pages, need, budget, device_bytes, weights_bytes, cache_bytes, _name(biggest), code_bytes,
-                  len(listed))
+                  measured.programs)
 
 
 def for_server(programs: Programs, *, max_batch: int, n_pages: int | str | None, page_size: int, prefix_cache: bool,
