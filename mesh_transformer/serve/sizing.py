@@ -64,7 +64,7 @@ class Sizing:
                 f"{size_text(self.code_bytes)}, the largest program {self.largest}")
 
 
-SETTLE_PASSES = 3  # the most compiles of the largest programs at the pages taken, after the probe's
+SETTLE_PASSES = 3  # the most compiles of the largest programs over the pages taken, after the probe's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,22 +83,21 @@ def _within(left: int | float, per_page: float, dp: int) -> int:
     return int(left // per_page) // dp * dp
 
 
-def _settle(measure: Callable[[int], _Measured], at_probe: _Measured, probe: int, n_pages: int, budget: int, dp: int,
-            enough: Callable[[int], None]) -> tuple[int, _Measured]:
+def _settle(measure: Callable[[int], _Measured], at_probe: _Measured, probe: int, n_pages: int, budget: int,
+            dp: int) -> tuple[int, _Measured]:
     """The pages `--kv-pages auto` takes, and the need measured over them: from `n_pages` (what the probe's cost of a
-    page allows), fewer by the cost of a page between the probe and the last count measured, until the need measured
-    fits the budget (at most SETTLE_PASSES compiles; where none fits, the last, which the caller refuses)."""
-    at = measure(n_pages)
-    for _ in range(SETTLE_PASSES - 1):
-        if at.need <= budget:
-            break
-        per_page = (at.need - at_probe.need) / (n_pages - probe)
-        n_pages = min(n_pages - dp, _within(budget - (at_probe.need - per_page * probe), per_page, dp))
-        enough(n_pages)
-        if n_pages == probe:
-            return probe, at_probe
+    page allows), while the need measured is over the budget, the count that the cost of a page between there and the
+    probe allows (fewer each time), at most SETTLE_PASSES compiles; else the probe's count, whose need fits where auto
+    takes more."""
+    for _ in range(SETTLE_PASSES):
         at = measure(n_pages)
-    return n_pages, at
+        if at.need <= budget:
+            return n_pages, at
+        per_page = (at.need - at_probe.need) / (n_pages - probe)
+        n_pages = min(n_pages - dp, probe + _within(budget - at_probe.need, per_page, dp))
+        if n_pages <= probe:
+            break
+    return probe, at_probe
 
 
 def device_memory(devices: Sequence[jax.Device]) -> tuple[int, bool]:
@@ -144,21 +143,17 @@ def size(programs: Programs, schedule: Schedule, *, n_pages: int | str | None, p
         n_pages = _within(budget - fixed, per_page, dp)
         if not fill:
             n_pages = min(n_pages, schedule.n_slots * width)
-
-        def enough(pages: int) -> None:
-            if pages < dp * width:
-                left = size_text(max(0, budget - fixed))
-                program = f"{_name(measured.biggest)}: {size_text(fixed - weights_bytes - measured.code)}"
-                raise config.ConfigError(
-                    f"the KV cache does not fit: after the weights ({size_text(weights_bytes)} a device), the largest "
-                    f"program ({program} more) and the code of {measured.programs} programs "
-                    f"({size_text(measured.code)}), {left} of the {size_text(budget)} allowed hold {max(0, pages)} "
-                    f"pages of {page_size} tokens, fewer than one context of {layout.cfg.seq} tokens per "
-                    f"data-parallel group ({dp * width} pages in all); {advice(flags)}")
-
-        enough(n_pages)
+        if n_pages < dp * width:
+            left = size_text(max(0, budget - fixed))
+            program = f"{_name(measured.biggest)}: {size_text(fixed - weights_bytes - measured.code)}"
+            raise config.ConfigError(
+                f"the KV cache does not fit: after the weights ({size_text(weights_bytes)} a device), the largest "
+                f"program ({program} more) and the code of {measured.programs} programs ({size_text(measured.code)}), "
+                f"{left} of the {size_text(budget)} allowed hold {max(0, n_pages)} pages of {page_size} tokens, fewer "
+                f"than one context of {layout.cfg.seq} tokens per data-parallel group ({dp * width} pages in all); "
+                f"{advice(flags)}")
         if fill and n_pages > probe:
-            n_pages, measured = _settle(measure, measured, probe, n_pages, budget, dp, enough)
+            n_pages, measured = _settle(measure, measured, probe, n_pages, budget, dp)
         else:
             cache = round(n_pages * per_page)
             measured = dataclasses.replace(measured, need=fixed + cache, cache=cache)
